@@ -1,0 +1,106 @@
+"""Find a model's config: a local folder, the Hugging Face cache, or the bundled catalog."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from shardserve.planner.catalog import find_model, model_catalog
+from shardserve.planner.errors import PlanError
+from shardserve.planner.model_spec import ModelSpec, TensorInfo, canonical_dtype
+from shardserve.planner.sharding import TensorGroups, layer_split, summarize
+from shardserve.planner.tensors import derive_tensors, read_safetensors_headers
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    spec: ModelSpec
+    tensors: tuple[TensorInfo, ...]
+    source: str              # folder | hf-cache | catalog
+    path: str | None         # the folder holding config.json, when there is one
+    tensors_from: str        # safetensors (exact sizes) | config (derived)
+
+    @cached_property
+    def groups(self) -> TensorGroups:
+        return summarize(self.tensors)
+
+    def layer_split(self, tensor_parallel_size: int, pipeline_parallel_size: int,
+                    dtype: str) -> list[int]:
+        """Layers per pipeline stage, as the planner chose them (the runtime calls this)."""
+        return layer_split(self.spec, self.groups, tensor_parallel_size,
+                           pipeline_parallel_size, canonical_dtype(dtype))
+
+    @cached_property
+    def num_params(self) -> int:
+        q = self.spec.quantization
+        total = 0
+        for t in self.tensors:
+            if t.name.endswith((".qzeros", ".scales", ".weight_scale", ".g_idx",
+                                ".input_scale")):
+                continue
+            total += t.numel * (32 // q.bits if q and t.name.endswith(".qweight") else 1)
+        return total
+
+
+def hf_cache_dir() -> Path:
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                      "huggingface")
+    return Path(home) / "hub"
+
+
+def _cached_snapshot(model_id: str) -> Path | None:
+    repo = hf_cache_dir() / ("models--" + model_id.replace("/", "--"))
+    snapshots = repo / "snapshots"
+    if not snapshots.is_dir():
+        return None
+    ref = repo / "refs" / "main"
+    if ref.is_file():
+        candidate = snapshots / ref.read_text().strip()
+        if (candidate / "config.json").is_file():
+            return candidate
+    found = sorted((p for p in snapshots.iterdir() if (p / "config.json").is_file()),
+                   key=lambda p: p.stat().st_mtime)
+    return found[-1] if found else None
+
+
+def load_model(model: str) -> ModelInfo:
+    """`model` is a folder with config.json, an id in the HF cache, or a catalog id."""
+    path = Path(model).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise PlanError(f"--model {model}: expected a folder with config.json, got a file")
+        return _from_folder(path, str(path), "folder")
+    snapshot = _cached_snapshot(model) if "/" in model else None
+    if snapshot is not None:
+        return _from_folder(snapshot, model, "hf-cache")
+    found = find_model(model)
+    if found is not None:
+        model_id, config = found
+        spec = ModelSpec.from_config(model_id, config)
+        return ModelInfo(spec, tuple(derive_tensors(spec)), "catalog", None, "config")
+    raise PlanError(f"model {model!r} is not a folder, not in the Hugging Face cache "
+                    f"({hf_cache_dir()}) and not in the catalog; catalog ids: "
+                    + ", ".join(sorted(model_catalog())))
+
+
+def _from_folder(folder: Path, model_id: str, source: str) -> ModelInfo:
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise PlanError(f"{folder} has no config.json: point --model at a Hugging Face model "
+                        "folder")
+    try:
+        config = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PlanError(f"{config_path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise PlanError(f"{config_path} must hold a JSON object")
+    spec = ModelSpec.from_config(model_id, config)
+    headers = read_safetensors_headers(folder)
+    if headers:
+        return ModelInfo(spec, tuple(headers), source, str(folder), "safetensors")
+    return ModelInfo(spec, tuple(derive_tensors(spec)), source, str(folder), "config")

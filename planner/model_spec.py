@@ -1,0 +1,175 @@
+"""What the planner knows of a model: shapes from config.json, tensors from safetensors headers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardserve.planner.errors import PlanError
+
+# architectures entry in config.json -> family name used across shardserve.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "GPT2LMHeadModel": "gpt2",
+    "OPTForCausalLM": "opt",
+}
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1}
+_DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16",
+                  "bf16": "bfloat16", "float32": "float32", "float16": "float16",
+                  "bfloat16": "bfloat16"}
+
+
+def canonical_dtype(name: str) -> str:
+    try:
+        return _DTYPE_ALIASES[str(name).lower().removeprefix("torch.")]
+    except KeyError:
+        raise PlanError(f"unknown dtype {name!r}: use auto, bfloat16, float16 or float32") from None
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    method: str  # fp8 | gptq | awq
+    bits: int
+    group_size: int | None  # input features per scale group; None: one scale per channel/tensor
+    block_shape: tuple[int, int] | None = None  # fp8 block quantization [out, in]
+
+    @staticmethod
+    def from_config(qc: dict) -> "QuantSpec":
+        method = str(qc.get("quant_method", "")).lower()
+        if method == "fp8":
+            block = qc.get("weight_block_size")
+            return QuantSpec("fp8", 8, None, tuple(block) if block else None)
+        if method in ("gptq", "awq"):
+            bits = int(qc.get("bits", qc.get("w_bit", 4)))
+            group = int(qc.get("group_size", qc.get("q_group_size", 128)))
+            return QuantSpec(method, bits, group if group > 0 else None)
+        raise PlanError(f"quantization_config.quant_method {method!r} is not supported: "
+                        "use fp8, gptq or awq")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One checkpoint tensor: name as in the checkpoint, element count and stored dtype."""
+
+    name: str
+    numel: int
+    dtype: str  # safetensors dtype string: F32, BF16, F16, F8_E4M3, I32, ...
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype in ("F32", "F16", "BF16", "F64")
+
+    @property
+    def stored_bytes(self) -> int:
+        size = {"F64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
+                "I64": 8, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}
+        return self.numel * size.get(self.dtype, 2)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    id: str
+    architecture: str
+    family: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    dtype: str  # the checkpoint's dtype (config torch_dtype)
+    quantization: QuantSpec | None
+    num_experts: int | None = None
+    num_experts_per_tok: int | None = None
+    moe_intermediate_size: int | None = None
+    shared_expert_intermediate_size: int | None = None
+    moe_layers: tuple[int, ...] = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_experts)
+
+    @property
+    def is_gated_mlp(self) -> bool:
+        return self.family not in ("gpt2", "opt")
+
+    def kv_bytes_per_token(self, kv_dtype_bytes: int) -> int:
+        """KV bytes per token for the whole unsharded model."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * kv_dtype_bytes
+
+    @staticmethod
+    def from_config(model_id: str, config: dict) -> "ModelSpec":
+        archs = config.get("architectures") or []
+        if not archs and config.get("model_type"):
+            # a bare config (no weights saved with it): the family names are HF's model_types
+            archs = [a for a, f in SUPPORTED_ARCHITECTURES.items() if f == config["model_type"]]
+            archs = archs or [f"model_type {config['model_type']}"]
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            named = ", ".join(archs) if archs else "no 'architectures' entry"
+            raise PlanError(f"{model_id}: architecture {named} is not supported; supported: "
+                            + ", ".join(SUPPORTED_ARCHITECTURES))
+        family = SUPPORTED_ARCHITECTURES[arch]
+        fields = _FIELD_NAMES.get(family, _FIELD_NAMES["llama"])
+
+        def need(key: str) -> int:
+            for name in fields.get(key, (key,)):
+                if config.get(name) is not None:
+                    return config[name]
+            raise PlanError(f"{model_id}: config.json has no {' or '.join(fields.get(key, (key,)))}"
+                            " (required)")
+
+        hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+        num_layers = int(need("num_hidden_layers"))
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or hidden // heads)
+        inter = config.get(fields["intermediate_size"][0]) or (
+            4 * hidden if family == "gpt2" else need("intermediate_size"))
+        quant = config.get("quantization_config")
+        moe = _moe_fields(family, config, num_layers)
+        return ModelSpec(
+            id=model_id, architecture=arch, family=family, num_layers=num_layers,
+            hidden_size=hidden, num_attention_heads=heads, num_kv_heads=kv_heads,
+            head_dim=head_dim, intermediate_size=int(inter), vocab_size=int(need("vocab_size")),
+            max_position_embeddings=int(need("max_position_embeddings")),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings",
+                                                family in ("gpt2", "opt"))),
+            dtype=canonical_dtype(config.get("torch_dtype") or config.get("dtype") or "float32"),
+            quantization=QuantSpec.from_config(quant) if quant else None, **moe)
+
+
+_FIELD_NAMES = {
+    "llama": {"intermediate_size": ("intermediate_size",)},
+    "gpt2": {"hidden_size": ("n_embd", "hidden_size"), "num_attention_heads": ("n_head",),
+             "num_hidden_layers": ("n_layer",), "intermediate_size": ("n_inner",),
+             "max_position_embeddings": ("n_positions", "n_ctx")},
+    "opt": {"intermediate_size": ("ffn_dim",)},
+}
+
+
+def _moe_fields(family: str, config: dict, num_layers: int) -> dict:
+    if family == "mixtral":
+        return {"num_experts": int(config["num_local_experts"]),
+                "num_experts_per_tok": int(config["num_experts_per_tok"]),
+                "moe_intermediate_size": int(config["intermediate_size"]),
+                "moe_layers": tuple(range(num_layers))}
+    if family in ("qwen2_moe", "qwen3_moe"):
+        step = int(config.get("decoder_sparse_step") or 1)
+        dense = set(config.get("mlp_only_layers") or [])
+        layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+        return {"num_experts": int(config["num_experts"]),
+                "num_experts_per_tok": int(config["num_experts_per_tok"]),
+                "moe_intermediate_size": int(config["moe_intermediate_size"]),
+                "shared_expert_intermediate_size":
+                    int(config.get("shared_expert_intermediate_size") or 0) or None,
+                "moe_layers": layers}
+    return {}

@@ -1,0 +1,100 @@
+"""The layout rules: what a tensor/pipeline/replica layout must satisfy to run at all."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardserve.planner.hardware import Hardware
+from shardserve.planner.model_spec import ModelSpec
+
+
+@dataclass(frozen=True, order=True)
+class Layout:
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    data_parallel_size: int
+
+    @property
+    def gpus_per_replica(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def num_gpus(self) -> int:
+        return self.gpus_per_replica * self.data_parallel_size
+
+    def __str__(self) -> str:
+        return (f"tp={self.tensor_parallel_size} pp={self.pipeline_parallel_size} "
+                f"dp={self.data_parallel_size}")
+
+
+def tensor_parallel_problem(spec: ModelSpec, tp: int) -> str | None:
+    """Rule 4: why `tp` cannot shard this model, or None."""
+    if tp == 1:
+        return None
+    heads, kv = spec.num_attention_heads, spec.num_kv_heads
+    if heads % tp:
+        return f"{heads} attention heads are not divisible by tensor_parallel_size {tp}"
+    if kv % tp and tp % kv:
+        return (f"{kv} KV heads neither divide by tensor_parallel_size {tp} nor divide it "
+                "(KV heads can only be split evenly or replicated whole)")
+    inter = spec.moe_intermediate_size if spec.is_moe else spec.intermediate_size
+    label = "moe_intermediate_size" if spec.is_moe else "intermediate_size"
+    if inter % tp:
+        return f"{label} {inter} is not divisible by tensor_parallel_size {tp}"
+    if spec.shared_expert_intermediate_size and spec.shared_expert_intermediate_size % tp:
+        return (f"shared_expert_intermediate_size {spec.shared_expert_intermediate_size} is "
+                f"not divisible by tensor_parallel_size {tp}")
+    q = spec.quantization
+    if q and q.group_size:
+        # row-parallel layers split their input features: each rank needs whole groups
+        for name, features in (("intermediate size", inter),
+                               ("attention width", heads * spec.head_dim)):
+            if (features // tp) % q.group_size:
+                return (f"{q.method} group_size {q.group_size} does not divide the {name} per "
+                        f"rank ({features} / {tp} = {features // tp})")
+    if q and q.block_shape:
+        block_out, block_in = q.block_shape
+        if (inter // tp) % block_in or (inter // tp) % block_out:
+            return (f"fp8 weight blocks {block_out}x{block_in} do not divide the intermediate "
+                    f"size per rank ({inter} / {tp} = {inter // tp})")
+    return None
+
+
+def placement_problem(layout: Layout, spec: ModelSpec, hardware: Hardware) -> str | None:
+    """Why this layout cannot be placed on this hardware, or None."""
+    tp, pp = layout.tensor_parallel_size, layout.pipeline_parallel_size
+    if pp > spec.num_layers:
+        return (f"pipeline_parallel_size {pp} is more stages than the model's "
+                f"{spec.num_layers} layers")
+    if tp > hardware.gpus_per_node:
+        return (f"tensor_parallel_size {tp} is more than the {hardware.gpus_per_node} GPUs of a "
+                "node (tensor parallel stays inside a node: use pipeline parallel across nodes)")
+    if layout.num_gpus > hardware.total_gpus:
+        return (f"{layout} needs {layout.num_gpus} GPUs; the hardware has "
+                f"{hardware.total_gpus}")
+    groups = sum(node.num_gpus // tp for node in hardware.nodes)
+    if pp * layout.data_parallel_size > groups:
+        return (f"{layout} needs {pp * layout.data_parallel_size} groups of {tp} GPUs inside a "
+                f"node; the nodes hold {groups}")
+    return None
+
+
+def max_replicas(tp: int, pp: int, hardware: Hardware) -> int:
+    groups = sum(node.num_gpus // tp for node in hardware.nodes)
+    return groups // pp
+
+
+def nodes_used(layout: Layout, hardware: Hardware) -> int:
+    """Nodes the layout spans when replicas and stages are packed node by node."""
+    used, left = 0, layout.num_gpus
+    for node in hardware.nodes:
+        if left <= 0:
+            break
+        take = min(left, node.num_gpus // layout.tensor_parallel_size
+                   * layout.tensor_parallel_size)
+        used, left = used + (take > 0), left - take
+    return used
+
+
+def replica_spans_nodes(layout: Layout, hardware: Hardware) -> bool:
+    return layout.gpus_per_replica > hardware.gpus_per_node

@@ -1,0 +1,145 @@
+"""The checkpoint's tensor list: read from safetensors headers, or derived from config.json."""
+
+from __future__ import annotations
+
+import json
+import struct
+from math import prod
+from pathlib import Path
+
+from shardserve.planner.errors import PlanError
+from shardserve.planner.model_spec import ModelSpec, TensorInfo
+
+_SAFETENSORS_DTYPE = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+
+
+def read_safetensors_headers(folder: Path) -> list[TensorInfo] | None:
+    """Tensor names, sizes and dtypes from every *.safetensors header; no weights are read."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return None
+    tensors = []
+    for path in files:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                raise PlanError(f"{path} is not a safetensors file (too short)")
+            (size,) = struct.unpack("<Q", head)
+            try:
+                header = json.loads(f.read(size))
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise PlanError(f"{path} has a malformed safetensors header") from None
+        for name, info in header.items():
+            if name != "__metadata__":
+                tensors.append(TensorInfo(name, prod(info["shape"]), info["dtype"]))
+    return tensors
+
+
+def derive_tensors(spec: ModelSpec) -> list[TensorInfo]:
+    """The tensors a checkpoint of this config holds, named the way the family names them."""
+    h, d = spec.hidden_size, spec.head_dim
+    q_out, kv_out = spec.num_attention_heads * d, spec.num_kv_heads * d
+    out: list[TensorInfo] = []
+    dtype = _SAFETENSORS_DTYPE[spec.dtype]
+
+    def norm(name: str, with_bias: bool) -> None:
+        out.append(TensorInfo(f"{name}.weight", h, dtype))
+        if with_bias:
+            out.append(TensorInfo(f"{name}.bias", h, dtype))
+
+    def linear(name: str, n_in: int, n_out: int, bias: bool = False) -> None:
+        out.extend(_linear_tensors(spec, name, n_in, n_out, dtype))
+        if bias:
+            out.append(TensorInfo(f"{name}.bias", n_out, dtype))
+
+    if spec.family == "gpt2":
+        out += [TensorInfo("transformer.wte.weight", spec.vocab_size * h, dtype),
+                TensorInfo("transformer.wpe.weight", spec.max_position_embeddings * h, dtype)]
+        for i in range(spec.num_layers):
+            p = f"transformer.h.{i}"
+            norm(f"{p}.ln_1", True)
+            linear(f"{p}.attn.c_attn", h, 3 * h, bias=True)
+            linear(f"{p}.attn.c_proj", h, h, bias=True)
+            norm(f"{p}.ln_2", True)
+            linear(f"{p}.mlp.c_fc", h, spec.intermediate_size, bias=True)
+            linear(f"{p}.mlp.c_proj", spec.intermediate_size, h, bias=True)
+        norm("transformer.ln_f", True)
+        return out
+    if spec.family == "opt":
+        out += [TensorInfo("model.decoder.embed_tokens.weight", spec.vocab_size * h, dtype),
+                TensorInfo("model.decoder.embed_positions.weight",
+                           (spec.max_position_embeddings + 2) * h, dtype)]
+        for i in range(spec.num_layers):
+            p = f"model.decoder.layers.{i}"
+            for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+                linear(f"{p}.self_attn.{proj}", h, h, bias=True)
+            norm(f"{p}.self_attn_layer_norm", True)
+            linear(f"{p}.fc1", h, spec.intermediate_size, bias=True)
+            linear(f"{p}.fc2", spec.intermediate_size, h, bias=True)
+            norm(f"{p}.final_layer_norm", True)
+        norm("model.decoder.final_layer_norm", True)
+        return out
+
+    out.append(TensorInfo("model.embed_tokens.weight", spec.vocab_size * h, dtype))
+    qkv_bias = spec.family in ("qwen2", "qwen2_moe")
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}"
+        norm(f"{p}.input_layernorm", False)
+        norm(f"{p}.post_attention_layernorm", False)
+        linear(f"{p}.self_attn.q_proj", h, q_out, bias=qkv_bias)
+        linear(f"{p}.self_attn.k_proj", h, kv_out, bias=qkv_bias)
+        linear(f"{p}.self_attn.v_proj", h, kv_out, bias=qkv_bias)
+        linear(f"{p}.self_attn.o_proj", q_out, h)
+        if spec.family in ("qwen3", "qwen3_moe"):
+            out += [TensorInfo(f"{p}.self_attn.q_norm.weight", d, dtype),
+                    TensorInfo(f"{p}.self_attn.k_norm.weight", d, dtype)]
+        if i in spec.moe_layers:
+            out += _moe_tensors(spec, p, linear, dtype)
+        else:
+            linear(f"{p}.mlp.gate_proj", h, spec.intermediate_size)
+            linear(f"{p}.mlp.up_proj", h, spec.intermediate_size)
+            linear(f"{p}.mlp.down_proj", spec.intermediate_size, h)
+    norm("model.norm", False)
+    if not spec.tie_word_embeddings:
+        out.append(TensorInfo("lm_head.weight", spec.vocab_size * h, dtype))
+    return out
+
+
+def _moe_tensors(spec: ModelSpec, prefix: str, linear, dtype: str) -> list[TensorInfo]:
+    h, inter, n = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
+    if spec.family == "mixtral":
+        router = f"{prefix}.block_sparse_moe.gate"
+        for e in range(n):
+            p = f"{prefix}.block_sparse_moe.experts.{e}"
+            linear(f"{p}.w1", h, inter)
+            linear(f"{p}.w3", h, inter)
+            linear(f"{p}.w2", inter, h)
+    else:
+        router = f"{prefix}.mlp.gate"
+        for e in range(n):
+            p = f"{prefix}.mlp.experts.{e}"
+            linear(f"{p}.gate_proj", h, inter)
+            linear(f"{p}.up_proj", h, inter)
+            linear(f"{p}.down_proj", inter, h)
+        if spec.shared_expert_intermediate_size:
+            s = spec.shared_expert_intermediate_size
+            linear(f"{prefix}.mlp.shared_expert.gate_proj", h, s)
+            linear(f"{prefix}.mlp.shared_expert.up_proj", h, s)
+            linear(f"{prefix}.mlp.shared_expert.down_proj", s, h)
+            linear(f"{prefix}.mlp.shared_expert_gate", h, 1)
+    return [TensorInfo(f"{router}.weight", n * h, dtype)]
+
+
+def _linear_tensors(spec: ModelSpec, name: str, n_in: int, n_out: int, dtype: str):
+    q = spec.quantization
+    if q is None or n_out == 1:
+        return [TensorInfo(f"{name}.weight", n_in * n_out, dtype)]
+    if q.method == "fp8":
+        scales = (n_out // q.block_shape[0]) * (n_in // q.block_shape[1]) if q.block_shape else 1
+        return [TensorInfo(f"{name}.weight", n_in * n_out, "F8_E4M3"),
+                TensorInfo(f"{name}.weight_scale", scales, "F32")]
+    groups = n_in // q.group_size if q.group_size else 1
+    pack = 32 // q.bits
+    return [TensorInfo(f"{name}.qweight", n_in * n_out // pack, "I32"),
+            TensorInfo(f"{name}.qzeros", groups * n_out // pack, "I32"),
+            TensorInfo(f"{name}.scales", groups * n_out, "F16")]

@@ -1,0 +1,147 @@
+"""Model sources: folders (safetensors headers), the HF cache, the catalog, and bad input."""
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from shardserve.planner import PlanError, load_model
+from shardserve.planner.model_spec import SUPPORTED_ARCHITECTURES
+
+from tests.planner.conftest import plan_for
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=320, max_position_embeddings=256)
+
+
+def save(folder, config, model_cls, **kwargs):
+    torch.manual_seed(0)
+    model = model_cls(config)
+    model.save_pretrained(folder, **kwargs)
+    return model
+
+
+@pytest.mark.parametrize("name, config, model_cls", [
+    ("llama", transformers.LlamaConfig(**TINY), transformers.LlamaForCausalLM),
+    ("qwen2", transformers.Qwen2Config(**TINY), transformers.Qwen2ForCausalLM),
+    ("qwen3", transformers.Qwen3Config(**TINY, head_dim=32), transformers.Qwen3ForCausalLM),
+    ("mixtral", transformers.MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2),
+     transformers.MixtralForCausalLM),
+    ("gpt2", transformers.GPT2Config(n_embd=64, n_layer=3, n_head=4, n_positions=128,
+                                     vocab_size=300), transformers.GPT2LMHeadModel),
+    ("opt", transformers.OPTConfig(hidden_size=64, ffn_dim=128, num_hidden_layers=3,
+                                   num_attention_heads=4, vocab_size=300,
+                                   max_position_embeddings=128, word_embed_proj_dim=64),
+     transformers.OPTForCausalLM),
+])
+def test_folder_sizes_come_from_safetensors_headers(tmp_path, name, config, model_cls):
+    model = save(tmp_path, config, model_cls)
+    info = load_model(str(tmp_path))
+    assert info.tensors_from == "safetensors" and info.source == "folder"
+    assert info.num_params == model.num_parameters()
+    d = plan_for(str(tmp_path), "cpu").to_dict()
+    assert d["model"]["weight_bytes"] == 4 * model.num_parameters()  # float32 on CPU
+    # the config-derived tensor list agrees with the checkpoint
+    (tmp_path / "model.safetensors").unlink()
+    derived = load_model(str(tmp_path))
+    assert derived.tensors_from == "config"
+    assert derived.num_params == model.num_parameters()
+
+
+def test_sharded_checkpoint_reads_every_file(tmp_path):
+    model = save(tmp_path, transformers.LlamaConfig(**TINY), transformers.LlamaForCausalLM,
+                 max_shard_size="50KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    assert load_model(str(tmp_path)).num_params == model.num_parameters()
+
+
+def test_hf_cache_lookup(tmp_path, monkeypatch):
+    snapshot = tmp_path / "models--acme--tiny-llama" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (tmp_path / "models--acme--tiny-llama" / "refs").mkdir()
+    (tmp_path / "models--acme--tiny-llama" / "refs" / "main").write_text("abc123")
+    transformers.LlamaConfig(**TINY).save_pretrained(snapshot)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    info = load_model("acme/tiny-llama")
+    assert info.source == "hf-cache" and info.spec.num_layers == 4
+
+
+def test_catalog_ids_case_insensitive_and_short():
+    assert load_model("META-LLAMA/llama-3.1-8b-instruct").spec.num_layers == 32
+    assert load_model("Qwen3-32B").spec.num_attention_heads == 64
+
+
+def test_catalog_has_the_promised_models():
+    for model in ["meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-70B",
+                  "meta-llama/Llama-3.1-405B", "meta-llama/Llama-2-7b-hf",
+                  "meta-llama/Llama-2-13b-hf", "meta-llama/Llama-2-70b-hf",
+                  "mistralai/Mistral-7B-v0.1", "mistralai/Mixtral-8x7B-v0.1",
+                  "mistralai/Mixtral-8x22B-v0.1", "Qwen/Qwen2.5-7B", "Qwen/Qwen2.5-14B",
+                  "Qwen/Qwen2.5-32B", "Qwen/Qwen2.5-72B", "Qwen/Qwen3-8B", "Qwen/Qwen3-32B",
+                  "Qwen/Qwen3-30B-A3B", "deepseek-ai/DeepSeek-R1-Distill-Qwen-14B", "gpt2",
+                  "facebook/opt-13b"]:
+        assert load_model(model).source == "catalog"
+
+
+@pytest.mark.parametrize("model, billions", [
+    ("meta-llama/Llama-3.1-70B-Instruct", 70.55), ("meta-llama/Llama-3.1-405B", 405.85),
+    ("mistralai/Mixtral-8x7B-v0.1", 46.70), ("Qwen/Qwen3-30B-A3B", 30.53),
+    ("Qwen/Qwen2.5-72B-Instruct", 72.71), ("gpt2", 0.124), ("facebook/opt-13b", 12.85),
+    ("Qwen/Qwen3-0.6B", 0.596),
+])
+def test_catalog_parameter_counts_match_published(model, billions):
+    assert load_model(model).num_params / 1e9 == pytest.approx(billions, rel=0.005)
+
+
+def test_quantized_weight_bytes():
+    fp8 = plan_for("meta-llama/Llama-3.1-405B-Instruct-FP8", "8xH100").to_dict()["model"]
+    bf16 = plan_for("meta-llama/Llama-3.1-405B-Instruct", "2x8xH100").to_dict()["model"]
+    assert 0.5 < fp8["weight_bytes"] / bf16["weight_bytes"] < 0.53  # embeddings stay 16-bit
+    awq = load_model("Qwen/Qwen2.5-72B-Instruct-AWQ")
+    assert awq.spec.quantization.bits == 4 and awq.spec.quantization.group_size == 128
+
+
+def write_config(folder, **config):
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def test_missing_config(tmp_path):
+    with pytest.raises(PlanError, match="has no config.json"):
+        load_model(str(tmp_path))
+
+
+def test_malformed_config(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(PlanError, match="is not valid JSON"):
+        load_model(str(tmp_path))
+
+
+def test_missing_required_field_is_named(tmp_path):
+    config = {"architectures": ["LlamaForCausalLM"], **TINY}
+    del config["num_attention_heads"]
+    with pytest.raises(PlanError, match="config.json has no num_attention_heads"):
+        load_model(write_config(tmp_path / "m", **config))
+
+
+def test_unsupported_architecture_lists_supported(tmp_path):
+    path = write_config(tmp_path / "m", architectures=["FalconForCausalLM"], **TINY)
+    with pytest.raises(PlanError) as info:
+        load_model(path)
+    assert "FalconForCausalLM is not supported" in str(info.value)
+    assert all(arch in str(info.value) for arch in SUPPORTED_ARCHITECTURES)
+
+
+def test_unknown_model_id():
+    with pytest.raises(PlanError, match="not in the catalog; catalog ids: "):
+        load_model("nobody/nothing-7b")
+
+
+def test_unknown_quantization(tmp_path):
+    path = write_config(tmp_path / "m", architectures=["LlamaForCausalLM"],
+                        quantization_config={"quant_method": "bitsandbytes"}, **TINY)
+    with pytest.raises(PlanError, match="quant_method 'bitsandbytes' is not supported"):
+        load_model(path)
