@@ -125,8 +125,11 @@ def _why_not(c: Candidate, chosen: Candidate, hardware: Hardware) -> str:
     if idle > hardware.total_gpus - chosen.layout.num_gpus:
         return f"leaves {idle} GPU(s) idle"
     if tier(c.layout, hardware) > tier(chosen.layout, hardware):
-        if hardware.interconnect == "pcie" and c.layout.tensor_parallel_size > 1:
+        if replica_spans_nodes(c.layout, hardware):
+            return (f"rule 3: across nodes, tensor parallel should fill a node's "
+                    f"{hardware.gpus_per_node} GPUs and pipeline stages span the nodes")
+        if hardware.interconnect == "pcie":
             return "rule 5: tensor parallel over PCIe"
-        return "rules 2/3: prefer tensor parallel inside a node, pipeline across nodes"
+        return "rule 2: inside an NVLink node, tensor parallel beats pipeline stages"
     ratio = c.estimates.throughput_tokens_per_s / chosen.estimates.throughput_tokens_per_s
     return f"slower: {ratio:.0%} of the chosen layout's estimated throughput"

@@ -7,7 +7,7 @@ import pytest
 from shardserve.planner import InfeasibleError
 from shardserve.planner.memory import kv_heads_per_rank
 
-from tests.planner.conftest import plan_for
+from tests.planner.factories import plan_for
 
 LLAMA_8B = "meta-llama/Llama-3.1-8B-Instruct"
 

@@ -9,7 +9,7 @@ import transformers
 from shardserve.planner import PlanError, load_model
 from shardserve.planner.model_spec import SUPPORTED_ARCHITECTURES
 
-from tests.planner.conftest import plan_for
+from tests.planner.factories import plan_for
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=320, max_position_embeddings=256)

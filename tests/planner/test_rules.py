@@ -6,7 +6,7 @@ from shardserve.planner import InfeasibleError, PlanError
 from shardserve.planner.model_spec import ModelSpec
 from shardserve.planner.rules import tensor_parallel_problem
 
-from tests.planner.conftest import plan_for
+from tests.planner.factories import plan_for
 
 LLAMA_8B = "meta-llama/Llama-3.1-8B-Instruct"
 LLAMA_70B = "meta-llama/Llama-3.1-70B-Instruct"

@@ -1,14 +1,7 @@
 """Factories for planner tests: plans from catalog ids and declared hardware."""
 
-import pytest
-
 from shardserve.planner import PlanOptions, load_model, make_plan, parse_declared
 
 
 def plan_for(model: str, hardware: str, **options):
     return make_plan(load_model(model), parse_declared(hardware), PlanOptions(**options))
-
-
-@pytest.fixture
-def make_plan_dict():
-    return lambda model, hardware, **options: plan_for(model, hardware, **options).to_dict()
