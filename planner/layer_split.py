@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from itertools import accumulate
 
@@ -56,22 +57,24 @@ def split_layers(layer_costs: Sequence[float], num_stages: int,
 
 def _min_bottleneck(cost, n: int, num_stages: int) -> float:
     def fits(bound: float) -> bool:
+        # greedy: each stage takes as many layers as fit under the bound
         start = 0
         for s in range(num_stages):
             last_end = n - (num_stages - 1 - s)
-            end = start + 1
-            if cost(s, start, end) > bound:
+            if cost(s, start, start + 1) > bound:
                 return False
-            while end < last_end and cost(s, start, end + 1) <= bound:
-                end += 1
-            start = end
+            lo, hi = start + 1, last_end  # the largest end in [lo, hi] under the bound
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if cost(s, start, mid) <= bound else (lo, mid - 1)
+            start = lo
         return start == n
 
     lo, hi = 0.0, cost(0, 0, n) + cost(num_stages - 1, 0, 0) + 1.0
     for _ in range(100):
         mid = (lo + hi) / 2
         lo, hi = (lo, mid) if fits(mid) else (mid, hi)
-        if hi - lo <= 1e-12 * hi:
+        if hi - lo <= 1e-10 * hi:
             break
     return hi
 
@@ -86,9 +89,17 @@ def _fill_uniform(n: int, num_stages: int, layer_cost: float, extras: list[float
     """
     counts = [1] * num_stages
     limit = bound * (1 + 1e-9) + 1e-12
+
+    def entry(s: int) -> tuple[float, int]:
+        return (round(((counts[s] + 1) * layer_cost + extras[s]) / bound, 9), s)
+
+    heap = [entry(s) for s in range(num_stages)]
+    heapq.heapify(heap)
     for _ in range(n - num_stages):
-        costs = [(c + 1) * layer_cost + e for c, e in zip(counts, extras)]
-        open_stages = [s for s in range(num_stages) if costs[s] <= limit]
-        s = min(open_stages, key=lambda s: (round(costs[s] / bound, 9), s))
+        while True:
+            _, s = heapq.heappop(heap)
+            if (counts[s] + 1) * layer_cost + extras[s] <= limit:
+                break  # a stage over the bound never reopens: its cost only grows
         counts[s] += 1
+        heapq.heappush(heap, entry(s))
     return counts

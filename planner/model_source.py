@@ -11,7 +11,8 @@ from pathlib import Path
 from shardserve.planner.catalog import find_model, model_catalog
 from shardserve.planner.errors import PlanError
 from shardserve.planner.model_spec import ModelSpec, TensorInfo, canonical_dtype
-from shardserve.planner.sharding import TensorGroups, layer_split, summarize
+from shardserve.planner.sharding import (ShardedModel, TensorGroups, layer_split, shard_model,
+                                         summarize)
 from shardserve.planner.tensors import derive_tensors, read_safetensors_headers
 
 
@@ -26,6 +27,17 @@ class ModelInfo:
     @cached_property
     def groups(self) -> TensorGroups:
         return summarize(self.tensors)
+
+    @cached_property
+    def _sharded(self) -> dict:
+        return {}
+
+    def sharded(self, tp: int, dtype: str, num_stages: int) -> ShardedModel:
+        """Per-rank bytes at this tensor-parallel size (memoised: every layout asks)."""
+        key = (tp, dtype, num_stages > 1)
+        if key not in self._sharded:
+            self._sharded[key] = shard_model(self.spec, self.groups, tp, dtype, num_stages)
+        return self._sharded[key]
 
     def layer_split(self, tensor_parallel_size: int, pipeline_parallel_size: int,
                     dtype: str) -> list[int]:

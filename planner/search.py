@@ -11,7 +11,7 @@ from shardserve.planner.model_source import ModelInfo
 from shardserve.planner.options import PlanOptions, RuntimeSettings
 from shardserve.planner.rules import (Layout, max_replicas, placement_problem,
                                       replica_spans_nodes, tensor_parallel_problem)
-from shardserve.planner.sharding import ShardedModel, shard_model
+from shardserve.planner.sharding import ShardedModel
 from shardserve.planner.speed import Estimates, estimate
 
 
@@ -36,7 +36,7 @@ def evaluate(model: ModelInfo, layout: Layout, hardware: Hardware, options: Plan
     problem = tensor_parallel_problem(spec, tp) or placement_problem(layout, spec, hardware)
     if problem:
         return Candidate(layout, problem)
-    sharded = shard_model(spec, model.groups, tp, settings.dtype, pp)
+    sharded = model.sharded(tp, settings.dtype, pp)
     split = split_layers(sharded.layer_bytes, pp, sharded.first_bytes, sharded.last_bytes)
     stage_weights = sharded.stage_bytes(split)
     memory = plan_memory(spec, stage_weights, split, tp, hardware.gpu, settings)

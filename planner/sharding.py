@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Iterable
@@ -86,15 +87,27 @@ TensorGroups = dict  # (site, layer, shard, is_expert, is_float) -> (elements, s
 def summarize(tensors: Iterable[TensorInfo]) -> TensorGroups:
     """Tensors grouped by (site, layer, shard, is_expert, is_float): (elements, stored bytes).
 
-    Placing each of a big checkpoint's thousands of tensors once keeps every layout cheap.
+    Grouping a big checkpoint's thousands of tensors once keeps every layout cheap.
     """
     groups: dict[tuple, tuple[int, int]] = {}
-    for placed in map(place, tensors):
-        t = placed.tensor
-        key = (placed.site, placed.layer, placed.shard, ".experts." in t.name, t.is_float)
+    for t in tensors:
+        match = _LAYER.search(t.name)
+        site, shard = _site_and_shard(_DIGITS.sub(".#.", t.name))
+        key = (site, int(match.group(1)) if match else None, shard, ".experts." in t.name,
+               t.is_float)
         numel, stored = groups.get(key, (0, 0))
         groups[key] = (numel + t.numel, stored + t.stored_bytes)
     return groups
+
+
+_DIGITS = re.compile(r"\.\d+\.")
+
+
+@functools.lru_cache(maxsize=4096)
+def _site_and_shard(pattern: str) -> tuple[str, Shard]:
+    # one placement per name pattern (layer and expert numbers masked): experts share it
+    placed = place(TensorInfo(pattern.replace(".#.", ".0."), 0, "F32"))
+    return placed.site, placed.shard
 
 
 def shard_model(spec: ModelSpec, groups: TensorGroups, tp: int, dtype: str,
