@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 from pathlib import Path
@@ -43,21 +44,26 @@ def root(version: Annotated[bool, typer.Option("--version", callback=_version,
 
 @app.command()
 def plan(
-    model: Annotated[str, typer.Option("--model", "-m", help="Hugging Face folder, an id in "
-                                       "the local HF cache, or a catalog id.")],
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Hugging Face folder, "
+                     "an id in the local HF cache, or a catalog id.")] = None,
+    profile: Annotated[Optional[str], typer.Option(
+        help="A profile name (shardserve profiles list) or YAML file; flags override it.")]
+    = None,
     hardware: Annotated[Optional[str], typer.Option(
         help="Declared hardware: [NODESx]GPUSxNAME (8xH100-80GB, 2x8xH100, 3xL4), 'cpu', or "
              "a YAML file. Default: detect local GPUs (NVML), or the Ray cluster.")] = None,
     ray_address: Annotated[Optional[str], typer.Option(
         envvar="RAY_ADDRESS", help="Read nodes and GPUs from this Ray cluster.")] = None,
     max_model_len: Annotated[Optional[int], typer.Option(help="Default: the model's.")] = None,
-    dtype: Annotated[str, typer.Option(help="auto: bf16 where the GPU has it, else fp16.")]
-    = "auto",
-    kv_cache_dtype: Annotated[str, typer.Option(help="auto or fp8.")] = "auto",
-    gpu_memory_utilization: Annotated[float, typer.Option()] = 0.9,
-    block_size: Annotated[int, typer.Option()] = 16,
-    max_num_seqs: Annotated[int, typer.Option()] = 256,
-    max_num_batched_tokens: Annotated[Optional[int], typer.Option()] = None,
+    dtype: Annotated[Optional[str], typer.Option(
+        help="auto (default): bf16 where the GPU has it, else fp16.")] = None,
+    kv_cache_dtype: Annotated[Optional[str], typer.Option(help="auto or fp8.")] = None,
+    gpu_memory_utilization: Annotated[Optional[float], typer.Option(help="Default 0.9.")]
+    = None,
+    block_size: Annotated[Optional[int], typer.Option(help="Default 16.")] = None,
+    max_num_seqs: Annotated[Optional[int], typer.Option(help="Default 256.")] = None,
+    max_num_batched_tokens: Annotated[Optional[int], typer.Option(help="Default 8192.")]
+    = None,
     tensor_parallel_size: Annotated[Optional[int], typer.Option(
         "--tensor-parallel-size", "-tp", help="Pin tensor parallel.")] = None,
     pipeline_parallel_size: Annotated[Optional[int], typer.Option(
@@ -66,34 +72,24 @@ def plan(
         "--data-parallel-size", "-dp", help="Pin the number of replicas.")] = None,
     distributed_executor_backend: Annotated[Optional[Backend], typer.Option(
         help="mp (local processes) or ray. Default: the planner's rule.")] = None,
-    target_concurrency: Annotated[int, typer.Option(
-        help="KV room for this many requests of max_model_len.")] = 1,
+    target_concurrency: Annotated[Optional[int], typer.Option(
+        help="KV room for this many requests of max_model_len (default 1).")] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o",
                                                    help="Write the plan YAML here.")] = None,
     format: Annotated[Format, typer.Option("--format", help="table, json or yaml on stdout.")]
     = Format.table,
 ) -> None:
     """Choose tensor/pipeline/replica sizes, predict memory, KV cache and speed, and say why."""
-    from shardserve.planner import PlanError, PlanOptions, load_model, make_plan
-    from shardserve.launch.plan_view import render_plan, resolve_hardware, write_plan
-
-    options = PlanOptions(
-        max_model_len=max_model_len, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-        gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        tensor_parallel_size=tensor_parallel_size,
-        pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size,
-        distributed_executor_backend=(distributed_executor_backend.value
-                                      if distributed_executor_backend else None),
-        target_concurrency=target_concurrency)
-    try:
-        result = make_plan(load_model(model), resolve_hardware(hardware, ray_address), options)
+    flags = {k: v for k, v in locals().items() if k not in ("profile", "ray_address", "output",
+                                                             "format")}
+    if distributed_executor_backend is not None:
+        flags["distributed_executor_backend"] = distributed_executor_backend.value
+    with _user_errors():
+        from shardserve.launch.plan_view import make_plan_from, render_plan, write_plan
+        result = make_plan_from(flags, profile, ray_address)
         data = result.to_dict()
         if output is not None:
             write_plan(data, output)
-    except PlanError as e:
-        err.print(f"[bold red]error:[/] {e}", highlight=False)
-        raise typer.Exit(e.exit_code) from None
     if format is Format.json:
         print(json.dumps(data, indent=2))
     elif format is Format.yaml:
@@ -103,6 +99,48 @@ def plan(
         render_plan(data, Console())
         if output is not None:
             Console().print(f"plan written to [bold]{output}[/]")
+
+
+profiles_app = typer.Typer(no_args_is_help=True, help="The YAML profiles in profiles/.")
+app.add_typer(profiles_app, name="profiles")
+
+
+@profiles_app.command("list")
+def profiles_list() -> None:
+    """List the profiles and what each is for."""
+    from rich.table import Table
+
+    from shardserve.launch.profiles import list_profiles, load_profile
+    table = Table("name", "description", "file")
+    with _user_errors():
+        for name, path in list_profiles().items():
+            table.add_row(name, load_profile(str(path)).description or "", str(path))
+    Console().print(table)
+
+
+@profiles_app.command("show")
+def profiles_show(name: Annotated[str, typer.Argument(help="Profile name or YAML file.")]
+                  ) -> None:
+    """Print a profile after checking every key."""
+    import yaml
+
+    from shardserve.launch.profiles import find_profile, load_profile
+    with _user_errors():
+        path = find_profile(name)
+        values = load_profile(name).set_values()
+    print(f"# {path}")
+    print(yaml.safe_dump(values, sort_keys=False), end="")
+
+
+@contextlib.contextmanager
+def _user_errors():
+    """Bad input becomes one red line on stderr and the planner's exit code, no traceback."""
+    from shardserve.planner import PlanError
+    try:
+        yield
+    except PlanError as e:
+        err.print(f"[bold red]error:[/] {e}", highlight=False)
+        raise typer.Exit(e.exit_code) from None
 
 
 def main() -> None:

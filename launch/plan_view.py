@@ -24,6 +24,28 @@ def resolve_hardware(declared: str | None, ray_address: str | None) -> Hardware:
     return detect_local()
 
 
+def make_plan_from(flags: dict, profile: str | None, ray_address: str | None):
+    """Plan from a profile overridden by flags (None means 'not given')."""
+    from shardserve.launch.deploy_config import merge, validate
+    from shardserve.launch.profiles import load_profile
+    from shardserve.planner import PlanOptions, load_model, make_plan
+
+    base = load_profile(profile).set_values() if profile else {}
+    config = validate(merge(base, flags), "options")
+    if not config.model:
+        raise PlanError("no model: pass --model, or a --profile that sets one")
+    keys = set(PlanOptions.__dataclass_fields__)
+    options = PlanOptions(**{k: v for k, v in config.set_values().items() if k in keys})
+    hardware = resolve_hardware(config.hardware, ray_address)
+    return make_plan(load_model(resolve_model(config.model)), hardware, options)
+
+
+def resolve_model(model: str) -> str:
+    """The bundled demo model's name stands for its folder; anything else passes through."""
+    from shardserve.launch.demo import DEMO_MODEL_DIR, DEMO_MODEL_NAME
+    return str(DEMO_MODEL_DIR) if model == DEMO_MODEL_NAME else model
+
+
 def write_plan(data: dict, path: Path) -> None:
     """Write atomically: a reader never sees half a plan, a failure leaves no file."""
     path = path.expanduser()

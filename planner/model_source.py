@@ -87,6 +87,8 @@ def load_model(model: str) -> ModelInfo:
         if not path.is_dir():
             raise PlanError(f"--model {model}: expected a folder with config.json, got a file")
         return _from_folder(path, str(path), "folder")
+    if model.startswith(("/", "./", "../", "~")):
+        raise PlanError(f"model folder {model} does not exist")
     snapshot = _cached_snapshot(model) if "/" in model else None
     if snapshot is not None:
         return _from_folder(snapshot, model, "hf-cache")
