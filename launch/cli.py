@@ -101,6 +101,60 @@ def plan(
             Console().print(f"plan written to [bold]{output}[/]")
 
 
+@app.command()
+def launch(
+    plan_file: Annotated[Optional[Path], typer.Argument(
+        metavar="[PLAN.yaml]", help="A plan from `shardserve plan -o`. Without one, plan now.")]
+    = None,
+    profile: Annotated[Optional[str], typer.Option(help="A profile name or YAML file.")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model folder or id "
+                     "(default: the bundled demo model).")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option(
+        "--set", help="key=value for any setting, e.g. --set max_num_seqs=64.")] = None,
+    tensor_parallel_size: Annotated[Optional[int], typer.Option(
+        "--tensor-parallel-size", "-tp")] = None,
+    pipeline_parallel_size: Annotated[Optional[int], typer.Option(
+        "--pipeline-parallel-size", "-pp")] = None,
+    distributed_executor_backend: Annotated[Optional[Backend], typer.Option()] = None,
+    ray_address: Annotated[Optional[str], typer.Option(envvar="RAY_ADDRESS")] = None,
+    max_model_len: Annotated[Optional[int], typer.Option()] = None,
+    dtype: Annotated[Optional[str], typer.Option()] = None,
+    host: Annotated[Optional[str], typer.Option(help="Default 127.0.0.1 (this machine only).")]
+    = None,
+    port: Annotated[Optional[int], typer.Option(help="Default 8000.")] = None,
+    api_key: Annotated[Optional[str], typer.Option(
+        help="Require 'Authorization: Bearer KEY' (or set SHARDSERVE_API_KEY).")] = None,
+    served_model_name: Annotated[Optional[str], typer.Option(
+        help="The model name clients use (default: --model).")] = None,
+) -> None:
+    """Serve a plan, a profile or a model over an OpenAI-compatible API."""
+    import logging
+
+    from shardserve.launch.deploy_config import parse_set
+    from shardserve.launch.launcher import api_key_from_env, serve, settle
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
+                        "%(message)s", datefmt="%H:%M:%S")
+    flags = {"model": model, "tensor_parallel_size": tensor_parallel_size,
+             "pipeline_parallel_size": pipeline_parallel_size,
+             "distributed_executor_backend": (distributed_executor_backend.value
+                                              if distributed_executor_backend else None),
+             "max_model_len": max_model_len, "dtype": dtype, "host": host, "port": port,
+             "served_model_name": served_model_name}
+    with _user_errors():
+        flags.update(parse_set(set_ or []))
+        config, plan = settle(str(plan_file) if plan_file else None, profile, flags,
+                              ray_address)
+    try:
+        code = serve(config, plan, config.host or "127.0.0.1",
+                     8000 if config.port is None else config.port, api_key_from_env(api_key),
+                     config.served_model_name)
+    except ValueError as e:  # the runtime refusing a setting (max_model_len too long, ...)
+        err.print(f"[bold red]error:[/] {e}", highlight=False)
+        raise typer.Exit(1) from None
+    raise typer.Exit(code)
+
+
 profiles_app = typer.Typer(no_args_is_help=True, help="The YAML profiles in profiles/.")
 app.add_typer(profiles_app, name="profiles")
 

@@ -1,0 +1,109 @@
+"""The HTTP server: OpenAI routes, health, metrics and version over one ReplicaSet."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from shardserve.launch import __version__
+from shardserve.launch.metrics import ServerMetrics
+from shardserve.launch.openai_serving import OpenAIServing
+from shardserve.launch.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from shardserve.launch.replicas import ReplicaSet
+
+
+def build_app(replicas: ReplicaSet, serving: OpenAIServing, metrics: ServerMetrics,
+              api_key: str | None) -> FastAPI:
+    app = FastAPI(title="shardserve", version=__version__)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError):
+        if e.status < 500 or e.error_type == "service_unavailable":
+            metrics.outcome("rejected" if e.status < 500 else "unavailable")
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
+        param = ".".join(str(p) for p in first["loc"] if p != "body") or None
+        message = "; ".join(f"{'.'.join(str(p) for p in err['loc'] if p != 'body')}: "
+                            f"{err['msg']}" for err in e.errors())
+        metrics.outcome("rejected")
+        return JSONResponse(APIError(400, message or "invalid request", param).body(), 400)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return JSONResponse(APIError(401, "missing or wrong API key: send "
+                                             "'Authorization: Bearer <key>'").body(), 401)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        dead = replicas.dead_reason()
+        if dead:
+            return JSONResponse({"status": "dead", "reason": dead}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": serving.served_model_name, "object": "model", "created": 0,
+            "owned_by": "shardserve", "max_model_len": replicas.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        job = serving.completion_job(body)
+        if body.stream:
+            return _streaming(serving.stream(job, body.include_usage), metrics)
+        return await _until_disconnect(serving.full_response(job), request, metrics)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        job = serving.chat_job(body)
+        if body.stream:
+            return _streaming(serving.stream(job, body.include_usage), metrics)
+        return await _until_disconnect(serving.full_response(job), request, metrics)
+
+    return app
+
+
+def _streaming(events, metrics: ServerMetrics) -> StreamingResponse:
+    async def counted():
+        outcome = "aborted"
+        try:
+            async for event in events:
+                yield event
+            outcome = "success"
+        finally:
+            metrics.outcome(outcome)
+    return StreamingResponse(counted(), media_type="text/event-stream")
+
+
+async def _until_disconnect(coro, request: Request, metrics: ServerMetrics):
+    """Run a non-streaming request; if the client goes away, cancel it (freeing its blocks)."""
+    task = asyncio.ensure_future(coro)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if done:
+            result = task.result()  # re-raises APIError for the handler
+            metrics.outcome("success")
+            return result
+        if await request.is_disconnected():
+            task.cancel()
+            metrics.outcome("aborted")
+            return Response(status_code=499)

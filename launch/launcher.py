@@ -1,0 +1,211 @@
+"""`shardserve launch`: settle the settings, check the hardware, start engines and the server."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import os
+
+import yaml
+
+from shardserve.launch.deploy_config import DeployConfig, merge, validate
+from shardserve.launch.plan_view import resolve_hardware, resolve_model
+from shardserve.launch.profiles import load_profile
+from shardserve.planner import PlanError, PlanOptions, load_model, make_plan
+from shardserve.planner.hardware import Hardware
+
+logger = logging.getLogger("shardserve.launch")
+
+DEFAULT_MODEL = "shardserve-demo"
+GRACE_SECONDS = 10
+# Engine options the launcher passes through from the settled config.
+_ENGINE_KEYS = ("dtype", "device", "max_model_len", "gpu_memory_utilization",
+                "kv_cache_memory_bytes", "block_size", "max_num_seqs", "max_num_batched_tokens",
+                "enable_prefix_caching", "tensor_parallel_size", "pipeline_parallel_size",
+                "distributed_executor_backend")
+
+
+def plan_file_values(path: str) -> tuple[dict, dict]:
+    """A plan YAML -> (settings it fixes, the plan itself)."""
+    try:
+        with open(path) as f:
+            plan = yaml.safe_load(f)
+    except OSError as e:
+        raise PlanError(f"cannot read plan {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise PlanError(f"plan {path} is not valid YAML: {e}") from None
+    if not isinstance(plan, dict) or plan.get("version") != 1:
+        raise PlanError(f"{path} is not a shardserve plan (version 1): make one with "
+                        "`shardserve plan -o plan.yaml`")
+    try:
+        rt, par = plan["runtime"], plan["parallel"]
+        values = {"model": plan["model"]["path"] or plan["model"]["id"],
+                  **{k: rt[k] for k in ("device", "dtype", "max_model_len",
+                                        "gpu_memory_utilization", "max_num_seqs",
+                                        "max_num_batched_tokens", "block_size",
+                                        "enable_prefix_caching", "kv_cache_memory_bytes")},
+                  **{k: par[k] for k in ("tensor_parallel_size", "pipeline_parallel_size",
+                                         "data_parallel_size",
+                                         "distributed_executor_backend")}}
+    except (KeyError, TypeError) as e:
+        raise PlanError(f"plan {path} lacks {e}: make it again with `shardserve plan`") from None
+    return values, plan
+
+
+def check_plan_fits(plan: dict, hardware: Hardware) -> None:
+    """Fail fast, before loading anything, when this machine lacks what the plan assumed."""
+    par, want = plan["parallel"], plan["hardware"]["gpu"]
+    needed = (par["tensor_parallel_size"] * par["pipeline_parallel_size"]
+              * par["data_parallel_size"])
+    if plan["runtime"]["device"] == "cpu":
+        return
+    if hardware.is_cpu:
+        raise PlanError(f"the plan needs {needed} GPU(s) ({want['name']}); this machine has "
+                        "none that NVML can see: launch on the planned hardware, or make a "
+                        "CPU plan (--hardware cpu)")
+    if hardware.total_gpus < needed:
+        raise PlanError(f"the plan needs {needed} GPUs; this machine has "
+                        f"{hardware.total_gpus} ({hardware.describe()})")
+    if hardware.gpu.memory_bytes < want["memory_bytes"] * 0.98:
+        raise PlanError(f"the plan assumed {want['memory_bytes'] / 2**30:.1f} GiB per GPU "
+                        f"({want['name']}); this machine's GPUs have "
+                        f"{hardware.gpu.memory_bytes / 2**30:.1f} GiB: plan again here")
+
+
+def settle(plan_path: str | None, profile: str | None, flags: dict,
+           ray_address: str | None) -> tuple[DeployConfig, dict]:
+    """profile < plan < flags; without a plan file, plan now on the hardware found here."""
+    base = load_profile(profile).set_values() if profile else {}
+    planned, plan = plan_file_values(plan_path) if plan_path else ({}, None)
+    config = validate(merge(base, planned, flags), "launch settings")
+    hardware = resolve_hardware(None, ray_address)
+    if plan is not None:
+        check_plan_fits(plan, hardware)
+        _require_weights(load_model(resolve_model(config.model)).path, config.model)
+    else:
+        model = config.model or DEFAULT_MODEL
+        keys = set(PlanOptions.__dataclass_fields__)
+        options = PlanOptions(**{k: v for k, v in config.set_values().items() if k in keys})
+        info = load_model(resolve_model(model))
+        _require_weights(info.path, model)
+        plan = make_plan(info, hardware, options).to_dict()
+        rt, par = plan["runtime"], plan["parallel"]
+        chosen = {**{k: rt[k] for k in ("device", "dtype", "max_model_len", "max_num_seqs",
+                                        "max_num_batched_tokens", "kv_cache_memory_bytes")},
+                  **{k: par[k] for k in ("tensor_parallel_size", "pipeline_parallel_size",
+                                         "data_parallel_size",
+                                         "distributed_executor_backend")}}
+        config = validate(merge(chosen, config.set_values(), {"model": model}),
+                          "launch settings")
+    return config, plan
+
+
+def _require_weights(path: str | None, model: str) -> None:
+    if path is None:
+        raise PlanError(f"{model} is a catalog entry (a config, no weights): launch needs a "
+                        "model folder with safetensors, or an id in the local Hugging Face "
+                        "cache; `shardserve plan` works with catalog ids")
+
+
+def engine_kwargs(config: DeployConfig) -> dict:
+    values = config.set_values()
+    kwargs = {k: values[k] for k in _ENGINE_KEYS if k in values}
+    if kwargs.get("tensor_parallel_size", 1) * kwargs.get("pipeline_parallel_size", 1) == 1:
+        kwargs.pop("distributed_executor_backend", None)  # one rank runs in-process
+    return kwargs
+
+
+def log_plan(plan: dict) -> None:
+    par, mem = plan["parallel"], plan["memory"]
+    logger.info("plan: %s on %s: tensor_parallel_size=%d pipeline_parallel_size=%d "
+                "data_parallel_size=%d (%s)", plan["model"]["id"],
+                plan["hardware"]["gpu"]["name"], par["tensor_parallel_size"],
+                par["pipeline_parallel_size"], par["data_parallel_size"],
+                par["distributed_executor_backend"])
+    for line in plan.get("rationale", []):
+        logger.info("plan: %s", line)
+    logger.info("plan predicts a KV cache of %d tokens, %.2fx concurrency", mem["kv_cache_tokens"],
+                mem["max_concurrency"])
+
+
+def compare_kv(plan: dict, measured_tokens: int, max_model_len: int) -> None:
+    predicted = plan["memory"]["kv_cache_tokens"]
+    logger.info("KV cache measured: %d tokens, %.2fx concurrency for %d tokens per request "
+                "(plan predicted %d tokens)", measured_tokens, measured_tokens / max_model_len,
+                max_model_len, predicted)
+    if predicted and abs(measured_tokens - predicted) > 0.1 * predicted:
+        logger.warning("the measured KV cache differs from the plan's prediction by %.0f%%",
+                       100 * (measured_tokens - predicted) / predicted)
+
+
+def warn_exposure(host: str, api_key: str | None) -> None:
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback and not api_key:
+        logger.warning("listening on %s without an API key: anyone who can reach this host can "
+                       "use the server; set --api-key or SHARDSERVE_API_KEY", host)
+
+
+def serve(config: DeployConfig, plan: dict, host: str, port: int, api_key: str | None,
+          served_model_name: str | None) -> int:
+    """Start the replicas and the server; returns the process exit code."""
+    import uvicorn
+
+    from shardserve.launch.api_server import build_app
+    from shardserve.launch.metrics import ServerMetrics
+    from shardserve.launch.openai_serving import OpenAIServing
+    from shardserve.launch.replicas import ReplicaSet
+    from shardserve.runtime import AsyncEngine
+
+    log_plan(plan)
+    name = served_model_name or config.model
+    path = resolve_model(config.model)
+    kwargs = engine_kwargs(config)
+    engines = [AsyncEngine(path, **kwargs) for _ in range(config.data_parallel_size or 1)]
+    info = engines[0].kv_cache_info
+    compare_kv(plan, info.num_tokens, info.max_model_len)
+
+    replicas = ReplicaSet(engines)
+    metrics = ServerMetrics(name, replicas.stats)
+    replicas.metrics = metrics
+    max_pending = 4 * (config.max_num_seqs or 256) * len(engines)
+    app = build_app(replicas, OpenAIServing(replicas, name, max_pending), metrics, api_key)
+    warn_exposure(host, api_key)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
+                                           timeout_graceful_shutdown=GRACE_SECONDS,
+                                           access_log=False))
+    return asyncio.run(_run(server, replicas))
+
+
+async def _run(server, replicas) -> int:
+    exit_code = 0
+
+    async def watchdog():
+        nonlocal exit_code
+        while not server.should_exit:
+            dead = replicas.dead_reason()
+            if dead:
+                logger.error("engine died: %s; stopping the server", dead)
+                exit_code = 1
+                await asyncio.sleep(1.0)  # /health answers 503 meanwhile
+                server.should_exit = True
+                return
+            await asyncio.sleep(0.5)
+
+    watch = asyncio.create_task(watchdog())
+    try:
+        await server.serve()
+    finally:
+        watch.cancel()
+        await replicas.shutdown()
+    if exit_code == 0 and not server.started:
+        exit_code = 1  # could not bind the port: uvicorn has said why
+    logger.info("shut down cleanly" if exit_code == 0 else "exiting with an error")
+    return exit_code
+
+
+def api_key_from_env(flag: str | None) -> str | None:
+    return flag or os.environ.get("SHARDSERVE_API_KEY") or None
