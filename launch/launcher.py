@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import os
+import signal
 
 import yaml
 
@@ -160,6 +162,8 @@ def serve(config: DeployConfig, plan: dict, host: str, port: int, api_key: str |
     from shardserve.launch.replicas import ReplicaSet
     from shardserve.runtime import AsyncEngine
 
+    _Server = _server_class()
+
     log_plan(plan)
     name = served_model_name or config.model
     path = resolve_model(config.model)
@@ -174,10 +178,31 @@ def serve(config: DeployConfig, plan: dict, host: str, port: int, api_key: str |
     max_pending = 4 * (config.max_num_seqs or 256) * len(engines)
     app = build_app(replicas, OpenAIServing(replicas, name, max_pending), metrics, api_key)
     warn_exposure(host, api_key)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
-                                           timeout_graceful_shutdown=GRACE_SECONDS,
-                                           access_log=False))
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level="info",
+                                    timeout_graceful_shutdown=GRACE_SECONDS, access_log=False))
     return asyncio.run(_run(server, replicas))
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """NOTE: uvicorn re-raises SIGTERM after a graceful stop, so the process would die by
+        the signal; shardserve owns SIGINT/SIGTERM instead: stop accepting, let in-flight
+        requests finish for GRACE_SECONDS (then abort them), stop the engines, exit 0."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self.handle_exit, sig, None)
+            try:
+                yield
+            finally:
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(sig)
+
+    return Server
 
 
 async def _run(server, replicas) -> int:

@@ -10,7 +10,7 @@ from shardserve.planner.search import Candidate, rank_key, tier
 
 
 def _gib(nbytes: float) -> str:
-    return f"{nbytes / GIB:.1f} GiB"
+    return f"{nbytes / GIB:.1f} GiB" if nbytes >= GIB / 2 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def rationale(model: ModelInfo, hardware: Hardware, settings: RuntimeSettings,
@@ -20,13 +20,16 @@ def rationale(model: ModelInfo, hardware: Hardware, settings: RuntimeSettings,
     tp, pp, dp = (layout.tensor_parallel_size, layout.pipeline_parallel_size,
                   layout.data_parallel_size)
     usable = gpu.memory_bytes * settings.gpu_memory_utilization
+    offer = (f"host memory offers {_gib(usable)} per rank; KV cache pool "
+             f"{_gib(settings.kv_cache_memory_bytes)}" if gpu.is_cpu else
+             f"one {gpu.name} offers {_gib(usable)} at gpu_memory_utilization "
+             f"{settings.gpu_memory_utilization}")
     lines = [f"weights: {_gib(weights)} in {settings.dtype}"
-             + (f" ({spec.quantization.method})" if spec.quantization else "")
-             + f"; one {gpu.name} offers {_gib(usable)} at gpu_memory_utilization "
-             f"{settings.gpu_memory_utilization}"]
+             + (f" ({spec.quantization.method})" if spec.quantization else "") + f"; {offer}"]
     one_gpu = next((c for c in candidates if c.layout.gpus_per_replica == 1), None)
     if layout.gpus_per_replica == 1:
-        lines.append("rule 1: the model fits on one GPU with room for KV cache"
+        lines.append(f"rule 1: the model fits on one {'rank' if gpu.is_cpu else 'GPU'} with "
+                     "room for KV cache"
                      + (f"; the other {dp - 1} GPUs serve as replicas (data parallel)"
                         if dp > 1 else ""))
     else:

@@ -1,0 +1,77 @@
+"""A real `shardserve launch` on a free loopback port, shared by the server tests."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import urllib.error
+import urllib.request
+
+import pytest
+
+API_KEY = "test-key-123"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(url: str, body: dict | None = None, headers: dict | None = None,
+         timeout: float = 30.0) -> tuple[int, str]:
+    """(status, text) of a GET, or of a POST when a JSON body is given; never raises on 4xx."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={
+        "content-type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return 0, ""
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{proc.stdout.read()}")
+        if http(f"{url}/health")[0] == 200:
+            return
+        time.sleep(0.25)
+    raise RuntimeError("server did not become healthy in time")
+
+
+def start_server(*args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shardserve.launch", "launch", *args, "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, proc)
+    return proc, url
+
+
+def stop_server(proc: subprocess.Popen) -> tuple[int, str]:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+    return proc.returncode, out
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, url = start_server("--profile", "demo", "--api-key", API_KEY)
+    yield url
+    code, out = stop_server(proc)
+    assert code == 0, out

@@ -1,0 +1,78 @@
+"""`shardserve launch` start-up: fail-fast checks, clean exits, and exposure warnings."""
+
+import logging
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from shardserve.launch.launcher import check_plan_fits, plan_file_values, warn_exposure
+from shardserve.planner import PlanError, parse_declared
+
+from tests.launch.conftest import http, start_server, stop_server
+from tests.planner.factories import plan_for
+
+
+def launch(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "shardserve.launch", "launch", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_gpu_plan_on_a_cpu_machine_fails_fast(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(yaml.safe_dump(plan_for("meta-llama/Llama-3.1-8B-Instruct",
+                                            "8xH100-80GB").to_dict()))
+    r = launch(str(plan))
+    assert r.returncode == 1
+    assert "the plan needs 8 GPU(s) (H100-80GB); this machine has none" in " ".join(
+        r.stderr.split())
+    assert "Traceback" not in r.stderr
+
+
+def test_plan_checked_against_found_hardware():
+    plan = plan_for("meta-llama/Llama-3.1-70B-Instruct", "8xH100-80GB").to_dict()
+    with pytest.raises(PlanError, match="the plan needs 8 GPUs; this machine has 4"):
+        check_plan_fits(plan, parse_declared("4xH100-80GB"))
+    with pytest.raises(PlanError, match="the plan assumed 79.6 GiB per GPU"):
+        check_plan_fits(plan, parse_declared("8xA100-40GB"))
+    check_plan_fits(plan, parse_declared("8xH100-80GB"))
+
+
+def test_not_a_plan(tmp_path):
+    bad = tmp_path / "x.yaml"
+    bad.write_text("model: gpt2\n")
+    with pytest.raises(PlanError, match="is not a shardserve plan"):
+        plan_file_values(str(bad))
+
+
+def test_catalog_id_without_weights_is_refused():
+    r = launch("--model", "meta-llama/Llama-3.1-8B")
+    assert r.returncode == 1 and "a catalog entry (a config, no weights)" in r.stderr
+
+
+def test_unknown_setting():
+    r = launch("--set", "max_num_seqz=3")
+    assert r.returncode == 1 and "max_num_seqz: unknown key" in r.stderr
+
+
+def test_listening_beyond_loopback_without_key_warns(caplog):
+    with caplog.at_level(logging.WARNING):
+        warn_exposure("0.0.0.0", None)
+        warn_exposure("127.0.0.1", None)
+        warn_exposure("10.1.2.3", "key")
+    assert len(caplog.records) == 1 and "without an API key" in caplog.records[0].message
+
+
+def test_served_from_a_plan_file_and_sigterm_exits_cleanly(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    r = subprocess.run([sys.executable, "-m", "shardserve.launch", "plan", "--profile", "demo",
+                        "-o", str(plan)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    proc, url = start_server(str(plan), "--served-model-name", "tiny")
+    status, body = http(f"{url}/v1/models")
+    code, out = stop_server(proc)
+    assert status == 200 and '"id":"tiny"' in body.replace(" ", "")
+    assert code == 0, out
+    assert "KV cache measured" in out and "plan predicted" in out
+    assert "shut down cleanly" in out

@@ -1,0 +1,222 @@
+"""The OpenAI-compatible server, driven by the openai client against a real `shardserve launch`."""
+
+import asyncio
+import json
+import re
+import time
+
+import openai
+import pytest
+
+from tests.launch.conftest import API_KEY, http
+
+MODEL = "shardserve-demo"
+AUTH = {"authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
+
+
+def post(server, path, body, headers=AUTH):
+    status, text = http(f"{server}{path}", body, headers)
+    return status, json.loads(text) if text else None
+
+
+def metric(server, name: str) -> float:
+    text = http(f"{server}/metrics")[1]
+    values = [float(m) for m in re.findall(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M)]
+    return sum(values)
+
+
+def test_health_version_models(server, client):
+    assert http(f"{server}/health")[0] == 200
+    assert json.loads(http(f"{server}/version")[1])["version"]
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+
+
+def test_completion_and_usage(client):
+    r = client.completions.create(model=MODEL, prompt="The function returns", max_tokens=12,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and choice.text
+    assert r.usage.completion_tokens == 12
+    from transformers import AutoTokenizer
+    from shardserve.launch.demo import DEMO_MODEL_DIR
+    prompt_ids = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)("The function returns").input_ids
+    assert r.usage.prompt_tokens == len(prompt_ids)
+    assert r.usage.total_tokens == len(prompt_ids) + 12
+
+
+def test_streamed_text_equals_non_streamed(client):
+    kwargs = dict(model=MODEL, prompt="A list is", max_tokens=20, temperature=0)
+    full = client.completions.create(**kwargs).choices[0].text
+    chunks = list(client.completions.create(**kwargs, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+
+
+def test_chat_streamed_equals_non_streamed(client):
+    messages = [{"role": "system", "content": "Answer briefly."},
+                {"role": "user", "content": [{"type": "text", "text": "What is a tuple?"}]}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                          max_completion_tokens=24)
+    text = full.choices[0].message.content
+    assert full.choices[0].message.role == "assistant" and text
+    stream = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                            max_completion_tokens=24, stream=True)
+    deltas = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert "".join(deltas) == text
+
+
+def test_prompt_forms_and_n(client):
+    r = client.completions.create(model=MODEL, prompt=["one", "two"], max_tokens=3, n=2,
+                                  temperature=1.0, seed=7)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+    ids = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=2, temperature=0)
+    assert ids.usage.prompt_tokens == 3
+    lists = client.completions.create(model=MODEL, prompt=[[5, 6], [7, 8, 9]], max_tokens=2,
+                                      temperature=0)
+    assert len(lists.choices) == 2 and lists.usage.prompt_tokens == 5
+
+
+def test_seed_reproducible_and_sampling_fields(client):
+    kwargs = dict(model=MODEL, prompt="Python", max_tokens=16, temperature=1.0, top_p=0.9,
+                  seed=1234, extra_body={"top_k": 50, "min_p": 0.05,
+                                         "repetition_penalty": 1.1})
+    a = client.completions.create(**kwargs).choices[0].text
+    b = client.completions.create(**kwargs).choices[0].text
+    assert a == b
+
+
+def test_stop_and_echo(client):
+    base = client.completions.create(model=MODEL, prompt="The", max_tokens=16,
+                                     temperature=0).choices[0].text
+    word = base.split()[1] if len(base.split()) > 1 else base.strip()[:2]
+    stopped = client.completions.create(model=MODEL, prompt="The", max_tokens=16,
+                                        temperature=0, stop=[word]).choices[0]
+    assert stopped.finish_reason == "stop" and word not in stopped.text
+    echoed = client.completions.create(model=MODEL, prompt="The", max_tokens=4,
+                                       temperature=0, echo=True).choices[0].text
+    assert echoed.startswith("The")
+
+
+def test_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt="A", max_tokens=4, temperature=0,
+                                  logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 3 and chosen == pytest.approx(max(top.values()))  # greedy
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user",
+                                          "content": "hi"}], max_tokens=3, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+
+
+def test_min_tokens_and_ignore_eos(client):
+    r = client.completions.create(model=MODEL, prompt="x", max_tokens=30, temperature=0,
+                                  extra_body={"min_tokens": 30, "ignore_eos": True})
+    assert r.usage.completion_tokens == 30
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 5000}, 400,
+     "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": 9}, 400,
+     "temperature"),
+    ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [999999]}, 400, "prompt"),
+    ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404, "model"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user",
+                                                            "content": "hi"}],
+                              "max_completion_tokens": 2000}, 400, "max_tokens"),
+])
+def test_bad_input_is_openai_shaped_and_server_stays_healthy(server, path, body, status,
+                                                             param):
+    code, data = post(server, path, body)
+    assert code == status
+    assert set(data["error"]) == {"message", "type", "param", "code"}
+    assert data["error"]["param"] == param and data["error"]["message"]
+    assert http(f"{server}/health")[0] == 200
+
+
+def test_unknown_fields_are_accepted(server):
+    code, data = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi",
+                                                  "max_tokens": 2, "user": "u1",
+                                                  "metadata": {"a": 1}, "whatever": True})
+    assert code == 200 and data["choices"]
+
+
+def test_auth(server):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    assert post(server, "/v1/completions", body, headers={})[0] == 401
+    code, data = post(server, "/v1/completions", body, headers={"authorization": "Bearer no"})
+    assert code == 401 and data["error"]["type"] == "authentication_error"
+    assert http(f"{server}/health")[0] == 200  # health needs no key
+
+
+def test_32_concurrent_streams(server):
+    async def main():
+        client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
+
+        async def one(i):
+            stream = await client.completions.create(
+                model=MODEL, prompt=f"Item {i} is", max_tokens=16, temperature=0,
+                stream=True, extra_body={"ignore_eos": True})
+            return "".join([c.choices[0].text async for c in stream if c.choices])
+
+        texts = await asyncio.gather(*(one(i) for i in range(32)))
+        await client.close()
+        return texts
+
+    texts = asyncio.run(main())
+    assert len(texts) == 32 and all(texts)
+
+
+def test_disconnect_frees_blocks(server):
+    async def main():
+        client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
+        stream = await client.completions.create(
+            model=MODEL, prompt="Once", max_tokens=900, temperature=0, stream=True,
+            extra_body={"ignore_eos": True})
+        seen = 0
+        async for _ in stream:
+            seen += 1
+            if seen == 3:
+                break
+        await stream.close()
+        await client.close()
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if (metric(server, "shardserve_num_requests_running") == 0
+                and metric(server, "shardserve_kv_cache_usage_ratio") == 0):
+            break
+        time.sleep(0.2)
+    assert metric(server, "shardserve_num_requests_running") == 0
+    assert metric(server, "shardserve_kv_cache_usage_ratio") == 0
+
+
+def test_metrics_count_requests_and_tokens(server, client):
+    before = metric(server, "shardserve_generation_tokens_total")
+    client.completions.create(model=MODEL, prompt="hi", max_tokens=5, temperature=0,
+                              extra_body={"ignore_eos": True})
+    assert metric(server, "shardserve_generation_tokens_total") == before + 5
+    text = http(f"{server}/metrics")[1]
+    for name in ("shardserve_requests_total", "shardserve_prompt_tokens_total",
+                 "shardserve_time_to_first_token_seconds_bucket",
+                 "shardserve_inter_token_latency_seconds_bucket",
+                 "shardserve_e2e_request_latency_seconds_bucket",
+                 "shardserve_num_requests_waiting", "shardserve_num_preemptions_total"):
+        assert name in text, name
+    assert 'outcome="rejected"' in text
