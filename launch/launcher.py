@@ -82,6 +82,10 @@ def settle(plan_path: str | None, profile: str | None, flags: dict,
     planned, plan = plan_file_values(plan_path) if plan_path else ({}, None)
     config = validate(merge(base, planned, flags), "launch settings")
     hardware = resolve_hardware(None, ray_address)
+    if hardware.is_cpu and config.hardware:
+        declared = resolve_hardware(config.hardware, None)
+        if declared.is_cpu:  # CPU ranks are processes on this host: as many as declared
+            hardware = declared
     if plan is not None:
         check_plan_fits(plan, hardware)
         _require_weights(load_model(resolve_model(config.model)).path, config.model)

@@ -76,3 +76,31 @@ def test_served_from_a_plan_file_and_sigterm_exits_cleanly(tmp_path):
     assert code == 0, out
     assert "KV cache measured" in out and "plan predicted" in out
     assert "shut down cleanly" in out
+
+
+def test_replicas_behind_one_server_share_the_load():
+    proc, url = start_server("--profile", "demo", "--set", "hardware=2xcpu",
+                             "--set", "data_parallel_size=2",
+                             "--set", "kv_cache_memory_bytes=33554432")
+    try:
+        import asyncio
+
+        import openai
+
+        async def burst():
+            client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+            results = await asyncio.gather(*(client.completions.create(
+                model="shardserve-demo", prompt=f"Item {i}", max_tokens=8, temperature=0,
+                extra_body={"ignore_eos": True}) for i in range(8)))
+            await client.close()
+            return results
+
+        assert all(r.usage.completion_tokens == 8 for r in asyncio.run(burst()))
+        metrics = http(f"{url}/metrics")[1]
+        served = [line for line in metrics.splitlines()
+                  if line.startswith("shardserve_e2e_request_latency_seconds_count")]
+        assert len(served) == 2 and all(float(line.split()[-1]) > 0 for line in served)
+    finally:
+        code, out = stop_server(proc)
+    assert code == 0, out
+    assert "data_parallel_size=2" in out
