@@ -65,19 +65,18 @@ def build_app(replicas: ReplicaSet, serving: OpenAIServing, metrics: ServerMetri
             "id": serving.served_model_name, "object": "model", "created": 0,
             "owned_by": "shardserve", "max_model_len": replicas.max_model_len}]}
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        job = serving.completion_job(body)
+    async def respond(job, body, request: Request):
         if body.stream:
             return _streaming(serving.stream(job, body.include_usage), metrics)
         return await _until_disconnect(serving.full_response(job), request, metrics)
 
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await respond(serving.completion_job(body), body, request)
+
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
-        job = serving.chat_job(body)
-        if body.stream:
-            return _streaming(serving.stream(job, body.include_usage), metrics)
-        return await _until_disconnect(serving.full_response(job), request, metrics)
+        return await respond(serving.chat_job(body), body, request)
 
     return app
 

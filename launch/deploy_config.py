@@ -9,6 +9,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from shardserve.planner import PlanError
+from shardserve.planner.yaml_file import read_yaml
 
 
 class DeployConfig(BaseModel):
@@ -66,14 +67,8 @@ def validate(values: dict, source: str, lines: dict[str, int] | None = None) -> 
 
 def load_yaml_config(path: Path) -> DeployConfig:
     """A profile file: a flat mapping of DeployConfig keys. Errors name the key and its line."""
-    try:
-        text = path.read_text()
-        node = yaml.compose(text)
-        values = yaml.safe_load(text)
-    except OSError as e:
-        raise PlanError(f"cannot read {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise PlanError(f"{path} is not valid YAML: {e}") from None
+    values, text = read_yaml(path, "profile")
+    node = yaml.compose(text)
     if values is None:
         values = {}
     if not isinstance(values, dict):

@@ -9,13 +9,12 @@ import logging
 import os
 import signal
 
-import yaml
-
 from shardserve.launch.deploy_config import DeployConfig, merge, validate
 from shardserve.launch.plan_view import resolve_hardware, resolve_model
 from shardserve.launch.profiles import load_profile
 from shardserve.planner import PlanError, PlanOptions, load_model, make_plan
 from shardserve.planner.hardware import Hardware
+from shardserve.planner.yaml_file import read_yaml
 
 logger = logging.getLogger("shardserve.launch")
 
@@ -30,13 +29,7 @@ _ENGINE_KEYS = ("dtype", "device", "max_model_len", "gpu_memory_utilization",
 
 def plan_file_values(path: str) -> tuple[dict, dict]:
     """A plan YAML -> (settings it fixes, the plan itself)."""
-    try:
-        with open(path) as f:
-            plan = yaml.safe_load(f)
-    except OSError as e:
-        raise PlanError(f"cannot read plan {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise PlanError(f"plan {path} is not valid YAML: {e}") from None
+    plan, _ = read_yaml(path, "plan")
     if not isinstance(plan, dict) or plan.get("version") != 1:
         raise PlanError(f"{path} is not a shardserve plan (version 1): make one with "
                         "`shardserve plan -o plan.yaml`")

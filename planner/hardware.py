@@ -7,10 +7,9 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import yaml
-
 from shardserve.planner.catalog import find_gpu, gpu_catalog
 from shardserve.planner.errors import PlanError
+from shardserve.planner.yaml_file import read_yaml
 
 GIB = 1 << 30
 # Between nodes: 400 Gb/s InfiniBand or RoCE unless the hardware file says otherwise.
@@ -150,13 +149,7 @@ def load_hardware_file(path: Path) -> Hardware:
         interconnect: nvlink        # optional: override the catalog's
         inter_node_gbps: 50         # optional: GB/s between nodes
     """
-    try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
-    except OSError as e:
-        raise PlanError(f"cannot read hardware file {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise PlanError(f"hardware file {path} is not valid YAML: {e}") from None
+    data, _ = read_yaml(path, "hardware file")
     if not isinstance(data, dict) or not isinstance(data.get("nodes"), list) or not data["nodes"]:
         raise PlanError(f"hardware file {path}: needs a non-empty 'nodes' list "
                         "of {gpu: NAME, count: N}")
