@@ -12,7 +12,8 @@ from shardserve.planner.options import RuntimeSettings
 # NCCL's buffers; CUDA graphs keep their own pool. These are the sizes seen on Hopper-class
 # GPUs with recent drivers; the runtime measures the real ones at start-up.
 CUDA_CONTEXT_BYTES = GIB // 2
-NCCL_TP_BYTES = GIB // 4
+NCCL_BASE_BYTES = GIB // 8       # communicator setup, once a process joins a group
+NCCL_PEER_BYTES = 64 * 2**20     # channel buffers per tensor-parallel peer
 NCCL_PP_BYTES = GIB // 8
 CUDA_GRAPH_BYTES = GIB // 2
 CPU_PROCESS_BYTES = GIB // 4
@@ -80,8 +81,8 @@ def activation_bytes(spec: ModelSpec, tp: int, settings: RuntimeSettings, is_las
 def overhead_bytes(gpu: GpuSpec, tp: int, pp: int) -> int:
     if gpu.is_cpu:
         return CPU_PROCESS_BYTES
-    return (CUDA_CONTEXT_BYTES + CUDA_GRAPH_BYTES + (NCCL_TP_BYTES if tp > 1 else 0)
-            + (NCCL_PP_BYTES if pp > 1 else 0))
+    nccl = NCCL_BASE_BYTES + NCCL_PEER_BYTES * (tp - 1) if tp > 1 else 0
+    return CUDA_CONTEXT_BYTES + CUDA_GRAPH_BYTES + nccl + (NCCL_PP_BYTES if pp > 1 else 0)
 
 
 def plan_memory(spec: ModelSpec, stage_weights: list[float], split: list[int], tp: int,
