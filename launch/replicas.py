@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
 from collections.abc import AsyncIterator
 
@@ -16,11 +18,7 @@ class Replica:
         self.num_active = 0  # requests this server has given the replica and not seen end
 
     def stats(self) -> dict:
-        scheduler = self.engine.engine.scheduler
-        blocks = scheduler.block_manager
-        return {"num_running": len(scheduler.running), "num_waiting": len(scheduler.waiting),
-                "kv_cache_usage": 1.0 - blocks.num_free_blocks / blocks.num_blocks,
-                "num_preemptions": scheduler.num_preemptions}
+        return dataclasses.asdict(self.engine.engine.get_stats())
 
     @property
     def error(self) -> BaseException | None:
@@ -32,9 +30,15 @@ class ReplicaSet:
         self.replicas = [Replica(i, e) for i, e in enumerate(engines)]
         self.metrics = metrics
 
-    @property
+    @functools.cached_property
     def tokenizer(self):
-        return self.replicas[0].engine.engine.tokenizer
+        """The server's own tokenizer: fast tokenizers are not safe to share with the engine's
+        step thread, which detokenizes while the event loop tokenizes new prompts."""
+        engine = self.replicas[0].engine.engine
+        if engine.tokenizer is None:
+            return None
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(engine.config.model.model)
 
     @property
     def max_model_len(self) -> int:

@@ -1,0 +1,38 @@
+"""The attention layer models call: writes new K/V into this layer's cache and attends over it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardserve.runtime.forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    """Holds this layer's slice of the KV pool, bound by the worker after start-up:
+    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim] (keys, values)."""
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
+        super().__init__()
+        self.num_heads, self.head_dim, self.num_kv_heads, self.scale = num_heads, head_dim, num_kv_heads, scale
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [num_tokens, num_heads * head_dim], k/v: [num_tokens, num_kv_heads * head_dim]."""
+        context = get_forward_context()
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if context.attn_metadata is None:  # profiling run without a cache: plain causal attention
+            out = _causal_attention(q, k, v, self.scale)
+        else:
+            out = context.backend.forward(q, k, v, self.kv_cache, context.attn_metadata, self.scale)
+        return out.reshape(-1, self.num_heads * self.head_dim)
+
+
+def _causal_attention(q, k, v, scale):
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale)
+    return out.transpose(0, 1)

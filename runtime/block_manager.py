@@ -1,0 +1,144 @@
+"""The paged KV block pool: reference counts, an LRU free list and prefix caching of full blocks."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+from shardserve.runtime.request import Request
+
+
+def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
+    """Content hash of a full block chained to its parent, so equal hashes mean equal prefixes.
+    NOTE: a cryptographic digest rather than Python's hash(): a collision would silently serve
+    another prompt's KV, and blake2b costs microseconds per block."""
+    digest = hashlib.blake2b(parent or b"", digest_size=16)
+    digest.update(b"".join(t.to_bytes(4, "little", signed=True) for t in token_ids))
+    return digest.digest()
+
+
+class BlockManager:
+    """Owns every KV block. A block is either in use (ref_count > 0, held by the requests listed in
+    `_request_blocks`) or free (ref_count == 0, in `_free` in eviction order). A free block may still
+    carry a hash, in which case a later request with the same prefix takes it back instead of
+    recomputing.
+
+        request tokens: |<- block 0 ->|<- block 1 ->|<- block 2 (partial) ->|
+        block table:    [    b7       ,     b2      ,        b9             ]
+        hashes:         [ h0=H(-,t0..) , h1=H(h0,..) ]  (full blocks only)
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref_counts = [0] * num_blocks
+        self._block_hash: list[bytes | None] = [None] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[bytes, int] = {}  # hash -> block id holding that content
+        self._request_blocks: dict[str, list[int]] = {}
+        self._num_published: dict[str, int] = {}  # leading blocks of a request already offered for reuse
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return self._request_blocks.get(request_id, [])
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Blocks already holding this request's leading full blocks. At least one token is left
+        uncached so the model still runs on the last token and produces logits."""
+        if not self.enable_prefix_caching:
+            return []
+        self._update_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block_id = self._cached.get(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def allocate_slots(self, request: Request, num_tokens: int, cached_block_ids: list[int] = ()) -> bool:
+        """Make the request's blocks cover `num_tokens` tokens, first taking `cached_block_ids`
+        (only for a request with no blocks yet). Returns False, changing nothing, if the pool is short."""
+        held = self._request_blocks.get(request.request_id, [])
+        assert not (held and cached_block_ids), "cached blocks are taken only on first allocation"
+        num_new = self.blocks_needed(num_tokens) - len(held) - len(cached_block_ids)
+        num_revived = sum(1 for b in cached_block_ids if self._ref_counts[b] == 0)
+        if max(num_new, 0) + num_revived > len(self._free):
+            return False
+        blocks = self._request_blocks.setdefault(request.request_id, held)
+        for block_id in cached_block_ids:
+            if self._ref_counts[block_id] == 0:
+                del self._free[block_id]
+            self._ref_counts[block_id] += 1
+            blocks.append(block_id)
+        for _ in range(num_new):
+            blocks.append(self._take_free_block())
+        return True
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        old_hash = self._block_hash[block_id]
+        if old_hash is not None:  # evict its cached content
+            if self._cached.get(old_hash) == block_id:
+                del self._cached[old_hash]
+            self._block_hash[block_id] = None
+        self._ref_counts[block_id] = 1
+        return block_id
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks. Tail blocks go to the free list first so they are evicted
+        before the shared prefix blocks that other requests are likelier to reuse."""
+        self._num_published.pop(request.request_id, None)
+        for block_id in reversed(self._request_blocks.pop(request.request_id, [])):
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                self._free[block_id] = None
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Publish the hashes of blocks whose tokens are all computed, for later prefix hits."""
+        if not self.enable_prefix_caching:
+            return
+        self._update_hashes(request)
+        blocks = self._request_blocks.get(request.request_id, [])
+        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        start = self._num_published.get(request.request_id, 0)
+        self._num_published[request.request_id] = max(start, num_full)
+        for index in range(start, num_full):
+            block_id, block_hash = blocks[index], request.block_hashes[index]
+            if self._block_hash[block_id] is not None or block_hash in self._cached:
+                continue  # already published, or the same content lives in another block
+            self._block_hash[block_id] = block_hash
+            self._cached[block_hash] = block_id
+
+    def _update_hashes(self, request: Request) -> None:
+        hashes, size = request.block_hashes, self.block_size
+        num_full = request.num_tokens // size
+        while len(hashes) < num_full:
+            start = len(hashes) * size
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, request.token_ids_slice(start, start + size)))
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent."""
+        counts = [0] * self.num_blocks
+        for blocks in self._request_blocks.values():
+            assert len(set(blocks)) == len(blocks), "a request holds one block twice"
+            for block_id in blocks:
+                counts[block_id] += 1
+        assert counts == self._ref_counts, "reference counts disagree with the block tables"
+        free = {b for b in range(self.num_blocks) if counts[b] == 0}
+        assert set(self._free) == free, "free list is not exactly the unreferenced blocks"
+        for block_hash, block_id in self._cached.items():
+            assert self._block_hash[block_id] == block_hash, "hash table points at a block with other content"
+        assert self.num_free_blocks + sum(1 for c in counts if c > 0) == self.num_blocks
+        assert set(self._num_published) <= set(self._request_blocks), "bookkeeping kept for a freed request"

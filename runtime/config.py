@@ -1,0 +1,168 @@
+"""Frozen engine configuration, composed by concern, and the record of values measured at start-up."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str  # a local folder with config.json and *.safetensors
+    hf_config: Any  # transformers PretrainedConfig, read once
+    architecture: str
+    dtype: torch.dtype
+    max_model_len: int
+    skip_tokenizer_init: bool = False
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        c = self.hf_config
+        return getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        c = self.hf_config
+        return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+
+def load_model_config(model: str, dtype: str = "auto", max_model_len: int | None = None,
+                      skip_tokenizer_init: bool = False) -> ModelConfig:
+    from transformers import AutoConfig
+
+    config_path = os.path.join(model, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"model must be a local folder with a config.json; {config_path!r} does not exist")
+    with open(config_path) as f:
+        architectures = json.load(f).get("architectures") or []
+    if len(architectures) != 1:
+        raise ValueError(f"config.json must name exactly one architecture, found {architectures}")
+    hf_config = AutoConfig.from_pretrained(model)
+    longest = _max_positions(hf_config)
+    if max_model_len is None:
+        max_model_len = longest
+    elif max_model_len > longest:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's {longest} positions; "
+                         f"set max_model_len <= {longest}")
+    if max_model_len < 1:
+        raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+    return ModelConfig(model=model, hf_config=hf_config, architecture=architectures[0],
+                       dtype=_resolve_dtype(dtype, hf_config), max_model_len=max_model_len,
+                       skip_tokenizer_init=skip_tokenizer_init)
+
+
+def _max_positions(hf_config) -> int:
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(hf_config, name, None)
+        if value:
+            return int(value)
+    raise ValueError("config.json names no max_position_embeddings; pass max_model_len")
+
+
+def _resolve_dtype(dtype: str | torch.dtype, hf_config) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(saved, torch.dtype):
+            return saved
+        return _DTYPES.get(str(saved), torch.float32)
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    device: str  # "cuda" or "cpu", resolved from "auto"
+    seed: int = 0
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but torch sees no CUDA device; use device='cpu'")
+    return device
+
+
+@dataclass(frozen=True)
+class KVCacheInfo:
+    """Measured at start-up: how big the KV block pool came out."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    max_model_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    @property
+    def max_concurrency(self) -> float:
+        """How many requests of max_model_len tokens fit in the pool at once."""
+        blocks_per_request = -(-self.max_model_len // self.block_size)
+        return self.num_blocks / blocks_per_request

@@ -1,0 +1,1 @@
+"""Model-agnostic building blocks: Megatron parallel layers, norms, rotary embedding, activations."""

@@ -1,0 +1,54 @@
+"""Top-k routed experts with gated SiLU MLPs, expert weights stacked per kind and split by tensor rank."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardserve.runtime.checkpoint import CheckpointTensor
+from shardserve.runtime.layers.weights import copy_into, shard_range
+from shardserve.runtime.parallel_state import get_parallel_state, tensor_parallel_all_reduce
+
+
+class FusedMoE(nn.Module):
+    """w13: [num_experts, 2 * intermediate_per_rank, hidden] (gate | up), w2: [num_experts, hidden,
+    intermediate_per_rank]. The checkpoint's per-expert w1/w3/w2 load via shard (expert, "w1"|"w3"|"w2")."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 renormalize: bool = True):
+        super().__init__()
+        state = get_parallel_state()
+        self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.intermediate = shard_range(intermediate_size, 0, self.tp_size)[1]
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate), requires_grad=False)
+        self.w13.weight_loader = self.weight_loader
+        self.w2.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard: tuple[int, str]) -> None:
+        expert, kind = shard
+        if kind == "w2":  # [hidden, intermediate]: split the input dimension
+            start, size = shard_range(loaded.shape[1], self.tp_rank, self.tp_size)
+            copy_into(param.data[expert], loaded.narrow(1, start, size))
+            return
+        start, size = shard_range(loaded.shape[0], self.tp_rank, self.tp_size)
+        offset = 0 if kind == "w1" else self.intermediate
+        copy_into(param.data[expert].narrow(0, offset, size), loaded.narrow(0, start, size))
+
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """hidden: [num_tokens, hidden_size], router_logits: [num_tokens, num_experts]."""
+        weights = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(weights, self.top_k, dim=-1)  # [num_tokens, top_k]
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(hidden.dtype)
+        out = torch.zeros_like(hidden)
+        for expert in experts.unique().tolist():
+            token_index, slot = torch.nonzero(experts == expert, as_tuple=True)
+            x = hidden[token_index]
+            gate, up = F.linear(x, self.w13[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.w2[expert]) * weights[token_index, slot, None]
+            out.index_add_(0, token_index, y)
+        return tensor_parallel_all_reduce(out)

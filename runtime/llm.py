@@ -1,0 +1,96 @@
+"""The offline Python API (vLLM's): LLM(...).generate(prompts, sampling_params) and .chat(...)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict
+
+from shardserve.runtime.config import KVCacheInfo
+from shardserve.runtime.engine import LLMEngine
+from shardserve.runtime.engine_args import EngineArgs
+from shardserve.runtime.outputs import RequestOutput
+from shardserve.runtime.sampling_params import SamplingParams
+
+PromptType = str | dict
+
+
+class LLM:
+    def __init__(self, model: str, dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
+                 gpu_memory_utilization: float = 0.9, kv_cache_memory_bytes: int | None = None,
+                 block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
+                 enable_prefix_caching: bool = True, seed: int = 0, skip_tokenizer_init: bool = False,
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                 distributed_executor_backend: str | None = None):
+        args = EngineArgs(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
+                          gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                          block_size=block_size, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
+                          seed=seed, skip_tokenizer_init=skip_tokenizer_init,
+                          tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                          distributed_executor_backend=distributed_executor_backend)
+        self.engine_args = args
+        self.engine = LLMEngine(args.create_engine_config())
+        self._next_id = 0
+
+    @property
+    def kv_cache_info(self) -> KVCacheInfo:
+        return self.engine.kv_cache_info
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, prompt_params in zip(prompts, params):
+                text, token_ids = self._resolve_prompt(prompt)
+                request_id = str(self._next_id)
+                self._next_id += 1
+                self.engine.add_request(request_id, token_ids, prompt_params, prompt=text)
+                ids.append(request_id)
+        except Exception:  # one bad prompt: queue none of the batch
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(ids)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ValueError("chat needs a tokenizer with a chat_template; use generate() with plain prompts")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt)
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids})
+        return self.generate(prompts, sampling_params)
+
+    def _resolve_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.engine.tokenize(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return prompt["prompt"], self.engine.tokenize(prompt["prompt"])
+        raise ValueError("a prompt is a str, {'prompt': str} or {'prompt_token_ids': [int, ...]}; "
+                         f"got {type(prompt).__name__}")
+
+    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+        return [finished[request_id] for request_id in request_ids]

@@ -1,0 +1,67 @@
+"""Build a model on a device and fill it from its safetensors checkpoint, tensor by tensor."""
+
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from shardserve.runtime.checkpoint import iterate_checkpoint
+from shardserve.runtime.config import ModelConfig
+from shardserve.runtime.layers.weights import default_weight_loader
+from shardserve.runtime.models.registry import build_model
+from shardserve.runtime.parallel_state import get_parallel_state
+
+_LAYER_INDEX = re.compile(r"\.(?:layers|h)\.(\d+)\.")
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
+    with _default_dtype(model_config.dtype), torch.device(device):
+        model = build_model(model_config)
+    load_weights(model, model_config.model)
+    return model.eval()
+
+
+def load_weights(model: nn.Module, folder: str) -> None:
+    """Each checkpoint tensor goes to the parameter the model names for it, through that
+    parameter's weight_loader (which reads only this rank's shard)."""
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    start, end = model.layer_range
+    for name, tensor in iterate_checkpoint(folder):
+        target = model.checkpoint_target(name)
+        if target is None or target.skip:
+            continue
+        layer = _LAYER_INDEX.search(name)
+        if layer and not start <= int(layer.group(1)) < end:
+            continue  # owned by another pipeline stage
+        param = params.get(target.param_name)
+        if param is None and get_parallel_state().pp_size > 1:
+            continue  # embedding or head of another stage; anything truly missing fails below
+        if param is None:
+            raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__} "
+                             f"(looked for {target.param_name!r})")
+        if target.transpose:
+            tensor = tensor.transposed()
+        weight_loader = getattr(param, "weight_loader", default_weight_loader)
+        if target.shard_id is None:
+            weight_loader(param, tensor)
+        else:
+            weight_loader(param, tensor, target.shard_id)
+        loaded.add(target.param_name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint in {folder!r} lacks weights for: {', '.join(missing[:8])}"
+                         + (" ..." if len(missing) > 8 else ""))

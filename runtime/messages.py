@@ -1,0 +1,77 @@
+"""Typed messages between the engine and the workers: what to run this step and what came back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shardserve.runtime.sampling_params import SamplingParams
+
+
+@dataclass(slots=True, frozen=True)
+class NewRequestData:
+    """A request the worker has not seen (or must forget and rebuild after preemption), in full."""
+
+    request_id: str
+    token_ids: tuple[int, ...]  # prompt followed by any outputs produced before a preemption
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    seed: int
+    stop_token_ids: frozenset[int]  # masked out until min_tokens outputs exist
+    block_ids: tuple[int, ...]
+    num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hits)
+
+
+@dataclass(slots=True, frozen=True)
+class CachedRequestData:
+    """A request the worker already holds, as a diff since the last step it ran in."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]  # tokens sampled since the worker last saw it (usually one)
+    new_block_ids: tuple[int, ...]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulerOutput:
+    """One step of work. Requests run in the order new_requests then cached_requests."""
+
+    new_requests: tuple[NewRequestData, ...]
+    cached_requests: tuple[CachedRequestData, ...]
+    num_scheduled_tokens: dict[str, int]  # request id -> tokens computed this step
+    finished_request_ids: frozenset[str]  # the worker drops these (finished, aborted, preempted)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclass(slots=True, frozen=True)
+class TokenLogprobs:
+    """Log-probabilities of one sampled position: the sampled token first, then the top-k."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    sampled_rank: int  # 1-based rank of the sampled token under the raw distribution
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """Returned by the output rank only. Requests mid-prefill have no entry."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+
+
+@dataclass(slots=True, frozen=True)
+class RequestUpdate:
+    """What the scheduler made of one step for one request, handed to the output processor."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_logprobs: tuple[TokenLogprobs, ...]
+    finish_reason: str | None  # "stop", "length" or None while running
+    stop_reason: int | str | None = None

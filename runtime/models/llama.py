@@ -1,0 +1,158 @@
+"""Llama-style decoders: Llama 2/3/3.1, Mistral, Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from shardserve.runtime.attention.layer import Attention
+from shardserve.runtime.config import ModelConfig
+from shardserve.runtime.layers.activation import SiluAndMul, get_activation
+from shardserve.runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from shardserve.runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from shardserve.runtime.layers.norm import RMSNorm
+from shardserve.runtime.layers.rotary import RotaryEmbedding, rope_parameters
+from shardserve.runtime.models.weight_map import WeightTarget, fold_packed, tied_head_target
+from shardserve.runtime.parallel_state import get_parallel_state
+from shardserve.runtime.pipeline import IntermediateTensors, make_layers
+
+
+@dataclass(frozen=True)
+class LlamaVariant:
+    """What distinguishes the family members; everything else comes from config.json."""
+
+    qkv_bias: bool | None = None  # None: config.attention_bias
+    qk_norm: bool = False  # Qwen3
+
+
+LLAMA_PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+                "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, variant: LlamaVariant, max_position: int):
+        super().__init__()
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        qkv_bias = variant.qkv_bias if variant.qkv_bias is not None else getattr(config, "attention_bias", False)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, heads, kv_heads, bias=qkv_bias)
+        self.o_proj = RowParallelLinear(heads * head_dim, config.hidden_size,
+                                        bias=getattr(config, "attention_bias", False) and variant.qkv_bias is None)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = head_dim
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        if variant.qk_norm:
+            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
+        self.has_qk_norm = variant.qk_norm
+        self.rotary_emb = RotaryEmbedding(head_dim, max_position, rope_parameters(config))
+        self.attn = Attention(self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.has_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q.flatten(1), k.flatten(1), v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
+        if config.hidden_act != "silu":
+            get_activation(config.hidden_act)  # raises for unknown names
+            raise ValueError(f"Llama-style MLP supports hidden_act='silu', got {config.hidden_act!r}")
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, variant: LlamaVariant, max_position: int, mlp: nn.Module):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, variant, max_position)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(self, positions, hidden, residual):
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, variant: LlamaVariant, max_position: int, build_mlp: Callable[[int], nn.Module]):
+        super().__init__()
+        state = get_parallel_state()
+        self.is_first_stage, self.is_last_stage = state.is_first_stage, state.is_last_stage
+        if self.is_first_stage:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers, self.start_layer, self.end_layer = make_layers(
+            config.num_hidden_layers, lambda i: LlamaDecoderLayer(config, variant, max_position, build_mlp(i)))
+        if self.is_last_stage:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, intermediate: IntermediateTensors | None = None):
+        if self.is_first_stage:
+            hidden, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden_size]
+        else:
+            hidden, residual = intermediate.hidden_states, intermediate.residual
+        for layer in self.layers[self.start_layer:self.end_layer]:
+            hidden, residual = layer(positions, hidden, residual)
+        if not self.is_last_stage:
+            return IntermediateTensors(hidden, residual)
+        return self.norm(hidden, residual)[0] if residual is not None else self.norm(hidden)
+
+
+def check_sliding_window(config, max_model_len: int) -> None:
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", True) and window and window < max_model_len:
+        raise ValueError(f"this model uses sliding-window attention ({window} tokens), which the runtime "
+                         f"does not implement; set max_model_len <= {window}")
+
+
+class LlamaForCausalLM(nn.Module):
+    packed_modules = LLAMA_PACKED
+
+    def __init__(self, model_config: ModelConfig, variant: LlamaVariant = LlamaVariant(),
+                 build_mlp: Callable[[int], nn.Module] | None = None):
+        super().__init__()
+        config = model_config.hf_config
+        check_sliding_window(config, model_config.max_model_len)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.model = LlamaModel(config, variant, model_config.max_model_len,
+                                build_mlp or (lambda i: LlamaMLP(config)))
+        self.layer_range = (self.model.start_layer, self.model.end_layer)
+        if get_parallel_state().is_last_stage:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+            if self.tie_word_embeddings and self.model.is_first_stage:
+                self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(self, input_ids, positions, intermediate=None):
+        return self.model(input_ids, positions, intermediate)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def checkpoint_target(self, name: str) -> WeightTarget | None:
+        if "rotary_emb.inv_freq" in name:
+            return None
+        if self.tie_word_embeddings:
+            return tied_head_target(name, "model.embed_tokens.weight", self.model.is_first_stage) or fold_packed(
+                name, self.packed_modules)
+        return fold_packed(name, self.packed_modules)

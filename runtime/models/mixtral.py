@@ -1,0 +1,56 @@
+"""Mixtral: the Llama decoder with a top-k routed mixture of experts in place of the MLP."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from shardserve.runtime.config import ModelConfig
+from shardserve.runtime.layers.linear import ReplicatedLinear
+from shardserve.runtime.layers.moe import FusedMoE
+from shardserve.runtime.models.llama import LlamaForCausalLM, LlamaVariant
+from shardserve.runtime.models.weight_map import WeightTarget
+
+_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
+
+
+class MixtralMoE(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.gate = ReplicatedLinear(config.hidden_size, config.num_local_experts, bias=False)
+        self.experts = FusedMoE(config.num_local_experts, config.num_experts_per_tok, config.hidden_size,
+                                config.intermediate_size)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.experts(hidden, self.gate(hidden))
+
+
+class MixtralForCausalLM(nn.Module):
+    """Composes LlamaForCausalLM with MixtralMoE as each layer's MLP; checkpoint names
+    `block_sparse_moe.*` map to the layer's `mlp` slot."""
+
+    def __init__(self, model_config: ModelConfig):
+        super().__init__()
+        config = model_config.hf_config
+        self.inner = LlamaForCausalLM(model_config, LlamaVariant(), build_mlp=lambda i: MixtralMoE(config))
+        self.layer_range = self.inner.layer_range
+
+    def forward(self, input_ids, positions, intermediate=None):
+        return self.inner(input_ids, positions, intermediate)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.inner.compute_logits(hidden)
+
+    def checkpoint_target(self, name: str) -> WeightTarget | None:
+        expert = _EXPERT.search(name)
+        if expert:
+            index, kind = int(expert.group(1)), expert.group(2)
+            param = "w2" if kind == "w2" else "w13"
+            prefix = name[: expert.start()]
+            return WeightTarget(f"inner.{prefix}.mlp.experts.{param}", (index, kind))
+        target = self.inner.checkpoint_target(name.replace(".block_sparse_moe.", ".mlp."))
+        if target is None or target.skip:
+            return target
+        return WeightTarget("inner." + target.param_name, target.shard_id)

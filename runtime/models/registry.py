@@ -1,0 +1,35 @@
+"""The supported architectures, keyed by the `architectures` entry of config.json."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import nn
+
+from shardserve.runtime.config import ModelConfig
+from shardserve.runtime.models.gpt2 import GPT2LMHeadModel
+from shardserve.runtime.models.llama import LlamaForCausalLM, LlamaVariant
+from shardserve.runtime.models.mixtral import MixtralForCausalLM
+from shardserve.runtime.models.opt import OPTForCausalLM
+
+_REGISTRY: dict[str, Callable[[ModelConfig], nn.Module]] = {
+    "LlamaForCausalLM": lambda c: LlamaForCausalLM(c, LlamaVariant()),
+    "MistralForCausalLM": lambda c: LlamaForCausalLM(c, LlamaVariant()),
+    "Qwen2ForCausalLM": lambda c: LlamaForCausalLM(c, LlamaVariant(qkv_bias=True)),
+    "Qwen3ForCausalLM": lambda c: LlamaForCausalLM(c, LlamaVariant(qk_norm=True)),
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "GPT2LMHeadModel": GPT2LMHeadModel,
+    "OPTForCausalLM": OPTForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def build_model(model_config: ModelConfig) -> nn.Module:
+    builder = _REGISTRY.get(model_config.architecture)
+    if builder is None:
+        raise ValueError(f"architecture {model_config.architecture!r} is not supported; "
+                         f"supported: {', '.join(supported_architectures())}")
+    return builder(model_config)

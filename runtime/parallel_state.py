@@ -1,0 +1,77 @@
+"""The process's place in the tensor/pipeline grid, set once, and the collectives that use it.
+
+Global ranks map to groups like this (tp_size=2, pp_size=2):
+
+    global rank | pp_rank (stage) | tp_rank
+    ------------+-----------------+--------
+         0      |        0        |    0
+         1      |        0        |    1
+         2      |        1        |    0
+         3      |        1        |    1
+
+    global_rank = pp_rank * tp_size + tp_rank
+    TP group of a rank: the ranks of its stage.  PP neighbours: same tp_rank, stage +/- 1.
+The output rank (the one that samples and returns results) is tp_rank 0 of the last stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.tp_rank < self.tp_size and 0 <= self.pp_rank < self.pp_size):
+            raise ValueError(f"invalid parallel state {self}")
+
+    @property
+    def global_rank(self) -> int:
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def is_output_rank(self) -> bool:
+        return self.is_last_stage and self.tp_rank == 0
+
+
+_STATE = ParallelState()
+
+
+def get_parallel_state() -> ParallelState:
+    return _STATE
+
+
+def set_parallel_state(state: ParallelState) -> None:
+    """Called once per worker process before the model is built."""
+    global _STATE
+    _STATE = state
+
+
+def tensor_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    if _STATE.tp_size == 1:
+        return x
+    torch.distributed.all_reduce(x)
+    return x
+
+
+def tensor_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    if _STATE.tp_size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(_STATE.tp_size)]
+    torch.distributed.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=dim)

@@ -1,0 +1,86 @@
+"""One request as the scheduler sees it: its tokens, progress and status."""
+
+from __future__ import annotations
+
+import enum
+
+from shardserve.runtime.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+class Request:
+    """Token state of one request. Invariant: num_computed_tokens <= num_tokens, and a running
+    request always has at least one token not yet computed (its prompt tail or its last sample)."""
+
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling_params", "seed",
+                 "eos_token_ids", "status", "stop_reason", "num_computed_tokens", "num_synced_tokens", "num_synced_blocks",
+                 "block_hashes", "num_preemptions")
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 seed: int, eos_token_ids: frozenset[int] = frozenset()) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r} has an empty prompt")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.sampling_params = sampling_params
+        self.seed = seed  # every sample draws from (seed, output index); see sampler.py
+        self.eos_token_ids = eos_token_ids
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_synced_tokens = 0  # tokens the worker has been told about
+        self.num_synced_blocks = 0  # blocks the worker has been told about
+        self.block_hashes: list[bytes] = []  # one per full block of all_token_ids, filled lazily
+        self.num_preemptions = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_total_tokens(self) -> int | None:
+        max_tokens = self.sampling_params.max_tokens
+        return None if max_tokens is None else self.num_prompt_tokens + max_tokens
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        """Tokens that end the request once min_tokens are out (EOS unless ignore_eos)."""
+        params = self.sampling_params
+        ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            ids |= self.eos_token_ids
+        return frozenset(ids)
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without concatenating the whole history."""
+        prompt, num_prompt = self.prompt_token_ids, len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return prompt[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt:end - num_prompt]
+        return prompt[start:] + self.output_token_ids[:end - num_prompt]

@@ -1,0 +1,195 @@
+"""Continuous batching: choose which requests run each step under the token and request budgets."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from shardserve.runtime.block_manager import BlockManager
+from shardserve.runtime.config import SchedulerConfig
+from shardserve.runtime.messages import (CachedRequestData, ModelRunnerOutput, NewRequestData, RequestUpdate,
+                                         SchedulerOutput)
+from shardserve.runtime.request import Request, RequestStatus
+
+
+class Scheduler:
+    """First come, first served. Each step first advances running requests (decode tokens or the
+    next prefill chunk), then admits waiting ones while budget and blocks remain. When blocks run
+    out, the newest running request is preempted: its blocks are freed and it is recomputed later.
+
+    NOTE: one token-based loop covers prefill, chunked prefill and decode alike (each request just
+    has num_tokens - num_computed_tokens left to compute), so there is no separate prefill phase.
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_ids: set[str] = set()  # to tell the worker next step
+        self.num_preemptions = 0
+        self.num_prefix_hit_tokens = 0  # prompt tokens served from the prefix cache
+
+    def add_request(self, request: Request) -> None:
+        self.check_can_ever_fit(request)
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def check_can_ever_fit(self, request: Request) -> None:
+        """Reject up front what could never finish, rather than leave it waiting forever."""
+        max_tokens = request.sampling_params.max_tokens
+        total = request.max_total_tokens or request.num_prompt_tokens + 1  # room for one output at least
+        if total > self.max_model_len:
+            raise ValueError(f"request {request.request_id!r}: prompt ({request.num_prompt_tokens} tokens) + "
+                             f"max_tokens ({max_tokens}) exceeds max_model_len={self.max_model_len}; "
+                             "shorten the prompt or lower max_tokens")
+        pool = self.block_manager
+        needed = pool.blocks_needed(request.max_total_tokens or self.max_model_len)
+        if needed > pool.num_blocks:
+            raise ValueError(f"request {request.request_id!r} needs {needed} KV blocks but the pool has "
+                             f"{pool.num_blocks}; lower max_tokens or give the KV cache more memory")
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        cached: list[CachedRequestData] = []
+        num_preemptions_before = self.num_preemptions
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new):
+                break  # it preempted itself: everything after it is gone too
+            cached.append(self._cached_data(request))
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            index += 1
+        # NOTE: after a preemption nobody is admitted this step; the preempted request heads the
+        # queue and admitting it now would only evict someone else.
+        new = [] if self.num_preemptions > num_preemptions_before else self._admit_waiting(budget, num_scheduled)
+        return self._finish_output(new, cached, num_scheduled)
+
+    def _allocate_or_preempt(self, request: Request, num_new: int) -> bool:
+        """Allocate for `request`, preempting the newest running requests until it fits. Returns
+        False if `request` itself had to be preempted."""
+        total = request.num_computed_tokens + num_new
+        while not self.block_manager.allocate_slots(request, total):
+            victim = self.running.pop()
+            self._preempt(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_synced_tokens = 0
+        request.num_synced_blocks = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._finished_ids.add(request.request_id)  # the worker rebuilds it when it comes back
+        self.waiting.appendleft(request)
+
+    def _admit_waiting(self, budget: int, num_scheduled: dict[str, int]) -> list[NewRequestData]:
+        new = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hits = self.block_manager.find_cached_prefix(request)
+            num_cached = len(hits) * self.block_manager.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not self.block_manager.allocate_slots(request, num_cached + num_new, hits):
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            self.num_prefix_hit_tokens += num_cached
+            request.num_synced_tokens = request.num_tokens
+            request.num_synced_blocks = len(self.block_manager.block_ids(request.request_id))
+            self.running.append(request)
+            new.append(self._new_data(request))
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+        return new
+
+    def _new_data(self, request: Request) -> NewRequestData:
+        return NewRequestData(
+            request_id=request.request_id, token_ids=tuple(request.all_token_ids),
+            num_prompt_tokens=request.num_prompt_tokens, sampling_params=request.sampling_params,
+            seed=request.seed, stop_token_ids=request.stop_token_ids,
+            block_ids=tuple(self.block_manager.block_ids(request.request_id)),
+            num_computed_tokens=request.num_computed_tokens)
+
+    def _cached_data(self, request: Request) -> CachedRequestData:
+        new_tokens = tuple(request.token_ids_slice(request.num_synced_tokens, request.num_tokens))
+        request.num_synced_tokens = request.num_tokens
+        blocks = self.block_manager.block_ids(request.request_id)
+        new_blocks = tuple(blocks[request.num_synced_blocks:])  # blocks only ever grow while running
+        request.num_synced_blocks = len(blocks)
+        return CachedRequestData(request_id=request.request_id, new_token_ids=new_tokens,
+                                 new_block_ids=new_blocks, num_computed_tokens=request.num_computed_tokens)
+
+    def _finish_output(self, new, cached, num_scheduled) -> SchedulerOutput:
+        finished = frozenset(self._finished_ids)
+        self._finished_ids.clear()
+        return SchedulerOutput(new_requests=tuple(new), cached_requests=tuple(cached),
+                               num_scheduled_tokens=num_scheduled, finished_request_ids=finished)
+
+    def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestUpdate]:
+        """Advance each scheduled request by what ran, append sampled tokens, finish requests."""
+        updates = []
+        for request_id, num_tokens in output.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += num_tokens
+            self.block_manager.cache_full_blocks(request)
+            token = runner_output.sampled_token_ids.get(request_id)
+            if token is None:
+                continue  # mid-prefill: nothing sampled yet
+            request.output_token_ids.append(token)
+            finish = self._check_stop(request, token)
+            if finish is not None:
+                self._finish(request, finish)
+            logprobs = runner_output.logprobs.get(request_id)
+            updates.append(RequestUpdate(request_id=request_id, new_token_ids=(token,),
+                                         new_logprobs=(logprobs,) if logprobs else (),
+                                         finish_reason=finish.value if finish else None,
+                                         stop_reason=request.stop_reason))
+        return updates
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens and token in request.stop_token_ids:
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_requests(self, request_ids, status: RequestStatus) -> None:
+        """End requests from outside (abort, or a stop string found by the detokenizer)."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None and not request.status.is_finished:
+                self._finish(request, status)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self.block_manager.free(request)
+        self._finished_ids.add(request.request_id)
+        del self.requests[request.request_id]

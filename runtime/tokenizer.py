@@ -1,0 +1,41 @@
+"""Loading the tokenizer that ships with a model folder, and the model's end-of-sequence ids."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from shardserve.runtime.config import ModelConfig
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(model_config: ModelConfig):
+    """A transformers tokenizer, or None with skip_tokenizer_init."""
+    if model_config.skip_tokenizer_init:
+        return None
+    folder = model_config.model
+    if not any(os.path.isfile(os.path.join(folder, name)) for name in _TOKENIZER_FILES):
+        raise ValueError(f"{folder!r} has no tokenizer files; pass skip_tokenizer_init=True and give "
+                         "prompts as {'prompt_token_ids': [...]}")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def eos_token_ids(model_config: ModelConfig, tokenizer) -> frozenset[int]:
+    """generation_config.json's eos ids if present (Llama 3 lists several), else config.json's,
+    else the tokenizer's."""
+    path = os.path.join(model_config.model, "generation_config.json")
+    value = None
+    if os.path.isfile(path):
+        with open(path) as f:
+            value = json.load(f).get("eos_token_id")
+    if value is None:
+        value = getattr(model_config.hf_config, "eos_token_id", None)
+    if value is None and tokenizer is not None:
+        value = tokenizer.eos_token_id
+    if value is None:
+        return frozenset()
+    ids = value if isinstance(value, (list, tuple)) else [value]
+    return frozenset(int(i) for i in ids if 0 <= int(i) < model_config.vocab_size)

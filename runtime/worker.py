@@ -1,0 +1,101 @@
+"""One model replica shard on one device: loads the model, owns its KV cache tensors, runs steps."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from shardserve.runtime.attention.layer import Attention
+from shardserve.runtime.attention.torch_backend import TorchAttentionBackend
+from shardserve.runtime.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from shardserve.runtime.forward_context import ForwardContext, forward_context
+from shardserve.runtime.inputs import RequestState, apply_scheduler_output, prepare_inputs
+from shardserve.runtime.loader import load_model
+from shardserve.runtime.messages import ModelRunnerOutput, SchedulerOutput
+from shardserve.runtime.parallel_state import ParallelState, set_parallel_state
+from shardserve.runtime.sampler import sample
+
+logger = logging.getLogger(__name__)
+
+
+def select_attention_backend(device: torch.device):
+    if device.type == "cuda":
+        from shardserve.runtime.attention.triton_backend import TritonAttentionBackend
+        return TritonAttentionBackend()
+    return TorchAttentionBackend()
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, parallel_state: ParallelState = ParallelState()):
+        set_parallel_state(parallel_state)
+        self.config = config
+        self.device = torch.device(config.device)
+        torch.manual_seed(config.seed)
+        self.model = load_model(config.model, self.device)
+        self.backend = select_attention_backend(self.device)
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.states: dict[str, RequestState] = {}
+        self.kv_cache: torch.Tensor | None = None
+
+    @property
+    def bytes_per_block(self) -> int:
+        """K and V of one block across this worker's layers."""
+        layer = self.attention_layers[0]
+        elements = 2 * self.config.cache.block_size * layer.num_kv_heads * layer.head_dim
+        return elements * len(self.attention_layers) * self.config.model.dtype.itemsize
+
+    def available_kv_cache_bytes(self) -> int:
+        cache = self.config.cache
+        if cache.kv_cache_memory_bytes is not None:
+            return cache.kv_cache_memory_bytes
+        if self.device.type == "cpu":
+            logger.info("KV cache on CPU: using the default %.1f GiB (set kv_cache_memory_bytes to change it)",
+                        DEFAULT_CPU_KV_CACHE_BYTES / 1024**3)
+            return DEFAULT_CPU_KV_CACHE_BYTES
+        return self._profile_cuda_kv_budget()
+
+    def _profile_cuda_kv_budget(self) -> int:
+        """Run the largest step the scheduler can issue, then give the KV cache what is left of
+        total x gpu_memory_utilization after the peak."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = self.config.scheduler.max_num_batched_tokens
+        num_tokens = min(num_tokens, self.config.model.max_model_len * self.config.scheduler.max_num_seqs)
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device) % self.config.model.max_model_len
+        with torch.inference_mode(), forward_context(ForwardContext(None, self.backend)):
+            hidden = self.model(input_ids, positions)
+            num_rows = min(self.config.scheduler.max_num_seqs, num_tokens)
+            self.model.compute_logits(hidden[:num_rows]).float().softmax(dim=-1)
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        budget = int(total * self.config.cache.gpu_memory_utilization) - non_torch - peak
+        logger.info("memory profile: total %.2f GiB, peak torch %.2f GiB, other %.2f GiB -> KV budget %.2f GiB",
+                    total / 1024**3, peak / 1024**3, non_torch / 1024**3, budget / 1024**3)
+        return max(budget, 0)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        layer = self.attention_layers[0]
+        shape = (len(self.attention_layers), 2, num_blocks, self.config.cache.block_size,
+                 layer.num_kv_heads, layer.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.config.model.dtype, device=self.device)
+        for index, attention in enumerate(self.attention_layers):
+            attention.kv_cache = self.kv_cache[index]  # [2, num_blocks, block_size, kv_heads, head_dim]
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        batch = apply_scheduler_output(self.states, output)
+        if not batch:
+            return ModelRunnerOutput()
+        inputs = prepare_inputs(batch, output.num_scheduled_tokens, self.config.cache.block_size, self.device)
+        with forward_context(ForwardContext(inputs.attn_metadata, self.backend)):
+            hidden = self.model(inputs.input_ids, inputs.positions)  # [num_tokens, hidden_size]
+        if not inputs.sampled_states:
+            return ModelRunnerOutput()
+        logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()  # [num_sampled, vocab]
+        tokens, logprobs = sample(logits, inputs.sampled_states)
+        sampled = {state.request_id: token for state, token in zip(inputs.sampled_states, tokens)}
+        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)

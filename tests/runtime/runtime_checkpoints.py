@@ -1,0 +1,103 @@
+"""Factories for tiny random checkpoints (transformers' save_pretrained) and a tiny trained tokenizer."""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB_SIZE = 320
+BOS, EOS, PAD = 0, 1, 2
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "Continuous batching admits new requests every step.",
+    "naïve café déjà vu — ünïcödé text, 日本語のテキスト, 中文文本, emoji 🙂🚀.",
+    "Ceci n'est pas une pipe. Über den Wolken. ¿Qué tal?",
+] * 20
+
+
+def build_tokenizer(folder: str):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    return fast
+
+
+def family_config(family: str):
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB_SIZE, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)
+    llama_like = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, **common)
+    if family == "llama3":
+        rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+        return tf.LlamaConfig(rope_parameters=rope, **llama_like)
+    if family == "llama2-linear-tied":
+        rope = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+        return tf.LlamaConfig(rope_parameters=rope, tie_word_embeddings=True, attention_bias=True, **llama_like)
+    if family == "mistral":
+        return tf.MistralConfig(sliding_window=None, head_dim=16, **llama_like)
+    if family == "qwen2":
+        return tf.Qwen2Config(tie_word_embeddings=True, **llama_like)
+    if family == "qwen3":
+        return tf.Qwen3Config(head_dim=24, tie_word_embeddings=False, **llama_like)
+    if family == "mixtral":
+        return tf.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **llama_like)
+    if family == "gpt2":
+        return tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=256, **common)
+    if family == "opt":
+        return tf.OPTConfig(hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
+                            max_position_embeddings=256, word_embed_proj_dim=64, **common)
+    if family == "opt-postln-proj":  # like opt-350m: LayerNorm after each block, 32-wide embeddings projected
+        return tf.OPTConfig(hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
+                            max_position_embeddings=256, word_embed_proj_dim=32, do_layer_norm_before=False,
+                            **common)
+    raise KeyError(family)
+
+
+FAMILIES = ["llama3", "llama2-linear-tied", "mistral", "qwen2", "qwen3", "mixtral", "gpt2", "opt", "opt-postln-proj"]
+
+
+def save_checkpoint(folder: str, family: str, with_tokenizer: bool = True, seed: int = 0,
+                    max_shard_size: str | None = None):
+    """Write a random model of `family` to `folder`; returns the transformers model (eval, float32)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(family_config(family), dtype=torch.float32)
+    std = 0.3 if family.startswith("opt") else 0.15
+    with torch.no_grad():  # larger weights than the default init make logits less flat, so argmax is robust
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, std)
+            elif "bias" in name:
+                param.normal_(0.0, 0.05)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, **kwargs)
+    if with_tokenizer:
+        build_tokenizer(folder)
+    return model.eval()
+
+
+def bytes_per_block(folder: str, block_size: int) -> int:
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(folder)
+    heads = getattr(c, "num_attention_heads", None) or c.n_head
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    hidden = getattr(c, "hidden_size", None) or c.n_embd
+    head_dim = getattr(c, "head_dim", None) or hidden // heads
+    layers = getattr(c, "num_hidden_layers", None) or c.n_layer
+    return 2 * block_size * kv_heads * head_dim * layers * 4

@@ -1,0 +1,61 @@
+"""Incremental detokenization never splits a character; chat applies the template; text matches decode."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardserve.runtime import LLM, SamplingParams
+from shardserve.runtime.detokenizer import IncrementalDetokenizer
+
+TEXT = "naïve café — 日本語のテキスト 🙂🚀 and plain words"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(checkpoint_factory):
+    return checkpoint_factory("qwen2")
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    return LLM(checkpoint[0], device="cpu", kv_cache_memory_bytes=2**24)
+
+
+def test_streamed_text_never_splits_a_character(llm):
+    tokenizer = llm.get_tokenizer()
+    ids = tokenizer(TEXT, add_special_tokens=False).input_ids
+    assert any("\ufffd" in tokenizer.decode([t]) for t in ids), "control: some tokens are partial characters"
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    pieces = [detokenizer.push(t) for t in ids] + [detokenizer.flush()]
+    assert all("\ufffd" not in piece for piece in pieces)
+    assert "".join(pieces) == TEXT
+    assert "" in pieces[:-1]  # some tokens were held back until their character completed
+
+
+def test_special_tokens_are_skipped_unless_asked(llm):
+    tokenizer = llm.get_tokenizer()
+    ids = tokenizer("plain words", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+    for skip, expected in ((True, "plain words"), (False, "plain words</s>")):
+        detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
+        assert "".join(detokenizer.push(t) for t in ids) + detokenizer.flush() == expected
+
+
+def test_output_text_equals_decode_of_output_tokens(llm):
+    outputs = llm.generate(["The quick brown", "日本語", "café"], SamplingParams(temperature=0.0, max_tokens=16))
+    tokenizer = llm.get_tokenizer()
+    for output in outputs:
+        completion = output.outputs[0]
+        assert completion.text == tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+    assert outputs[1].prompt == "日本語" and outputs[1].prompt_token_ids == tokenizer("日本語").input_ids
+
+
+def test_chat_applies_the_template(llm):
+    messages = [{"role": "user", "content": "Über den Wolken?"}]
+    (chat,) = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=6))
+    tokenizer = llm.get_tokenizer()
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text.endswith("assistant:") and chat.prompt == text
+    assert chat.prompt_token_ids == tokenizer(text, add_special_tokens=False).input_ids
+    (plain,) = llm.generate({"prompt_token_ids": chat.prompt_token_ids}, SamplingParams(temperature=0.0, max_tokens=6))
+    assert chat.outputs[0].token_ids == plain.outputs[0].token_ids
+    two = llm.chat([messages, [{"role": "user", "content": "café"}]], SamplingParams(max_tokens=2))
+    assert len(two) == 2

@@ -1,0 +1,106 @@
+"""The Triton attention kernels under TRITON_INTERPRET=1 on CPU, against the torch reference backend."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, i.e. at the import below
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from shardserve.runtime.attention import triton_kernels  # noqa: E402
+from shardserve.runtime.attention.torch_backend import TorchAttentionBackend, paged_attention, write_kv  # noqa: E402
+from shardserve.runtime.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from shardserve.runtime.inputs import RequestState, prepare_inputs  # noqa: E402
+from shardserve.runtime.sampling_params import SamplingParams  # noqa: E402
+
+BLOCK_SIZE, NUM_BLOCKS = 4, 24
+
+
+def make_batch(shapes, seed=0):
+    """shapes: (num_cached, num_new) per request -> metadata with shuffled block tables."""
+    generator = torch.Generator().manual_seed(seed)
+    free = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
+    states, scheduled = [], {}
+    for i, (num_cached, num_new) in enumerate(shapes):
+        total = num_cached + num_new
+        blocks = [free.pop() for _ in range(-(-total // BLOCK_SIZE))]
+        states.append(RequestState(f"r{i}", [1] * total, total, SamplingParams(), 0, frozenset(), blocks, num_cached))
+        scheduled[f"r{i}"] = num_new
+    return prepare_inputs(states, scheduled, BLOCK_SIZE, torch.device("cpu")).attn_metadata
+
+
+def random_case(shapes, num_heads=4, num_kv_heads=2, head_dim=24, seed=0):
+    meta = make_batch(shapes, seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    num_tokens = meta.query_start_loc_cpu[-1]
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=generator)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator)
+    cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, head_dim, generator=generator)  # cached prefix
+    return meta, q, k, v, cache
+
+
+def test_store_kv_writes_the_same_slots():
+    meta, _, k, v, cache = random_case([(3, 5), (0, 6), (8, 1)])
+    expected = cache.clone()
+    write_kv(k, v, expected, meta.slot_mapping)
+    triton_kernels.store_kv(k, v, cache, meta.slot_mapping)
+    assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("shapes, head_dim", [
+    ([(0, 7), (5, 3), (9, 1), (0, 1)], 24),  # fresh prefill, chunk over a cached prefix, decodes
+    ([(13, 18)], 16),  # more queries than one tile, prefix not block aligned
+])
+def test_prefill_kernel_matches_reference(shapes, head_dim):
+    meta, q, k, v, cache = random_case(shapes, head_dim=head_dim)
+    write_kv(k, v, cache, meta.slot_mapping)
+    expected = paged_attention(q, cache, meta, scale=0.3)
+    actual = triton_kernels.paged_prefill(q, cache, meta, scale=0.3)
+    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_split_kv_decode_matches_reference(num_splits):
+    meta, q, k, v, cache = random_case([(20, 1), (2, 1), (37, 1)], num_heads=4, num_kv_heads=1)
+    write_kv(k, v, cache, meta.slot_mapping)
+    expected = paged_attention(q, cache, meta, scale=0.2)
+    actual = triton_kernels.paged_decode(q, cache, meta, scale=0.2, num_splits=num_splits)
+    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("shapes, dtype", [([(6, 1), (11, 1)], torch.float32), ([(6, 2), (0, 5)], torch.float32),
+                                           ([(6, 1), (11, 1)], torch.float16), ([(6, 2), (0, 5)], torch.float16)])
+def test_backend_matches_torch_backend(shapes, dtype):
+    meta, q, k, v, cache = (x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x
+                            for x in random_case(shapes, seed=4))
+    reference_cache = cache.clone()
+    expected = TorchAttentionBackend().forward(q, k, v, reference_cache, meta, 0.25)
+    actual = TritonAttentionBackend().forward(q, k, v, cache, meta, 0.25)
+    tolerance = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-3, "rtol": 2e-3}
+    assert actual.dtype == dtype
+    torch.testing.assert_close(actual, expected, **tolerance)
+    assert torch.equal(cache, reference_cache)
+
+
+def test_default_split_count_grows_with_length_not_batch():
+    assert triton_kernels.default_num_splits(1, 8, 4096) > 1
+    assert triton_kernels.default_num_splits(256, 32, 4096) == 1
+    assert triton_kernels.default_num_splits(1, 8, 100) == 1
+
+
+@pytest.mark.parametrize("family", ["gpt2", "qwen3"])  # q/k/v as strided views; head_dim 24
+def test_models_on_the_triton_backend_match_transformers(family, checkpoint_factory):
+    from runtime_forward import PROMPT, run_chunks
+
+    from shardserve.runtime.config import load_model_config
+    from shardserve.runtime.loader import load_model
+
+    folder, hf_model = checkpoint_factory(family)
+    model = load_model(load_model_config(folder), torch.device("cpu"))
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([PROMPT])).logits[0]
+    logits = run_chunks(model, [len(PROMPT) - 2, 1, 1], TritonAttentionBackend())  # prefill, then decodes
+    assert (logits - expected).abs().max().item() < 1e-4

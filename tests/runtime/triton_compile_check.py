@@ -1,0 +1,47 @@
+"""Compile every Triton kernel ahead of time for a Hopper GPU (sm_90), no GPU needed.
+
+Run in a fresh process without TRITON_INTERPRET (test_triton_compile.py does that). The interpreter
+checks what the kernels compute; this checks that the real compiler accepts them (types of
+loop-carried values, tl.dot shapes and dtypes) all the way to a cubin."""
+
+from __future__ import annotations
+
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.compiler import compile as triton_compile
+
+from shardserve.runtime.attention import triton_kernels as kernels
+
+INDEX = {"query_start_ptr": "*i32", "seq_lens_ptr": "*i32", "tables_ptr": "*i32", "table_stride": "i32",
+         "scale": "fp32", "num_heads": "i32", "num_kv_heads": "i32", "head_dim": "i32", "block_size": "i32"}
+
+
+def compile_kernel(fn, types: dict, constexprs: dict) -> None:
+    names = fn.arg_names
+    signature = {n: "constexpr" if n in constexprs else types[n] for n in names}
+    source = ASTSource(fn=fn, signature=signature,
+                       constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    compiled = triton_compile(source, target=GPUTarget("cuda", 90, 32))
+    assert "cubin" in compiled.asm, fn.__name__
+
+
+def main() -> None:
+    for dtype, is_fp32 in (("*bf16", False), ("*fp32", True)):
+        compile_kernel(kernels._store_kv_kernel, {"k_ptr": dtype, "v_ptr": dtype, "k_cache_ptr": dtype,
+                                                  "v_cache_ptr": dtype, "slot_ptr": "*i64", "row_size": "i32"},
+                       {"BLOCK": 1024})
+        tensors = {"q_ptr": dtype, "k_cache_ptr": dtype, "v_cache_ptr": dtype}
+        compile_kernel(kernels._prefill_kernel, {**tensors, "out_ptr": dtype, **INDEX},
+                       {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_D": 128, "IS_FP32": is_fp32})
+        parts = {"part_out_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32"}
+        compile_kernel(kernels._decode_split_kernel,
+                       {**tensors, **parts, **INDEX, "num_splits": "i32", "split_len": "i32"},
+                       {"BLOCK_N": 16, "BLOCK_D": 128})
+        compile_kernel(kernels._decode_reduce_kernel,
+                       {**parts, "out_ptr": dtype, "query_start_ptr": "*i32", "num_heads": "i32",
+                        "head_dim": "i32", "num_splits": "i32"}, {"BLOCK_S": 4, "BLOCK_D": 128})
+    print("compiled")
+
+
+if __name__ == "__main__":
+    main()
