@@ -23,7 +23,7 @@ test: $(STAMP)
 demo: $(STAMP)
 	@echo "Serving the bundled demo model on http://localhost:8000 (Ctrl-C stops it). Try:"
 	@echo "  curl http://localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\"
-	@echo "    -d '{\"model\": \"shardserve-demo\", \"messages\": [{\"role\": \"user\", \"content\": \"What is a list?\"}]}'"
+	@echo "    -d '{\"model\": \"shardserve-demo\", \"messages\": [{\"role\": \"user\", \"content\": \"What is a list?\"}], \"max_tokens\": 48, \"temperature\": 0.7}'"
 	@echo "  $(VENV)/bin/python -c \"import openai; c = openai.OpenAI(base_url='http://localhost:8000/v1', api_key='none'); print(c.completions.create(model='shardserve-demo', prompt='The function', max_tokens=32).choices[0].text)\""
 	$(VENV)/bin/shardserve launch --profile demo
 
