@@ -8,6 +8,7 @@ import hmac
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shardserve.launch import __version__
 from shardserve.launch.metrics import ServerMetrics
@@ -26,14 +27,22 @@ def build_app(replicas: ReplicaSet, serving: OpenAIServing, metrics: ServerMetri
             metrics.outcome("rejected" if e.status < 500 else "unavailable")
         return JSONResponse(e.body(), status_code=e.status)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException):
+        # unknown routes and wrong methods: the same error shape as everything else
+        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), e.status_code)
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError):
-        first = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
-        param = ".".join(str(p) for p in first["loc"] if p != "body") or None
-        message = "; ".join(f"{'.'.join(str(p) for p in err['loc'] if p != 'body')}: "
-                            f"{err['msg']}" for err in e.errors())
         metrics.outcome("rejected")
-        return JSONResponse(APIError(400, message or "invalid request", param).body(), 400)
+        errors = e.errors()
+        if any(err["type"] == "json_invalid" for err in errors):
+            return JSONResponse(APIError(400, "the request body is not valid JSON").body(), 400)
+        fields = [".".join(str(p) for p in err["loc"][1:]) for err in errors]
+        message = "; ".join(f"{f}: {err['msg']}" if f else err["msg"]
+                            for f, err in zip(fields, errors))
+        return JSONResponse(APIError(400, message or "invalid request",
+                                     fields[0] if fields and fields[0] else None).body(), 400)
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):

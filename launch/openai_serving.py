@@ -191,8 +191,8 @@ class OpenAIServing:
                     index = i * job.params.n + c.index
                     t0, n0 = sent_text.get(index, 0), sent_tokens.get(index, 0)
                     delta, new_ids = c.text[t0:], c.token_ids[n0:]
-                    if not delta and not new_ids and c.finish_reason is None:
-                        continue
+                    if not delta and c.finish_reason is None:
+                        continue  # text held back (a stop string may be forming): wait
                     sent_text[index], sent_tokens[index] = len(c.text), len(c.token_ids)
                     choice = self._choice(job, res, c, index, delta, new_ids,
                                           (c.logprobs or [])[n0:], t0 if n0 else 0,

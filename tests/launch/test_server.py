@@ -4,6 +4,7 @@ import asyncio
 import json
 import re
 import time
+import urllib.error
 
 import openai
 import pytest
@@ -147,6 +148,36 @@ def test_bad_input_is_openai_shaped_and_server_stays_healthy(server, path, body,
     assert set(data["error"]) == {"message", "type", "param", "code"}
     assert data["error"]["param"] == param and data["error"]["message"]
     assert http(f"{server}/health")[0] == 200
+
+
+def test_malformed_json(server):
+    status, text = http(f"{server}/v1/completions", None, AUTH)  # GET: wrong method
+    assert status == 405 and json.loads(text)["error"]["code"] == 405
+    status, text = http(f"{server}/v1/nothing-here", None, AUTH)
+    assert status == 404 and json.loads(text)["error"]["message"] == "Not Found"
+    import urllib.request
+    request = urllib.request.Request(f"{server}/v1/completions", data=b"not json",
+                                     headers={"content-type": "application/json", **AUTH})
+    try:
+        urllib.request.urlopen(request, timeout=10)
+    except urllib.error.HTTPError as e:
+        body = json.loads(e.read())
+        assert e.code == 400 and body["error"]["message"] == "the request body is not valid JSON"
+    else:
+        raise AssertionError("malformed JSON was accepted")
+
+
+def test_stop_string_streaming_sends_no_empty_chunks(client):
+    base = client.completions.create(model=MODEL, prompt="The function returns",
+                                     max_tokens=24, temperature=0).choices[0].text
+    stop = base.strip().split()[-1]
+    chunks = [c for c in client.completions.create(
+        model=MODEL, prompt="The function returns", max_tokens=24, temperature=0, stop=[stop],
+        stream=True) if c.choices]
+    assert all(c.choices[0].text or c.choices[0].finish_reason for c in chunks)
+    streamed = "".join(c.choices[0].text for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "stop" and stop not in streamed
+    assert base.startswith(streamed)
 
 
 def test_unknown_fields_are_accepted(server):
