@@ -155,6 +155,32 @@ def launch(
     raise typer.Exit(code)
 
 
+@app.command()
+def doctor(
+    plan_file: Annotated[Optional[Path], typer.Option(
+        "--plan", help="Check this machine against a plan from `shardserve plan -o`.")] = None,
+    format: Annotated[Format, typer.Option("--format", help="table or json.")] = Format.table,
+) -> None:
+    """Check GPUs, NVLink, /dev/shm, network interfaces, versions and the model files."""
+    from shardserve.launch.doctor import run_checks
+    from shardserve.launch.launcher import plan_file_values
+
+    with _user_errors():
+        plan = plan_file_values(str(plan_file))[1] if plan_file else None
+        checks = run_checks(plan)
+    if format is Format.json:
+        print(json.dumps({"checks": [c.to_dict() for c in checks]}, indent=2))
+    else:
+        from rich.table import Table
+        colors = {"pass": "green", "warn": "yellow", "fail": "red", "skip": "dim"}
+        table = Table("check", "status", "detail", "fix")
+        for c in checks:
+            table.add_row(c.name, f"[{colors[c.status]}]{c.status}[/]", c.detail, c.fix or "")
+        Console().print(table)
+    if any(c.status == "fail" for c in checks):
+        raise typer.Exit(1)
+
+
 profiles_app = typer.Typer(no_args_is_help=True, help="The YAML profiles in profiles/.")
 app.add_typer(profiles_app, name="profiles")
 

@@ -1,12 +1,13 @@
 """Hardware: declared strings, YAML files, NVML detection (through a stand-in) and Ray nodes."""
 
 import os
-import types
 
 import pytest
 
 from shardserve.planner import PlanError, parse_declared
 from shardserve.planner.detect import detect_local, hardware_from_ray_nodes
+
+from tests.planner.factories import FakeNvml
 
 
 @pytest.mark.parametrize("text, nodes, per_node, name", [
@@ -69,52 +70,6 @@ def test_yaml_errors(tmp_path, body, message):
     path.write_text(body)
     with pytest.raises(PlanError, match=message):
         parse_declared(str(path))
-
-
-class FakeNvml:
-    """A stand-in for the pynvml module (the NVIDIA library is not on a CPU machine)."""
-
-    NVML_FEATURE_ENABLED = 1
-    NVML_NVLINK_MAX_LINKS = 4
-
-    class NVMLError(Exception):
-        pass
-
-    def __init__(self, names, total=80 * 2**30, free=None, links=None, fail_init=False):
-        self.names, self.total, self.fail_init = names, total, fail_init
-        self.free = free or [total] * len(names)
-        self.links = links or {}  # (gpu, link) -> remote bus id
-        self.shutdown = False
-
-    def nvmlInit(self):
-        if self.fail_init:
-            raise self.NVMLError("NVML Shared Library Not Found")
-
-    def nvmlShutdown(self):
-        self.shutdown = True
-
-    def nvmlDeviceGetCount(self):
-        return len(self.names)
-
-    def nvmlDeviceGetHandleByIndex(self, i):
-        return i
-
-    def nvmlDeviceGetName(self, h):
-        return self.names[h].encode()
-
-    def nvmlDeviceGetMemoryInfo(self, h):
-        return types.SimpleNamespace(total=self.total, free=self.free[h], used=0)
-
-    def nvmlDeviceGetPciInfo(self, h):
-        return types.SimpleNamespace(busId=f"00000000:{h + 1:02X}:00.0".encode())
-
-    def nvmlDeviceGetNvLinkState(self, h, link):
-        if link >= self.NVML_NVLINK_MAX_LINKS:
-            raise self.NVMLError("Invalid Argument")
-        return int((h, link) in self.links)
-
-    def nvmlDeviceGetNvLinkRemotePciInfo(self, h, link):
-        return types.SimpleNamespace(busId=self.links[(h, link)].encode())
 
 
 def bus(i):
