@@ -27,25 +27,28 @@ _ENGINE_KEYS = ("dtype", "device", "max_model_len", "gpu_memory_utilization",
                 "distributed_executor_backend")
 
 
+def plan_settings(plan: dict) -> dict:
+    """The settings a plan fixes, under the names profiles and flags use."""
+    try:
+        rt, par = plan["runtime"], plan["parallel"]
+        return {"model": plan["model"]["path"] or plan["model"]["id"],
+                **{k: rt[k] for k in ("device", "dtype", "max_model_len",
+                                      "gpu_memory_utilization", "max_num_seqs",
+                                      "max_num_batched_tokens", "block_size",
+                                      "enable_prefix_caching", "kv_cache_memory_bytes")},
+                **{k: par[k] for k in ("tensor_parallel_size", "pipeline_parallel_size",
+                                       "data_parallel_size", "distributed_executor_backend")}}
+    except (KeyError, TypeError) as e:
+        raise PlanError(f"the plan lacks {e}: make it again with `shardserve plan`") from None
+
+
 def plan_file_values(path: str) -> tuple[dict, dict]:
     """A plan YAML -> (settings it fixes, the plan itself)."""
     plan, _ = read_yaml(path, "plan")
     if not isinstance(plan, dict) or plan.get("version") != 1:
         raise PlanError(f"{path} is not a shardserve plan (version 1): make one with "
                         "`shardserve plan -o plan.yaml`")
-    try:
-        rt, par = plan["runtime"], plan["parallel"]
-        values = {"model": plan["model"]["path"] or plan["model"]["id"],
-                  **{k: rt[k] for k in ("device", "dtype", "max_model_len",
-                                        "gpu_memory_utilization", "max_num_seqs",
-                                        "max_num_batched_tokens", "block_size",
-                                        "enable_prefix_caching", "kv_cache_memory_bytes")},
-                  **{k: par[k] for k in ("tensor_parallel_size", "pipeline_parallel_size",
-                                         "data_parallel_size",
-                                         "distributed_executor_backend")}}
-    except (KeyError, TypeError) as e:
-        raise PlanError(f"plan {path} lacks {e}: make it again with `shardserve plan`") from None
-    return values, plan
+    return plan_settings(plan), plan
 
 
 def check_plan_fits(plan: dict, hardware: Hardware) -> None:
@@ -89,13 +92,7 @@ def settle(plan_path: str | None, profile: str | None, flags: dict,
         info = load_model(resolve_model(model))
         _require_weights(info.path, model)
         plan = make_plan(info, hardware, options).to_dict()
-        rt, par = plan["runtime"], plan["parallel"]
-        chosen = {**{k: rt[k] for k in ("device", "dtype", "max_model_len", "max_num_seqs",
-                                        "max_num_batched_tokens", "kv_cache_memory_bytes")},
-                  **{k: par[k] for k in ("tensor_parallel_size", "pipeline_parallel_size",
-                                         "data_parallel_size",
-                                         "distributed_executor_backend")}}
-        config = validate(merge(chosen, config.set_values(), {"model": model}),
+        config = validate(merge(plan_settings(plan), config.set_values(), {"model": model}),
                           "launch settings")
     return config, plan
 
