@@ -2,6 +2,7 @@
 
     python bench/throughput.py --model PATH --num-prompts 64 --input-len 128 --output-len 128
     python bench/throughput.py --tiny-random llama --num-prompts 32   # no checkpoint needed (CPU smoke run)
+    python bench/throughput.py --model PATH --tensor-parallel-size 2 --pipeline-parallel-size 2
 
 Random token prompts, ignore_eos, prefix caching off; both engines get the same checkpoint and prompts
 in the same run. Prints requests/s, output tokens/s and total tokens/s, and our/transformers ratios.
@@ -33,6 +34,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    parser.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None)
     parser.add_argument("--hf-batch-size", type=int, default=None, help="transformers batch size (default: all)")
     parser.add_argument("--skip-hf", action="store_true", help="measure the runtime only")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -67,19 +71,24 @@ def bench_runtime(args, folder: str, prompts: list[list[int]]) -> dict:
     llm = LLM(folder, dtype=args.dtype, device=args.device, max_model_len=args.input_len + args.output_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               kv_cache_memory_bytes=args.kv_cache_memory_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
-              enable_prefix_caching=False, seed=args.seed, skip_tokenizer_init=True)
+              enable_prefix_caching=False, seed=args.seed, skip_tokenizer_init=True,
+              tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+              distributed_executor_backend=args.distributed_executor_backend)
     params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], SamplingParams(max_tokens=4, ignore_eos=True))
-    _synchronize(llm.engine.config.device)
-    start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    _synchronize(llm.engine.config.device)
-    elapsed = time.perf_counter() - start
+    with llm:
+        llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], SamplingParams(max_tokens=4, ignore_eos=True))
+        _synchronize(llm.engine.config.device)  # the workers' steps end before their results come back
+        start = time.perf_counter()
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        _synchronize(llm.engine.config.device)
+        elapsed = time.perf_counter() - start
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     info = llm.kv_cache_info
     return _result(elapsed, prompts, num_out) | {"kv_cache_tokens": info.num_tokens,
                                                  "max_concurrency": round(info.max_concurrency, 2),
                                                  "device": llm.engine.config.device,
+                                                 "tensor_parallel_size": args.tensor_parallel_size,
+                                                 "pipeline_parallel_size": args.pipeline_parallel_size,
                                                  "preemptions": llm.engine.scheduler.num_preemptions}
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import json
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -141,6 +142,8 @@ def launch(
                                               if distributed_executor_backend else None),
              "max_model_len": max_model_len, "dtype": dtype, "host": host, "port": port,
              "served_model_name": served_model_name}
+    if ray_address:
+        os.environ["RAY_ADDRESS"] = ray_address  # the runtime's Ray executor joins it
     with _user_errors():
         flags.update(parse_set(set_ or []))
         config, plan = settle(str(plan_file) if plan_file else None, profile, flags,

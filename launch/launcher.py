@@ -112,6 +112,14 @@ def engine_kwargs(config: DeployConfig) -> dict:
     return kwargs
 
 
+def replica_kwargs(kwargs: dict, replica: int) -> dict:
+    """Replica r's ranks take the r-th block of tp x pp GPUs: its first is 'cuda:<r * tp * pp>'."""
+    if not str(kwargs.get("device", "")).startswith("cuda") or replica == 0:
+        return kwargs
+    ranks = kwargs.get("tensor_parallel_size", 1) * kwargs.get("pipeline_parallel_size", 1)
+    return kwargs | {"device": f"cuda:{replica * ranks}"}
+
+
 def log_plan(plan: dict) -> None:
     par, mem = plan["parallel"], plan["memory"]
     logger.info("plan: %s on %s: tensor_parallel_size=%d pipeline_parallel_size=%d "
@@ -162,7 +170,8 @@ def serve(config: DeployConfig, plan: dict, host: str, port: int, api_key: str |
     name = served_model_name or config.model
     path = resolve_model(config.model)
     kwargs = engine_kwargs(config)
-    engines = [AsyncEngine(path, **kwargs) for _ in range(config.data_parallel_size or 1)]
+    engines = [AsyncEngine(path, **replica_kwargs(kwargs, r))
+               for r in range(config.data_parallel_size or 1)]
     info = engines[0].kv_cache_info
     compare_kv(plan, info.num_tokens, info.max_model_len)
 

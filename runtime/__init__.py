@@ -1,5 +1,6 @@
 """The bundled inference runtime: paged KV cache, continuous batching, sharded models."""
 
+from shardserve.runtime.errors import EngineDeadError
 from shardserve.runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from shardserve.runtime.sampling_params import SamplingParams
 
@@ -18,4 +19,5 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "AsyncEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "AsyncEngine", "EngineArgs", "EngineDeadError", "SamplingParams", "RequestOutput",
+           "CompletionOutput", "Logprob"]

@@ -12,6 +12,7 @@ from shardserve.runtime.outputs import RequestOutput
 from shardserve.runtime.sampling_params import SamplingParams
 
 _END = object()  # ends a stream whose request was aborted
+HEALTH_CHECK_SECONDS = 0.5  # while idle, how often the workers are checked for life
 
 
 @dataclass(slots=True)
@@ -34,8 +35,7 @@ class AsyncEngine:
         self._pending_aborts: list[tuple[str, asyncio.Future]] = []
         self._wake: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
-        self.error: BaseException | None = None  # set if the step loop died; the engine is unusable then
-        self.error: BaseException | None = None  # why the step loop died; it stays dead
+        self.error: BaseException | None = None  # why the step loop died (a dead rank, say); it stays dead
 
     @property
     def kv_cache_info(self):
@@ -93,19 +93,34 @@ class AsyncEngine:
             if not self.engine.has_unfinished_requests():
                 self._wake.clear()
                 if not (self._pending_adds or self._pending_aborts):
-                    await self._wake.wait()
+                    await self._idle()
                 continue
             try:
                 outputs = await asyncio.to_thread(self.engine.step)
-            except Exception as error:  # hand the failure to every waiting stream, then stop
-                self.error = error
-                for stream in self._streams.values():
-                    stream.put_nowait(error)
+            except Exception as error:
+                self._fail(error)
                 raise
             for output in outputs:
                 stream = self._streams.get(output.request_id)
                 if stream is not None:
                     stream.put_nowait(output)
+
+    async def _idle(self) -> None:
+        """Wait for work; meanwhile notice a worker rank dying, so the engine is known dead at once."""
+        try:
+            await asyncio.wait_for(self._wake.wait(), HEALTH_CHECK_SECONDS)
+        except asyncio.TimeoutError:
+            try:
+                self.engine.check_health()
+            except Exception as error:
+                self._fail(error)
+                raise
+
+    def _fail(self, error: BaseException) -> None:
+        """Hand the failure to every waiting stream; the loop stops."""
+        self.error = error
+        for stream in self._streams.values():
+            stream.put_nowait(error)
 
     def _apply_pending(self) -> None:
         adds, self._pending_adds = self._pending_adds, []

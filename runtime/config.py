@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,13 +136,22 @@ class EngineConfig:
 
 
 def resolve_device(device: str) -> str:
+    """'auto', 'cpu', 'cuda', or 'cuda:N' (N: the first GPU of this engine's ranks, so that
+    data-parallel replicas in one process each take their own GPUs)."""
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cuda", "cpu"):
-        raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {device!r}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but torch sees no CUDA device; use device='cpu'")
+    if device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", device):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but torch sees no CUDA device; use device='cpu'")
+    if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
+        raise ValueError(f"device={device!r}: torch sees {torch.cuda.device_count()} GPUs")
     return device
+
+
+def first_device_index(device: str) -> int:
+    """0 for 'cuda', N for 'cuda:N'."""
+    return int(device.partition(":")[2] or 0)
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import random
+from collections import deque
 from dataclasses import dataclass
 
 from shardserve.runtime.block_manager import BlockManager
 from shardserve.runtime.config import EngineConfig
+from shardserve.runtime.errors import EngineDeadError
 from shardserve.runtime.executor import make_executor
 from shardserve.runtime.kv_sizing import size_kv_cache
+from shardserve.runtime.messages import ModelRunnerOutput, SchedulerOutput
 from shardserve.runtime.output_processor import OutputProcessor
 from shardserve.runtime.outputs import RequestOutput
 from shardserve.runtime.request import Request, RequestStatus
@@ -41,6 +44,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, config.model.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._seeds = random.Random(config.seed)  # seeds for requests that bring none
+        self.in_flight: deque[SchedulerOutput] = deque()  # submitted batches, oldest first
 
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
@@ -72,13 +76,34 @@ class LLMEngine:
         self.output_processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests
+        return self.scheduler.has_unfinished_requests or bool(self.in_flight)
 
     def step(self) -> list[RequestOutput]:
-        scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty and self.scheduler.has_unfinished_requests:
-            raise RuntimeError("the scheduler could not run any request; this is a bug")
-        runner_output = self.executor.execute_model(scheduler_output)
+        """Schedule, execute, update. With pipeline stages, up to max_concurrent_batches batches are
+        submitted before the oldest is collected, so no stage idles while another computes."""
+        if self.executor.is_dead:
+            raise EngineDeadError("the engine's workers have stopped; start a new engine")
+        if self.executor.max_concurrent_batches == 1:
+            scheduler_output = self.scheduler.schedule()
+            if scheduler_output.is_empty and self.scheduler.has_unfinished_requests:
+                raise RuntimeError("the scheduler could not run any request; this is a bug")
+            return self._update(scheduler_output, self.executor.execute_model(scheduler_output))
+        num_batches = self.executor.max_concurrent_batches
+        share = -(-self.scheduler.num_unfinished_requests // num_batches)  # requests per batch, rounded up
+        while len(self.in_flight) < num_batches:
+            scheduler_output = self.scheduler.schedule(max_num_requests=max(share, 1))
+            if scheduler_output.is_empty and not scheduler_output.finished_request_ids:
+                break  # (an empty batch still goes out alone to tell the workers what finished)
+            self.executor.submit_batch(scheduler_output)
+            self.in_flight.append(scheduler_output)
+        if not self.in_flight:
+            if self.scheduler.has_unfinished_requests:
+                raise RuntimeError("the scheduler could not run any request; this is a bug")
+            return []
+        scheduler_output = self.in_flight.popleft()
+        return self._update(scheduler_output, self.executor.collect_batch())
+
+    def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs, stopped = self.output_processor.process(updates)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
@@ -90,6 +115,10 @@ class LLMEngine:
                            kv_cache_usage=1.0 - pool.num_free_blocks / pool.num_blocks,
                            num_preemptions=scheduler.num_preemptions,
                            num_prefix_hit_tokens=scheduler.num_prefix_hit_tokens)
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError if a worker rank has died; call it between steps."""
+        self.executor.check_health()
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -1,17 +1,19 @@
-"""The engine's single door to the workers: one executor protocol, and its in-process implementation.
+"""The engine's single door to the workers: one executor protocol, its in-process implementation, and
+the choice among executors.
 
-The in-process executor runs one worker in this process; the multiprocess and Ray executors of the
-tensor/pipeline-parallel runtime implement the same protocol."""
+The in-process executor runs one worker in this process; the mp and Ray executors
+(distributed_executor.py) implement the same protocol for ranks in other processes."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from shardserve.runtime.config import EngineConfig
+from shardserve.runtime.config import EngineConfig, ParallelConfig
 from shardserve.runtime.messages import ModelRunnerOutput, SchedulerOutput
 
 
 class Executor(ABC):
+    is_dead: bool = False  # set once a worker has died; the executor is unusable after
     @abstractmethod
     def available_kv_cache_bytes(self) -> int:
         """The smallest KV budget over all workers (they must hold the same number of blocks)."""
@@ -27,14 +29,32 @@ class Executor(ABC):
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every worker; the output rank's result comes back."""
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Batches the engine may have in flight: one per pipeline stage where stages are processes."""
+        return 1
+
+    def submit_batch(self, output: SchedulerOutput) -> None:
+        """Start a step without waiting (only where max_concurrent_batches > 1)."""
+        raise NotImplementedError
+
+    def collect_batch(self) -> ModelRunnerOutput:
+        """The output of the oldest submitted step, once it is done."""
+        raise NotImplementedError
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError if a worker has died (called between steps, e.g. while idle)."""
+
     def shutdown(self) -> None:
         pass
 
 
 class InProcessExecutor(Executor):
     def __init__(self, config: EngineConfig):
+        from shardserve.runtime.parallel_state import ParallelState, set_parallel_state
         from shardserve.runtime.worker import Worker  # imports torch models; keep this module light
 
+        set_parallel_state(ParallelState())
         self.worker = Worker(config)
 
     def available_kv_cache_bytes(self) -> int:
@@ -50,11 +70,51 @@ class InProcessExecutor(Executor):
         return self.worker.execute(output)
 
 
+def resolve_backend(parallel: ParallelConfig, num_local_devices: int | None) -> str:
+    """The planner's rule: one rank runs in-process; ranks that fit this machine use "mp"; more than
+    it holds need "ray". An explicit distributed_executor_backend wins."""
+    backend = parallel.distributed_executor_backend
+    if backend is not None:
+        return backend
+    if parallel.world_size == 1:
+        return "uni"
+    if num_local_devices is not None and parallel.world_size > num_local_devices:
+        return "ray"
+    return "mp"
+
+
+def local_device_count(device: str) -> int | None:
+    import torch
+
+    from shardserve.runtime.config import first_device_index
+
+    if not device.startswith("cuda"):
+        return None
+    return torch.cuda.device_count() - first_device_index(device)  # GPUs from the first one on
+
+
 def make_executor(config: EngineConfig) -> Executor:
+    """Check the layout, then start the executor the backend names (nothing starts if the check fails)."""
+    from shardserve.runtime.parallel_layout import check_parallel_layout
+    from shardserve.runtime.pipeline import plan_layer_split
+
     parallel = config.parallel
-    if parallel.world_size == 1 and parallel.distributed_executor_backend in (None, "uni"):
+    num_devices = local_device_count(config.device)
+    backend = resolve_backend(parallel, num_devices)
+    check_parallel_layout(config.model, parallel, num_devices if backend == "mp" else None)
+    if backend == "uni":
+        if parallel.world_size != 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one rank; tensor_parallel_size x "
+                             f"pipeline_parallel_size = {parallel.world_size}: use 'mp' or 'ray'")
         return InProcessExecutor(config)
-    raise ValueError(f"tensor_parallel_size={parallel.tensor_parallel_size}, pipeline_parallel_size="
-                     f"{parallel.pipeline_parallel_size}, distributed_executor_backend="
-                     f"{parallel.distributed_executor_backend!r}: this runtime runs one worker in-process "
-                     "so far; use sizes 1 and backend None")
+    layer_split = plan_layer_split(config.model.model, parallel.tensor_parallel_size,
+                                   parallel.pipeline_parallel_size, config.model.dtype)
+    if backend == "mp":
+        from shardserve.runtime.mp_executor import MultiprocExecutor
+        return MultiprocExecutor(config, layer_split)
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise ValueError("distributed_executor_backend='ray' needs Ray: pip install 'ray[default]'") from None
+    from shardserve.runtime.ray_executor import RayExecutor
+    return RayExecutor(config, layer_split)

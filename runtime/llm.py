@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict
 
 from shardserve.runtime.config import KVCacheInfo
 from shardserve.runtime.engine import LLMEngine
@@ -86,6 +85,16 @@ class LLM:
             return prompt["prompt"], self.engine.tokenize(prompt["prompt"])
         raise ValueError("a prompt is a str, {'prompt': str} or {'prompt_token_ids': [int, ...]}; "
                          f"got {type(prompt).__name__}")
+
+    def shutdown(self) -> None:
+        """Stop the workers (other processes, with tensor or pipeline parallelism)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def _run(self, request_ids: list[str]) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -12,6 +12,7 @@ Global ranks map to groups like this (tp_size=2, pp_size=2):
     global_rank = pp_rank * tp_size + tp_rank
     TP group of a rank: the ranks of its stage.  PP neighbours: same tp_rank, stage +/- 1.
 The output rank (the one that samples and returns results) is tp_rank 0 of the last stage.
+Stage p owns `layer_split[p]` consecutive layers (the planner's split; None: even).
 """
 
 from __future__ import annotations
@@ -27,14 +28,31 @@ class ParallelState:
     tp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
+    layer_split: tuple[int, ...] | None = None  # layers per stage; None: the even split
 
     def __post_init__(self) -> None:
         if not (0 <= self.tp_rank < self.tp_size and 0 <= self.pp_rank < self.pp_size):
             raise ValueError(f"invalid parallel state {self}")
+        if self.layer_split is not None and len(self.layer_split) != self.pp_size:
+            raise ValueError(f"layer_split {self.layer_split} does not have pp_size={self.pp_size} stages")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
 
     @property
     def global_rank(self) -> int:
         return self.pp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def previous_stage_rank(self) -> int:
+        """Global rank this rank receives IntermediateTensors from (not on the first stage)."""
+        return self.global_rank - self.tp_size
+
+    @property
+    def next_stage_rank(self) -> int:
+        """Global rank this rank sends IntermediateTensors to (not on the last stage)."""
+        return self.global_rank + self.tp_size
 
     @property
     def is_first_stage(self) -> bool:
@@ -50,6 +68,7 @@ class ParallelState:
 
 
 _STATE = ParallelState()
+_TP_GROUP = None  # torch.distributed ProcessGroup of this rank's stage, once groups exist
 
 
 def get_parallel_state() -> ParallelState:
@@ -62,10 +81,16 @@ def set_parallel_state(state: ParallelState) -> None:
     _STATE = state
 
 
+def set_tensor_parallel_group(group) -> None:
+    """Called once per worker process by distributed.init_distributed."""
+    global _TP_GROUP
+    _TP_GROUP = group
+
+
 def tensor_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     if _STATE.tp_size == 1:
         return x
-    torch.distributed.all_reduce(x)
+    torch.distributed.all_reduce(x, group=_TP_GROUP)
     return x
 
 
@@ -73,5 +98,5 @@ def tensor_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if _STATE.tp_size == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(_STATE.tp_size)]
-    torch.distributed.all_gather(parts, x.contiguous())
+    torch.distributed.all_gather(parts, x.contiguous(), group=_TP_GROUP)
     return torch.cat(parts, dim=dim)

@@ -13,13 +13,26 @@ from shardserve.planner.layer_split import split_layers as planner_split_layers
 from shardserve.runtime.parallel_state import get_parallel_state
 
 
-def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
-    """Contiguous [start, end) layer ranges per stage, from the planner's split (the one function
-    both use). NOTE: layers weigh the same here and embedding/head are not counted; when the plan's
-    split differs (its extras tip a layer to another stage), pass the plan's split instead."""
-    counts = planner_split_layers([1.0] * num_layers, num_stages)
+def split_layers(num_layers: int, num_stages: int,
+                 layer_counts: tuple[int, ...] | None = None) -> list[tuple[int, int]]:
+    """Contiguous [start, end) layer ranges per stage. `layer_counts` is the plan's split (from
+    plan_layer_split); without it, the planner's function on equal layers gives the even split."""
+    counts = list(layer_counts) if layer_counts is not None else planner_split_layers([1.0] * num_layers, num_stages)
+    if len(counts) != num_stages or sum(counts) != num_layers or min(counts) < 1:
+        raise ValueError(f"layer split {counts} does not cover {num_layers} layers in {num_stages} stages")
     ends = list(accumulate(counts))
     return [(end - count, end) for count, end in zip(counts, ends)]
+
+
+def plan_layer_split(model: str, tensor_parallel_size: int, pipeline_parallel_size: int,
+                     dtype: torch.dtype) -> tuple[int, ...]:
+    """Layers per stage exactly as the planner chooses them (weight bytes balanced, embedding on the
+    first stage and head on the last): the one function both call."""
+    from shardserve.planner.model_source import load_model as load_model_info
+
+    info = load_model_info(model)
+    name = str(dtype).removeprefix("torch.")
+    return tuple(info.layer_split(tensor_parallel_size, pipeline_parallel_size, name))
 
 
 class MissingLayer(nn.Module):
@@ -32,7 +45,7 @@ class MissingLayer(nn.Module):
 def make_layers(num_layers: int, build: Callable[[int], nn.Module]) -> tuple[nn.ModuleList, int, int]:
     """Build this stage's layers; the others become MissingLayer. Returns (layers, start, end)."""
     state = get_parallel_state()
-    start, end = split_layers(num_layers, state.pp_size)[state.pp_rank]
+    start, end = split_layers(num_layers, state.pp_size, state.layer_split)[state.pp_rank]
     layers = [build(i) if start <= i < end else MissingLayer() for i in range(num_layers)]
     return nn.ModuleList(layers), start, end
 
@@ -43,3 +56,30 @@ class IntermediateTensors:
 
     hidden_states: torch.Tensor  # [num_tokens, hidden_size]
     residual: torch.Tensor | None  # [num_tokens, hidden_size]
+
+
+def send_intermediate(tensors: IntermediateTensors) -> None:
+    """To the same tp_rank of the next stage: a header [has_residual, num_tokens, hidden_size],
+    then the tensors. NOTE: the header keeps the receiver model-agnostic (GPT-2 hands no residual)."""
+    dst = get_parallel_state().next_stage_rank
+    hidden = tensors.hidden_states.contiguous()
+    header = torch.tensor([tensors.residual is not None, *hidden.shape], dtype=torch.int64, device=hidden.device)
+    torch.distributed.send(header, dst)
+    torch.distributed.send(hidden, dst)
+    if tensors.residual is not None:
+        torch.distributed.send(tensors.residual.contiguous(), dst)
+
+
+def recv_intermediate(dtype: torch.dtype, device: torch.device) -> IntermediateTensors:
+    """From the same tp_rank of the previous stage; mirrors send_intermediate."""
+    src = get_parallel_state().previous_stage_rank
+    header = torch.empty(3, dtype=torch.int64, device=device)  # on the device: NCCL sends no CPU tensors
+    torch.distributed.recv(header, src)
+    has_residual, num_tokens, hidden_size = header.tolist()
+    hidden = torch.empty(num_tokens, hidden_size, dtype=dtype, device=device)
+    torch.distributed.recv(hidden, src)
+    residual = None
+    if has_residual:
+        residual = torch.empty_like(hidden)
+        torch.distributed.recv(residual, src)
+    return IntermediateTensors(hidden, residual)

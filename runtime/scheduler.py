@@ -18,6 +18,10 @@ class Scheduler:
 
     NOTE: one token-based loop covers prefill, chunked prefill and decode alike (each request just
     has num_tokens - num_computed_tokens left to compute), so there is no separate prefill phase.
+
+    With pipeline parallelism several batches are in flight at once: a request scheduled in one is
+    left out of the next until its output is back, and is never preempted meanwhile (its blocks are
+    being written). Ranks run batches in order, so blocks freed by an abort are safe to reuse.
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int) -> None:
@@ -28,6 +32,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()  # to tell the worker next step
+        self.in_flight: set[str] = set()  # scheduled in a batch whose output is not back yet
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0  # prompt tokens served from the prefix cache
 
@@ -56,14 +61,24 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self, max_num_requests: int | None = None) -> SchedulerOutput:
+        """`max_num_requests` caps this batch below max_num_seqs (to share requests among the
+        batches in flight)."""
+        limit = min(self.config.max_num_seqs, max_num_requests or self.config.max_num_seqs)
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         cached: list[CachedRequestData] = []
         num_preemptions_before = self.num_preemptions
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget > 0 and len(num_scheduled) < limit:
             request = self.running[index]
+            if request.request_id in self.in_flight:
+                index += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, num_new):
                 break  # it preempted itself: everything after it is gone too
@@ -73,7 +88,9 @@ class Scheduler:
             index += 1
         # NOTE: after a preemption nobody is admitted this step; the preempted request heads the
         # queue and admitting it now would only evict someone else.
-        new = [] if self.num_preemptions > num_preemptions_before else self._admit_waiting(budget, num_scheduled)
+        new = [] if self.num_preemptions > num_preemptions_before else self._admit_waiting(budget, num_scheduled,
+                                                                                           limit)
+        self.in_flight.update(num_scheduled)
         return self._finish_output(new, cached, num_scheduled)
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> bool:
@@ -81,7 +98,9 @@ class Scheduler:
         False if `request` itself had to be preempted."""
         total = request.num_computed_tokens + num_new
         while not self.block_manager.allocate_slots(request, total):
-            victim = self.running.pop()
+            # the newest request not in flight; `request` itself qualifies, so there always is one
+            victim = next(r for r in reversed(self.running) if r.request_id not in self.in_flight)
+            self.running.remove(victim)
             self._preempt(victim)
             if victim is request:
                 return False
@@ -98,9 +117,10 @@ class Scheduler:
         self._finished_ids.add(request.request_id)  # the worker rebuilds it when it comes back
         self.waiting.appendleft(request)
 
-    def _admit_waiting(self, budget: int, num_scheduled: dict[str, int]) -> list[NewRequestData]:
+    def _admit_waiting(self, budget: int, num_scheduled: dict[str, int], limit: int) -> list[NewRequestData]:
         new = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+               and len(num_scheduled) < limit):
             request = self.waiting[0]
             hits = self.block_manager.find_cached_prefix(request)
             num_cached = len(hits) * self.block_manager.block_size
@@ -137,6 +157,8 @@ class Scheduler:
                                  new_block_ids=new_blocks, num_computed_tokens=request.num_computed_tokens)
 
     def _finish_output(self, new, cached, num_scheduled) -> SchedulerOutput:
+        if not num_scheduled and self.in_flight:  # the engine sends no empty batch behind others:
+            return SchedulerOutput((), (), {}, frozenset())  # the finished ids wait for the next one
         finished = frozenset(self._finished_ids)
         self._finished_ids.clear()
         return SchedulerOutput(new_requests=tuple(new), cached_requests=tuple(cached),
@@ -145,6 +167,7 @@ class Scheduler:
     def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestUpdate]:
         """Advance each scheduled request by what ran, append sampled tokens, finish requests."""
         updates = []
+        self.in_flight.difference_update(output.num_scheduled_tokens)
         for request_id, num_tokens in output.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:

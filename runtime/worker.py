@@ -13,7 +13,8 @@ from shardserve.runtime.forward_context import ForwardContext, forward_context
 from shardserve.runtime.inputs import RequestState, apply_scheduler_output, prepare_inputs
 from shardserve.runtime.loader import load_model
 from shardserve.runtime.messages import ModelRunnerOutput, SchedulerOutput
-from shardserve.runtime.parallel_state import ParallelState, set_parallel_state
+from shardserve.runtime.parallel_state import get_parallel_state
+from shardserve.runtime.pipeline import IntermediateTensors, recv_intermediate, send_intermediate
 from shardserve.runtime.sampler import sample
 
 logger = logging.getLogger(__name__)
@@ -27,10 +28,13 @@ def select_attention_backend(device: torch.device):
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, parallel_state: ParallelState = ParallelState()):
-        set_parallel_state(parallel_state)
+    """In a multi-rank engine, distributed.init_distributed has set the parallel state (and groups)
+    before this is built; alone, the default single-rank state applies."""
+
+    def __init__(self, config: EngineConfig, device: torch.device | None = None):
         self.config = config
-        self.device = torch.device(config.device)
+        self.parallel_state = get_parallel_state()
+        self.device = device or torch.device(config.device)
         torch.manual_seed(config.seed)
         self.model = load_model(config.model, self.device)
         self.backend = select_attention_backend(self.device)
@@ -64,10 +68,17 @@ class Worker:
         num_tokens = min(num_tokens, self.config.model.max_model_len * self.config.scheduler.max_num_seqs)
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.arange(num_tokens, device=self.device) % self.config.model.max_model_len
+        state = self.parallel_state
+        intermediate = None
+        if not state.is_first_stage:  # what the previous stage would hand over (zeros; only its size matters)
+            hidden_size = self.config.model.hf_config.hidden_size
+            hidden = torch.zeros(num_tokens, hidden_size, dtype=self.config.model.dtype, device=self.device)
+            intermediate = IntermediateTensors(hidden, hidden.clone())
         with torch.inference_mode(), forward_context(ForwardContext(None, self.backend)):
-            hidden = self.model(input_ids, positions)
-            num_rows = min(self.config.scheduler.max_num_seqs, num_tokens)
-            self.model.compute_logits(hidden[:num_rows]).float().softmax(dim=-1)
+            hidden = self.model(input_ids, positions, intermediate)
+            if state.is_last_stage:
+                num_rows = min(self.config.scheduler.max_num_seqs, num_tokens)
+                self.model.compute_logits(hidden[:num_rows]).float().softmax(dim=-1)
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
@@ -86,16 +97,25 @@ class Worker:
             attention.kv_cache = self.kv_cache[index]  # [2, num_blocks, block_size, kv_heads, head_dim]
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Every rank runs every step; only the output rank returns a result (the others None)."""
+        state = self.parallel_state
         batch = apply_scheduler_output(self.states, output)
         if not batch:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput() if state.is_output_rank else None
         inputs = prepare_inputs(batch, output.num_scheduled_tokens, self.config.cache.block_size, self.device)
+        intermediate = None if state.is_first_stage else recv_intermediate(self.config.model.dtype, self.device)
         with forward_context(ForwardContext(inputs.attn_metadata, self.backend)):
-            hidden = self.model(inputs.input_ids, inputs.positions)  # [num_tokens, hidden_size]
+            hidden = self.model(inputs.input_ids, inputs.positions, intermediate)  # [num_tokens, hidden_size]
+        if not state.is_last_stage:
+            send_intermediate(hidden)
+            return None
         if not inputs.sampled_states:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput() if state.is_output_rank else None
+        # every TP rank of the last stage joins the logits gather; the output rank alone samples
         logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()  # [num_sampled, vocab]
+        if not state.is_output_rank:
+            return None
         tokens, logprobs = sample(logits, inputs.sampled_states)
         sampled = {state.request_id: token for state, token in zip(inputs.sampled_states, tokens)}
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)

@@ -1,8 +1,12 @@
 """`shardserve launch` start-up: fail-fast checks, clean exits, and exposure warnings."""
 
 import logging
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -104,3 +108,55 @@ def test_replicas_behind_one_server_share_the_load():
         code, out = stop_server(proc)
     assert code == 0, out
     assert "data_parallel_size=2" in out
+
+
+def _ranks(pid: int) -> list[int]:
+    """The spawned rank processes of a server (not multiprocessing's resource tracker)."""
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()
+            if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = Path(f"/proc/{pid}/stat").read_text().split()[2] if Path(f"/proc/{pid}").exists() \
+        else "X"
+    return state != "Z"
+
+
+def test_tensor_parallel_server_and_a_dead_rank():
+    proc, url = start_server("--profile", "cpu-tp2")
+    ranks = _ranks(proc.pid)
+    try:
+        code, body = http(f"{url}/v1/completions", {"model": "shardserve-demo",
+                                                    "prompt": "The function returns",
+                                                    "max_tokens": 8, "temperature": 0})
+        assert code == 200, body
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[1], signal.SIGKILL)  # a rank dies
+        deadline, statuses = time.monotonic() + 30, set()
+        while time.monotonic() < deadline and proc.poll() is None:
+            statuses.add(http(f"{url}/health", timeout=2)[0])
+            time.sleep(0.2)
+        out = proc.communicate(timeout=30)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1, out
+    assert 503 in statuses or 0 in statuses
+    assert "engine died" in out
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(p) for p in ranks):
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in ranks), "a rank outlived the server"
+
+
+def test_each_gpu_replica_takes_its_own_gpus():
+    from shardserve.launch.launcher import replica_kwargs
+    base = {"device": "cuda", "tensor_parallel_size": 2, "pipeline_parallel_size": 2}
+    assert [replica_kwargs(base, r)["device"] for r in range(3)] == ["cuda", "cuda:4", "cuda:8"]
+    assert replica_kwargs({"device": "cpu"}, 1)["device"] == "cpu"

@@ -34,11 +34,11 @@ def build_tokenizer(folder: str):
     return fast
 
 
-def family_config(family: str):
+def family_config(family: str, num_layers: int = 2):
     import transformers as tf
 
     common = dict(vocab_size=VOCAB_SIZE, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)
-    llama_like = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    llama_like = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=num_layers, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=256, **common)
     if family == "llama3":
         rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -56,12 +56,12 @@ def family_config(family: str):
     if family == "mixtral":
         return tf.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **llama_like)
     if family == "gpt2":
-        return tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=256, **common)
+        return tf.GPT2Config(n_embd=64, n_layer=num_layers, n_head=4, n_positions=256, **common)
     if family == "opt":
-        return tf.OPTConfig(hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
+        return tf.OPTConfig(hidden_size=64, ffn_dim=96, num_hidden_layers=num_layers, num_attention_heads=4,
                             max_position_embeddings=256, word_embed_proj_dim=64, **common)
     if family == "opt-postln-proj":  # like opt-350m: LayerNorm after each block, 32-wide embeddings projected
-        return tf.OPTConfig(hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
+        return tf.OPTConfig(hidden_size=64, ffn_dim=96, num_hidden_layers=num_layers, num_attention_heads=4,
                             max_position_embeddings=256, word_embed_proj_dim=32, do_layer_norm_before=False,
                             **common)
     raise KeyError(family)
@@ -71,12 +71,12 @@ FAMILIES = ["llama3", "llama2-linear-tied", "mistral", "qwen2", "qwen3", "mixtra
 
 
 def save_checkpoint(folder: str, family: str, with_tokenizer: bool = True, seed: int = 0,
-                    max_shard_size: str | None = None):
+                    max_shard_size: str | None = None, num_layers: int = 2):
     """Write a random model of `family` to `folder`; returns the transformers model (eval, float32)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(family_config(family), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(family_config(family, num_layers), dtype=torch.float32)
     std = 0.3 if family.startswith("opt") else 0.15
     with torch.no_grad():  # larger weights than the default init make logits less flat, so argmax is robust
         for name, param in model.named_parameters():

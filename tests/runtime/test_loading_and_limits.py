@@ -74,12 +74,6 @@ def test_requests_that_can_never_fit_are_rejected(checkpoint_factory):
         llm.generate({"prompt_token_ids": [5, 9999]})
 
 
-def test_parallel_sizes_beyond_one_are_refused_clearly(checkpoint_factory):
-    folder, _ = checkpoint_factory("qwen3")
-    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
-        LLM(folder, device="cpu", kv_cache_memory_bytes=2**22, tensor_parallel_size=2)
-
-
 def test_legacy_rope_scaling_config_is_read_like_transformers(checkpoint_factory, tmp_path):
     """Published Llama 3.1 folders spell rope settings as rope_theta + rope_scaling (older format)."""
     import json

@@ -1,0 +1,44 @@
+"""Refusing impossible tensor/pipeline layouts before any worker starts, naming the rule that broke."""
+
+from __future__ import annotations
+
+from shardserve.runtime.config import ModelConfig, ParallelConfig
+
+BACKENDS = (None, "uni", "mp", "ray")
+
+
+def _ffn_size(hf_config) -> int | None:
+    for name in ("intermediate_size", "ffn_dim", "n_inner"):
+        value = getattr(hf_config, name, None)
+        if value:
+            return int(value)
+    hidden = getattr(hf_config, "n_embd", None)
+    return 4 * hidden if hidden else None
+
+
+def check_parallel_layout(model: ModelConfig, parallel: ParallelConfig, num_devices: int | None) -> None:
+    """Raise ValueError for a layout no worker could run. `num_devices`: GPUs this executor can place
+    ranks on (None: no limit, as for CPU ranks)."""
+    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    c = model.hf_config
+    heads = getattr(c, "num_attention_heads", None) or c.n_head
+    kv_heads = model.num_kv_heads
+    if tp < 1 or pp < 1:
+        raise ValueError(f"tensor_parallel_size={tp} and pipeline_parallel_size={pp} must be at least 1")
+    if parallel.distributed_executor_backend not in BACKENDS:
+        raise ValueError(f"distributed_executor_backend must be one of {BACKENDS}, "
+                         f"got {parallel.distributed_executor_backend!r}")
+    if heads % tp:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {heads} attention heads")
+    if max(kv_heads, tp) % min(kv_heads, tp):
+        raise ValueError(f"tensor_parallel_size={tp} and the model's {kv_heads} KV heads: one must divide the "
+                         "other (KV heads are split while tp <= KV heads, replicated when tp > KV heads)")
+    ffn = _ffn_size(c)
+    if ffn is not None and ffn % tp:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide the MLP's {ffn} intermediate features")
+    if pp > model.num_layers:
+        raise ValueError(f"pipeline_parallel_size={pp} is more stages than the model's {model.num_layers} layers "
+                         "(each stage needs at least one layer)")
+    if num_devices is not None and tp * pp > num_devices:
+        raise ValueError(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} = {tp * pp} ranks, more than "
+                         f"the {num_devices} devices available")

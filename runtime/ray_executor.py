@@ -1,0 +1,152 @@
+"""The Ray executor: one actor per rank in placement groups (a stage's TP ranks packed on one node,
+stages wherever Ray finds room), joining RAY_ADDRESS or starting a local Ray."""
+
+from __future__ import annotations
+
+import collections
+import os
+import pickle
+
+from shardserve.runtime.distributed import Rendezvous
+from shardserve.runtime.distributed_executor import DistributedExecutor, WorkerHandle
+from shardserve.runtime.worker_process import ENV_PREFIXES
+from shardserve.runtime.worker_rpc import WorkerReply
+
+PLACEMENT_TIMEOUT_SECONDS = 300.0
+
+
+class RankActor:
+    """The body of one rank's actor (wrapped by ray.remote when Ray is imported)."""
+
+    def __init__(self, config, state, rendezvous: Rendezvous, num_threads: int):
+        from shardserve.runtime.worker_process import setup_rank
+
+        self.state = state
+        self.worker = setup_rank(config, state, rendezvous, num_threads)
+
+    def ready(self) -> bytes:
+        return pickle.dumps(WorkerReply(self.state.global_rank))
+
+    def call(self, payload: bytes) -> bytes | None:
+        """A pickled WorkerCall in, a pickled WorkerReply out (None where the rank owes no reply)."""
+        import traceback
+
+        from shardserve.runtime.worker_rpc import WorkerMethod, call_worker
+
+        call = pickle.loads(payload)
+        if call.method is WorkerMethod.SHUTDOWN:
+            from shardserve.runtime.distributed import destroy_distributed
+            destroy_distributed()
+            return None
+        try:
+            value = call_worker(self.worker, call)
+        except Exception:
+            return pickle.dumps(WorkerReply(self.state.global_rank, error=traceback.format_exc()))
+        if call.method is WorkerMethod.EXECUTE_MODEL and not self.state.is_output_rank:
+            return None
+        return pickle.dumps(WorkerReply(self.state.global_rank, value))
+
+
+class ActorHandle(WorkerHandle):
+    def __init__(self, actor, rank: int):
+        import ray
+
+        self.ray, self.actor, self.rank = ray, actor, rank
+        self.pending = collections.deque([actor.ready.remote()])
+        self.is_dead = False
+
+    def send(self, payload: bytes) -> None:
+        self.pending.append(self.actor.call.remote(payload))
+
+    def poll(self, timeout: float) -> WorkerReply | None:
+        """Replies come in call order; calls that owe none resolve to None and are skipped."""
+        while self.pending:
+            ready, _ = self.ray.wait([self.pending[0]], timeout=timeout)
+            if not ready:
+                return None
+            ref = self.pending.popleft()
+            try:
+                payload = self.ray.get(ref)
+            except self.ray.exceptions.RayError as error:  # the actor died (or its call was lost)
+                self.is_dead = True
+                self.pending.clear()
+                return WorkerReply(self.rank, error=f"actor of rank {self.rank} died: {error}")
+            if payload is not None:
+                return pickle.loads(payload)
+            timeout = 0
+        return None
+
+    def is_alive(self) -> bool:
+        return not self.is_dead
+
+    def stop(self, grace: float) -> None:
+        if grace > 0 and not self.is_dead and self.pending:
+            self.ray.wait(list(self.pending), num_returns=len(self.pending), timeout=grace)
+        self.ray.kill(self.actor)
+        self.is_dead = True
+
+
+def forwarded_env() -> dict[str, str]:
+    """The variables every rank must see, remote nodes included (NCCL_*, GLOO_*, HF_TOKEN, ...)."""
+    return {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
+
+
+class RayExecutor(DistributedExecutor):
+    def rendezvous_host(self) -> str:
+        ray = connect_ray(self.config.parallel.world_size)
+        return ray.util.get_node_ip_address()
+
+    def start_workers(self, rendezvous: Rendezvous) -> list[WorkerHandle]:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        tp = self.config.parallel.tensor_parallel_size
+        bundle = {"CPU": 1.0, **({"GPU": 1.0} if self.config.device.startswith("cuda") else {})}
+        check_cluster_fits(bundle, len(self.states))
+        # NOTE: one STRICT_PACK group per stage keeps TP all-reduces inside a node
+        groups = [ray.util.placement_group([bundle] * tp, strategy="STRICT_PACK")
+                  for _ in range(self.config.parallel.pipeline_parallel_size)]
+        ray.get([g.ready() for g in groups], timeout=PLACEMENT_TIMEOUT_SECONDS)
+        actor_class = ray.remote(RankActor)
+        handles = []
+        for state in self.states:
+            strategy = PlacementGroupSchedulingStrategy(groups[state.pp_rank], state.tp_rank)
+            actor = actor_class.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+                                        scheduling_strategy=strategy,
+                                        runtime_env={"env_vars": forwarded_env()}).remote(
+                self.config, state, rendezvous, 1)
+            handles.append(ActorHandle(actor, state.global_rank))
+        self.placement_groups = groups
+        return handles
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        import ray
+
+        for group in getattr(self, "placement_groups", []):
+            ray.util.remove_placement_group(group)
+
+
+def check_cluster_fits(bundle: dict[str, float], num_ranks: int) -> None:
+    """Refuse before placing anything when the cluster lacks a device per rank."""
+    import ray
+
+    total = ray.cluster_resources()
+    for resource, amount in bundle.items():
+        if total.get(resource, 0.0) < amount * num_ranks:
+            raise ValueError(f"{num_ranks} ranks need {amount * num_ranks:g} {resource} in the Ray cluster, "
+                             f"which has {total.get(resource, 0.0):g}")
+
+
+def connect_ray(world_size: int):
+    """Join RAY_ADDRESS (or the address given), else start a local Ray with a CPU slot per rank."""
+    import ray
+
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS")
+        if address:
+            ray.init(address=address)
+        else:
+            ray.init(num_cpus=max(os.cpu_count() or 1, world_size), include_dashboard=False,
+                     log_to_driver=False)
+    return ray

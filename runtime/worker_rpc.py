@@ -1,0 +1,43 @@
+"""Typed calls on the control channel between the engine and its worker ranks, and their replies.
+
+Only these small pickled records cross the channel; tensors move between ranks over
+torch.distributed and never through it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class WorkerMethod(enum.Enum):
+    AVAILABLE_KV_CACHE_BYTES = "available_kv_cache_bytes"
+    BYTES_PER_BLOCK = "bytes_per_block"
+    INITIALIZE_KV_CACHE = "initialize_kv_cache"  # argument: num_blocks
+    EXECUTE_MODEL = "execute_model"  # argument: SchedulerOutput; only the output rank replies
+    SHUTDOWN = "shutdown"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerCall:
+    method: WorkerMethod
+    argument: object = None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerReply:
+    rank: int
+    value: object = None
+    error: str | None = None  # a formatted traceback: the rank failed and is exiting
+
+
+def call_worker(worker, call: WorkerCall) -> object:
+    """Run one call on a Worker (in whatever process holds it); the reply's value."""
+    if call.method is WorkerMethod.EXECUTE_MODEL:
+        return worker.execute(call.argument)
+    if call.method is WorkerMethod.AVAILABLE_KV_CACHE_BYTES:
+        return worker.available_kv_cache_bytes()
+    if call.method is WorkerMethod.BYTES_PER_BLOCK:
+        return worker.bytes_per_block
+    if call.method is WorkerMethod.INITIALIZE_KV_CACHE:
+        return worker.initialize_kv_cache(call.argument)
+    raise ValueError(f"no worker call {call.method}")

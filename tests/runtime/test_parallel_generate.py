@@ -1,0 +1,79 @@
+"""Tensor and pipeline parallelism across local processes (mp executor, gloo): greedy tokens equal
+transformers' on the same weights, and stages own the planner's layer split."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+
+from shardserve.runtime import LLM, SamplingParams
+from shardserve.runtime.pipeline import plan_layer_split
+from test_runtime_matches_transformers import random_prompts, reference, token_outputs
+
+PROMPTS = random_prompts(7, [1, 6, 17, 33])
+MAX_TOKENS = 8
+
+# (family, num_layers, tensor_parallel_size, pipeline_parallel_size)
+LAYOUTS = [
+    ("llama3", 2, 2, 1),
+    ("qwen2", 2, 2, 1),  # qkv biases sharded with the output
+    ("gpt2", 2, 2, 1),  # fused, transposed c_attn
+    ("mixtral", 2, 2, 1),  # experts split by tensor parallel
+    ("mistral", 2, 4, 1),  # 2 KV heads on 4 ranks: replicated
+    ("qwen2", 2, 1, 2),
+    ("llama3", 4, 1, 3),  # the plan's uneven split: (1, 2, 1)
+    ("gpt2", 5, 2, 2),  # tp 2 x pp 2 with the plan's (2, 3)
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, num_layers, tp, pp", LAYOUTS, ids=[f"{f}-L{n}-tp{t}-pp{p}" for f, n, t, p in LAYOUTS])
+def test_parallel_greedy_matches_transformers(family, num_layers, tp, pp, checkpoint_factory):
+    folder, hf_model = checkpoint_factory(family, num_layers=num_layers)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    with LLM(folder, device="cpu", kv_cache_memory_bytes=2**22, block_size=4, tensor_parallel_size=tp,
+             pipeline_parallel_size=pp, distributed_executor_backend="mp") as llm:
+        states = llm.engine.executor.states
+        assert [(s.tp_rank, s.pp_rank) for s in states] == [(r % tp, r // tp) for r in range(tp * pp)]
+        assert states[0].layer_split == plan_layer_split(folder, tp, pp, llm.engine.config.model.dtype)
+        depths = spy_in_flight(llm)
+        assert token_outputs(llm, PROMPTS, params) == reference(hf_model, PROMPTS, MAX_TOKENS)
+        if pp > 1:
+            abort_while_in_flight(llm)
+    assert max(depths) == min(pp, 2)  # 4 requests over pp batches: stages do not wait for each other
+    assert not multiprocessing.active_children()
+
+
+def abort_while_in_flight(llm: LLM) -> None:
+    """Aborting requests whose batch is still in flight frees their blocks once, and the rest finish."""
+    engine = llm.engine
+    for i in range(4):
+        engine.add_request(f"a{i}", PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    engine.step()
+    assert engine.in_flight
+    engine.abort_request("a0")
+    engine.abort_request("a3")
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.block_manager.check_integrity()
+    assert engine.block_manager.num_free_blocks == llm.kv_cache_info.num_blocks
+
+
+def spy_in_flight(llm: LLM) -> list[int]:
+    """Record how many batches were in flight each time the engine collected one."""
+    depths, collect = [], llm.engine.executor.collect_batch
+
+    def collect_batch():
+        depths.append(len(llm.engine.in_flight) + 1)  # the one being collected was just popped
+        return collect()
+
+    llm.engine.executor.collect_batch = collect_batch
+    return depths
+
+
+def test_plan_split_is_uneven_where_the_extras_tip_it(checkpoint_factory):
+    import torch
+
+    folder, _ = checkpoint_factory("llama3", num_layers=4)
+    assert plan_layer_split(folder, 1, 3, torch.float32) == (1, 2, 1)  # embedding and head weigh a layer
