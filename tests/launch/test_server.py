@@ -93,6 +93,18 @@ def test_seed_reproducible_and_sampling_fields(client):
     assert a == b
 
 
+def test_penalties_change_the_output(client):
+    kwargs = dict(model=MODEL, prompt="The the the", max_tokens=24, temperature=0)
+    plain = client.completions.create(**kwargs).choices[0].text
+    presence = client.completions.create(**kwargs, presence_penalty=2.0).choices[0].text
+    frequency = client.completions.create(**kwargs, frequency_penalty=2.0).choices[0].text
+    assert presence != plain and frequency != plain
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=24,
+        temperature=0, presence_penalty=2.0).choices[0].message.content
+    assert chat
+
+
 def test_stop_and_echo(client):
     base = client.completions.create(model=MODEL, prompt="The", max_tokens=16,
                                      temperature=0).choices[0].text
