@@ -17,9 +17,37 @@ from shardserve.launch.protocol import APIError, ChatCompletionRequest, Completi
 from shardserve.launch.replicas import ReplicaSet
 
 
+class InFlightLimit:
+    """ASGI middleware: counts API requests from arrival until their response is fully sent
+    (streams included, disconnects too) and answers 503 beyond `limit`.
+
+    NOTE: counting here, not in the engine, closes the race where a burst passes the check
+    before any of its requests has reached a replica."""
+
+    def __init__(self, app, limit: int, metrics: ServerMetrics):
+        self.app, self.limit, self.metrics = app, limit, metrics
+        self.active = 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST" or \
+                not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        if self.active >= self.limit:
+            self.metrics.outcome("unavailable")
+            error = APIError(503, f"server overloaded: {self.active} requests in flight; retry "
+                             "later", error_type="service_unavailable")
+            return await JSONResponse(error.body(), 503)(scope, receive, send)
+        self.active += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.active -= 1
+
+
 def build_app(replicas: ReplicaSet, serving: OpenAIServing, metrics: ServerMetrics,
-              api_key: str | None) -> FastAPI:
+              api_key: str | None, max_queued_requests: int) -> FastAPI:
     app = FastAPI(title="shardserve", version=__version__)
+    app.add_middleware(InFlightLimit, limit=max_queued_requests, metrics=metrics)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError):

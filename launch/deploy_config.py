@@ -37,6 +37,9 @@ class DeployConfig(BaseModel):
     host: Optional[str] = None
     port: Optional[int] = Field(None, ge=0, le=65535)
     served_model_name: Optional[str] = None
+    # requests in flight before the server answers 503 (SGLang's name); default 4 x
+    # max_num_seqs per replica
+    max_queued_requests: Optional[int] = Field(None, ge=1)
     description: Optional[str] = None
 
     def set_values(self) -> dict:

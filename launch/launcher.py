@@ -178,8 +178,8 @@ def serve(config: DeployConfig, plan: dict, host: str, port: int, api_key: str |
     replicas = ReplicaSet(engines)
     metrics = ServerMetrics(name, replicas.stats)
     replicas.metrics = metrics
-    max_pending = 4 * (config.max_num_seqs or 256) * len(engines)
-    app = build_app(replicas, OpenAIServing(replicas, name, max_pending), metrics, api_key)
+    limit = config.max_queued_requests or 4 * (config.max_num_seqs or 256) * len(engines)
+    app = build_app(replicas, OpenAIServing(replicas, name), metrics, api_key, limit)
     warn_exposure(host, api_key)
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level="info",
                                     timeout_graceful_shutdown=GRACE_SECONDS, access_log=False))

@@ -29,10 +29,9 @@ class _Job:
 
 
 class OpenAIServing:
-    def __init__(self, replicas: ReplicaSet, served_model_name: str, max_pending: int):
+    def __init__(self, replicas: ReplicaSet, served_model_name: str):
         self.replicas = replicas
         self.served_model_name = served_model_name
-        self.max_pending = max_pending
 
     # ---- request preparation -------------------------------------------------------------
     def check_ready(self, model: str | None) -> None:
@@ -43,9 +42,6 @@ class OpenAIServing:
         if dead:
             raise APIError(503, f"the engine is not running ({dead})",
                            error_type="service_unavailable")
-        if self.replicas.num_active >= self.max_pending:
-            raise APIError(503, f"server overloaded: {self.replicas.num_active} requests in "
-                           "flight; retry later", error_type="service_unavailable")
 
     def _tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> dict:
         if isinstance(prompt, str):

@@ -48,10 +48,6 @@ class ReplicaSet:
     def vocab_size(self) -> int:
         return self.replicas[0].engine.engine.config.model.vocab_size
 
-    @property
-    def num_active(self) -> int:
-        return sum(r.num_active for r in self.replicas)
-
     def stats(self) -> list[dict]:
         return [r.stats() for r in self.replicas]
 

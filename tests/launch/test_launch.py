@@ -160,3 +160,31 @@ def test_each_gpu_replica_takes_its_own_gpus():
     base = {"device": "cuda", "tensor_parallel_size": 2, "pipeline_parallel_size": 2}
     assert [replica_kwargs(base, r)["device"] for r in range(3)] == ["cuda", "cuda:4", "cuda:8"]
     assert replica_kwargs({"device": "cpu"}, 1)["device"] == "cpu"
+
+
+def test_overload_answers_503_and_recovers():
+    proc, url = start_server("--profile", "demo", "--set", "max_queued_requests=2")
+    try:
+        import asyncio
+
+        import openai
+
+        async def burst():
+            client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+            results = await asyncio.gather(*(client.completions.create(
+                model="shardserve-demo", prompt="x", max_tokens=64, temperature=0,
+                extra_body={"ignore_eos": True}) for _ in range(8)), return_exceptions=True)
+            await client.close()
+            return results
+
+        results = asyncio.run(burst())
+        refused = [r for r in results if isinstance(r, openai.APIStatusError)]
+        assert refused and all(r.status_code == 503 for r in refused)
+        assert "overloaded" in refused[0].message
+        assert any(not isinstance(r, Exception) for r in results)
+        assert http(f"{url}/health")[0] == 200
+        code, _ = http(f"{url}/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert code == 200  # room again once the burst is over
+    finally:
+        code, out = stop_server(proc)
+    assert code == 0, out
