@@ -14,6 +14,7 @@ from shardserve.launch.plan_view import resolve_hardware, resolve_model
 from shardserve.launch.profiles import load_profile
 from shardserve.planner import PlanError, PlanOptions, load_model, make_plan
 from shardserve.planner.hardware import Hardware
+from shardserve.planner.schema import SCHEMA_VERSION
 from shardserve.planner.yaml_file import read_yaml
 
 logger = logging.getLogger("shardserve.launch")
@@ -45,9 +46,9 @@ def plan_settings(plan: dict) -> dict:
 def plan_file_values(path: str) -> tuple[dict, dict]:
     """A plan YAML -> (settings it fixes, the plan itself)."""
     plan, _ = read_yaml(path, "plan")
-    if not isinstance(plan, dict) or plan.get("version") != 1:
-        raise PlanError(f"{path} is not a shardserve plan (version 1): make one with "
-                        "`shardserve plan -o plan.yaml`")
+    if not isinstance(plan, dict) or plan.get("version") != SCHEMA_VERSION:
+        raise PlanError(f"{path} is not a shardserve plan (version {SCHEMA_VERSION}): make one "
+                        "with `shardserve plan -o plan.yaml`")
     return plan_settings(plan), plan
 
 

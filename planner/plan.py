@@ -5,15 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from shardserve.planner.errors import InfeasibleError, PlanError
-from shardserve.planner.hardware import GIB, Hardware, Node
+from shardserve.planner.hardware import Hardware, Node
 from shardserve.planner.model_source import ModelInfo
 from shardserve.planner.options import PlanOptions, RuntimeSettings, resolve_settings
 from shardserve.planner.rationale import alternatives, rationale, warnings
 from shardserve.planner.rules import Layout, nodes_used
+from shardserve.planner.schema import plan_to_dict
 from shardserve.planner.search import Candidate, candidate_layouts, choose, evaluate
 from shardserve.planner.sharding import total_weight_bytes
-
-SCHEMA_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -29,7 +28,6 @@ class Plan:
     weight_bytes: int  # the whole model, in the runtime dtype
 
     def to_dict(self) -> dict:
-        from shardserve.planner.schema import plan_to_dict
         return plan_to_dict(self)
 
 
@@ -128,7 +126,3 @@ def _gpus_needed(model: ModelInfo, hardware: Hardware, options: PlanOptions) -> 
                 more = nodes * count - hardware.total_gpus
                 return f"{shape} would fit ({more} more GPU{'s' if more > 1 else ''})."
     return f"not even 32 nodes of {per_node}x{gpu.name} would fit."
-
-
-def gib(nbytes: float) -> float:
-    return round(nbytes / GIB, 2)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from shardserve.planner.model_spec import DTYPE_BYTES
 
+SCHEMA_VERSION = 1
+
 
 def plan_to_dict(plan) -> dict:
     spec, hw, s, chosen = plan.model.spec, plan.hardware, plan.settings, plan.chosen
@@ -19,7 +21,7 @@ def plan_to_dict(plan) -> dict:
                 "kv_cache_bytes": mem.kv_cache_bytes(stage)}
 
     return {
-        "version": 1,
+        "version": SCHEMA_VERSION,
         "model": {
             "id": spec.id, "path": plan.model.path, "architecture": spec.architecture,
             "num_layers": spec.num_layers, "num_attention_heads": spec.num_attention_heads,

@@ -5,13 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardserve.planner.hardware import Hardware
-from shardserve.planner.layer_split import split_layers
 from shardserve.planner.memory import MemoryPlan, plan_memory
 from shardserve.planner.model_source import ModelInfo
 from shardserve.planner.options import PlanOptions, RuntimeSettings
 from shardserve.planner.rules import (Layout, max_replicas, placement_problem,
                                       replica_spans_nodes, tensor_parallel_problem)
-from shardserve.planner.sharding import ShardedModel
 from shardserve.planner.speed import Estimates, estimate
 
 
@@ -22,7 +20,6 @@ class Candidate:
     split: tuple[int, ...] = ()
     memory: MemoryPlan | None = None
     estimates: Estimates | None = None
-    sharded: ShardedModel | None = None
 
     @property
     def is_feasible(self) -> bool:
@@ -37,7 +34,7 @@ def evaluate(model: ModelInfo, layout: Layout, hardware: Hardware, options: Plan
     if problem:
         return Candidate(layout, problem)
     sharded = model.sharded(tp, settings.dtype, pp)
-    split = split_layers(sharded.layer_bytes, pp, sharded.first_bytes, sharded.last_bytes)
+    split = sharded.split(pp)
     stage_weights = sharded.stage_bytes(split)
     memory = plan_memory(spec, stage_weights, split, tp, hardware.gpu, settings)
     needed = settings.max_model_len * options.target_concurrency
@@ -53,7 +50,7 @@ def evaluate(model: ModelInfo, layout: Layout, hardware: Hardware, options: Plan
     est = estimate(spec, model.num_params, sharded, split, stage_weights,
                    [s.kv_bytes_per_token for s in memory.stages], tp,
                    layout.data_parallel_size, hardware, settings, memory.kv_cache_tokens)
-    return Candidate(layout, problem, tuple(split), memory, est, sharded)
+    return Candidate(layout, problem, tuple(split), memory, est)
 
 
 def candidate_layouts(model: ModelInfo, hardware: Hardware,

@@ -70,6 +70,10 @@ class ShardedModel:
     embedding_bytes: float          # one rank's share of the token embedding (not read per step)
     expert_bytes: float             # one rank's share of the routed experts, all layers
 
+    def split(self, num_stages: int) -> list[int]:
+        """Layers per stage with weight bytes balanced: the split planner and runtime share."""
+        return split_layers(self.layer_bytes, num_stages, self.first_bytes, self.last_bytes)
+
     def stage_bytes(self, split: list[int]) -> list[float]:
         out, start = [], 0
         for stage, count in enumerate(split):
@@ -142,8 +146,7 @@ def shard_model(spec: ModelSpec, groups: TensorGroups, tp: int, dtype: str,
 def layer_split(spec: ModelSpec, groups: TensorGroups, tp: int, pp: int,
                 dtype: str) -> list[int]:
     """The split both the planner and the runtime use: balance weight bytes per stage."""
-    sharded = shard_model(spec, groups, tp, dtype, pp)
-    return split_layers(sharded.layer_bytes, pp, sharded.first_bytes, sharded.last_bytes)
+    return shard_model(spec, groups, tp, dtype, pp).split(pp)
 
 
 def total_weight_bytes(spec: ModelSpec, groups: TensorGroups, dtype: str) -> int:
