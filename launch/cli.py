@@ -1,4 +1,4 @@
-"""The `shardserve` command line: plan now; launch, profiles, cluster and doctor to come."""
+"""The `shardserve` command line: plan, launch, doctor, profiles and cluster."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from shardserve.launch import __version__
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode="rich",
                   help="Plan and launch multi-GPU LLM serving.")
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # an error line is never broken mid-path
 
 
 class Format(str, enum.Enum):
@@ -87,6 +87,10 @@ def plan(
         flags["distributed_executor_backend"] = distributed_executor_backend.value
     with _user_errors():
         from shardserve.launch.plan_view import make_plan_from, render_plan, write_plan
+        if ray_address:
+            from shardserve.launch.cluster import resolve_address, use_cluster_auth
+            ray_address = resolve_address(ray_address)
+            use_cluster_auth()
         result = make_plan_from(flags, profile, ray_address)
         data = result.to_dict()
         if output is not None:
@@ -127,6 +131,9 @@ def launch(
         help="Require 'Authorization: Bearer KEY' (or set SHARDSERVE_API_KEY).")] = None,
     served_model_name: Annotated[Optional[str], typer.Option(
         help="The model name clients use (default: --model).")] = None,
+    restart: Annotated[int, typer.Option(
+        "--restart", min=0, help="When a rank or node is lost, start the whole gang again up "
+                                 "to this many times (default 0: exit 1).")] = 0,
 ) -> None:
     """Serve a plan, a profile or a model over an OpenAI-compatible API."""
     import logging
@@ -143,15 +150,19 @@ def launch(
              "max_model_len": max_model_len, "dtype": dtype, "host": host, "port": port,
              "served_model_name": served_model_name}
     if ray_address:
+        from shardserve.launch.cluster import resolve_address, use_cluster_auth
+        ray_address = resolve_address(ray_address)
         os.environ["RAY_ADDRESS"] = ray_address  # the runtime's Ray executor joins it
+        use_cluster_auth()
     with _user_errors():
         flags.update(parse_set(set_ or []))
         config, plan = settle(str(plan_file) if plan_file else None, profile, flags,
                               ray_address)
     try:
-        code = serve(config, plan, config.host or "127.0.0.1",
-                     8000 if config.port is None else config.port, api_key_from_env(api_key),
-                     config.served_model_name)
+        with _user_errors():
+            code = serve(config, plan, config.host or "127.0.0.1",
+                         8000 if config.port is None else config.port,
+                         api_key_from_env(api_key), config.served_model_name, restart)
     except ValueError as e:  # the runtime refusing a setting (max_model_len too long, ...)
         err.print(f"[bold red]error:[/] {e}", highlight=False)
         raise typer.Exit(1) from None
@@ -163,14 +174,24 @@ def doctor(
     plan_file: Annotated[Optional[Path], typer.Option(
         "--plan", help="Check this machine against a plan from `shardserve plan -o`.")] = None,
     format: Annotated[Format, typer.Option("--format", help="table or json.")] = Format.table,
+    ray_address: Annotated[Optional[str], typer.Option(
+        envvar="RAY_ADDRESS", help="Check every node of this Ray cluster (default: the "
+                                   "cluster this host joined, if any).")] = None,
 ) -> None:
-    """Check GPUs, NVLink, /dev/shm, network interfaces, versions and the model files."""
+    """Check GPUs, NVLink, /dev/shm, NCCL's transport, interfaces, versions, the model files,
+    and on a Ray cluster every node's IP, versions, variables and model files."""
+    from shardserve.launch.cluster import (read_record, resolve_address, state_dir,
+                                           use_cluster_auth)
     from shardserve.launch.doctor import run_checks
     from shardserve.launch.launcher import plan_file_values
 
     with _user_errors():
         plan = plan_file_values(str(plan_file))[1] if plan_file else None
-        checks = run_checks(plan)
+        record = read_record(state_dir())
+        address = resolve_address(ray_address) or (record.address if record else None)
+        if address:
+            use_cluster_auth()
+        checks = run_checks(plan, cluster_address=address)
     if format is Format.json:
         print(json.dumps({"checks": [c.to_dict() for c in checks]}, indent=2))
     else:
@@ -213,6 +234,127 @@ def profiles_show(name: Annotated[str, typer.Argument(help="Profile name or YAML
         values = load_profile(name).set_values()
     print(f"# {path}")
     print(yaml.safe_dump(values, sort_keys=False), end="")
+
+
+cluster_app = typer.Typer(no_args_is_help=True, help="Start, join, inspect and stop the Ray "
+                          "cluster that multi-node launches run on.")
+app.add_typer(cluster_app, name="cluster")
+_StateDir = Annotated[Optional[str], typer.Option(
+    "--state-dir", envvar="SHARDSERVE_CLUSTER_DIR",
+    help="Where this host keeps its node record and token (default ~/.shardserve/cluster).")]
+_NodeIp = Annotated[Optional[str], typer.Option(
+    help="This host's address (default: the interface that routes to the head).")]
+_NumGpus = Annotated[Optional[int], typer.Option(help="GPUs to offer (default: all Ray finds).")]
+_NumCpus = Annotated[Optional[int], typer.Option(help="CPUs to offer (default: all).")]
+_TokenFile = Annotated[Optional[str], typer.Option(
+    help="The cluster's token (default: RAY_AUTH_TOKEN; a new head makes one).")]
+
+
+@cluster_app.command("up")
+def cluster_up(
+    head: Annotated[bool, typer.Option("--head", help="Start the head node (required).")] = False,
+    node_ip: _NodeIp = None,
+    port: Annotated[int, typer.Option(help="The head's port (0: any free port).")] = 6379,
+    num_gpus: _NumGpus = None, num_cpus: _NumCpus = None, token_file: _TokenFile = None,
+    state_dir: _StateDir = None,
+) -> None:
+    """Start this host as the cluster's head; returns once it is registered."""
+    from shardserve.launch import cluster
+    with _user_errors():
+        if not head:
+            raise cluster.ClusterError("`cluster up` starts a head: pass --head (workers use "
+                                       "`shardserve cluster join HEAD_IP:PORT`)")
+        folder = cluster.state_dir(state_dir)
+        address = cluster.choose_node_ip(None, node_ip)
+        record = cluster.start_node(folder, None, address, port, num_gpus, num_cpus, token_file)
+    out = Console()
+    out.print(f"head node up at [bold]{record.address}[/]")
+    _print_node_choice(out, record, address.reason)
+    out.print(f"token: {cluster.token_path(folder)} (copy it to each worker, then run there)\n"
+              f"  shardserve cluster join {record.address} --token-file auth_token")
+    out.print("launch with: shardserve launch --ray-address "
+              f"{record.address} ...   (status: shardserve cluster status)")
+    err.print("[yellow]warning:[/] traffic between the nodes (Ray, NCCL, gloo) is not "
+              "encrypted; token authentication keeps strangers out of Ray but the network "
+              "must stay private (no public IPs, a firewall in front)", highlight=False)
+
+
+@cluster_app.command("join")
+def cluster_join(
+    head_address: Annotated[str, typer.Argument(metavar="HEAD_IP:PORT")],
+    node_ip: _NodeIp = None, num_gpus: _NumGpus = None, num_cpus: _NumCpus = None,
+    token_file: _TokenFile = None, state_dir: _StateDir = None,
+) -> None:
+    """Join this host to the cluster whose head is at HEAD_IP:PORT; returns once registered."""
+    from shardserve.launch import cluster
+    with _user_errors():
+        host, sep, port_text = head_address.rpartition(":")
+        if not sep or not host or not port_text.isdigit():
+            raise cluster.ClusterError(f"{head_address!r} is not HEAD_IP:PORT (e.g. "
+                                       "10.0.0.1:6379, as `cluster up` printed)")
+        folder = cluster.state_dir(state_dir)
+        address = cluster.choose_node_ip(host, node_ip)
+        record = cluster.start_node(folder, (host, int(port_text)), address, 0, num_gpus,
+                                    num_cpus, token_file)
+    out = Console()
+    out.print(f"joined the cluster at [bold]{record.address}[/] as {record.node_ip}")
+    _print_node_choice(out, record, address.reason)
+
+
+def _print_node_choice(out: Console, record, reason: str) -> None:
+    out.print(f"node IP {record.node_ip} on {record.interface} ({reason}); the node's ranks "
+              f"get NCCL_SOCKET_IFNAME={record.interface} GLOO_SOCKET_IFNAME={record.interface}")
+    out.print(f"{len(record.pids)} Ray processes recorded; stop them with `shardserve cluster "
+              "down` (not `ray stop`, which ends every Ray process on the host)")
+
+
+@cluster_app.command("status")
+def cluster_status(
+    address: Annotated[Optional[str], typer.Option(
+        envvar="RAY_ADDRESS", help="HEAD_IP:PORT (default: the cluster this host joined).")]
+    = None,
+    format: Annotated[Format, typer.Option("--format", help="table or json.")] = Format.table,
+    state_dir: _StateDir = None,
+) -> None:
+    """List every node: IP, GPUs, CPUs, liveness, versions, and what differs between nodes."""
+    from shardserve.launch import cluster
+    from shardserve.launch.ray_nodes import list_nodes, node_problems
+    with _user_errors():
+        folder = cluster.state_dir(state_dir)
+        record = cluster.read_record(folder)
+        os.environ.update(cluster.auth_env(folder))
+        nodes = list_nodes(None, address or (record.address if record else None))
+    reference = next((n["facts"] for n in nodes if n["head"] and "facts" in n), None)
+    problems = node_problems(nodes, reference) if reference else {}
+    rows = [{"ip": n["ip"], "alive": n["alive"], "head": n["head"], "gpus": n["gpus"],
+             "cpus": n["cpus"], "versions": n.get("facts", {}).get("versions"),
+             "problems": problems.get(n["ip"], [])} for n in nodes]
+    if format is Format.json:
+        print(json.dumps({"nodes": rows}, indent=2))
+    else:
+        from rich.table import Table
+        table = Table("ip", "role", "alive", "gpus", "cpus", "versions", "problems")
+        for r in rows:
+            versions = ", ".join(f"{k} {v}" for k, v in (r["versions"] or {}).items())
+            table.add_row(r["ip"], "head" if r["head"] else "worker",
+                          "[green]yes[/]" if r["alive"] else "[red]no[/]", str(r["gpus"]),
+                          str(r["cpus"]), versions, "; ".join(r["problems"]))
+        Console().print(table)
+    if any(not r["alive"] or r["problems"] for r in rows):
+        raise typer.Exit(1)
+
+
+@cluster_app.command("down")
+def cluster_down(state_dir: _StateDir = None) -> None:
+    """Stop the Ray node this host started (only its recorded processes)."""
+    from shardserve.launch import cluster
+    with _user_errors():
+        record = cluster.stop_node(cluster.state_dir(state_dir))
+    if record is None:
+        Console().print("no Ray node started by shardserve on this host; nothing to stop")
+    else:
+        Console().print(f"stopped the {record.role} node {record.node_ip} "
+                        f"(cluster {record.address})")
 
 
 @contextlib.contextmanager

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import platform
 import socket
 from dataclasses import asdict, dataclass
-from importlib import metadata
 from pathlib import Path
 
+from shardserve.launch.node_facts import interface_problem, versions
+from shardserve.planner import PlanError
 from shardserve.planner.detect import detect_local
 from shardserve.planner.hardware import GIB
 
@@ -27,19 +27,72 @@ class Check:
         return asdict(self)
 
 
-def run_checks(plan: dict | None = None, nvml=None, shm_path: str = "/dev/shm") -> list[Check]:
+def run_checks(plan: dict | None = None, nvml=None, shm_path: str = "/dev/shm",
+               cluster_address: str | None = None) -> list[Check]:
     hardware = detect_local(nvml)
     checks = [check_gpus(hardware, plan), check_nvlink(hardware, plan), check_shm(shm_path),
               check_interfaces(os.environ, interface_names()), check_versions()]
     checks.append(check_model(plan) if plan else
                   Check("model", "skip", "no plan given: pass --plan to check its model files"))
-    checks.append(Check("nccl_transport", "skip",
-                        "needs two or more GPUs and a plan with tensor parallel"
-                        if hardware.total_gpus < 2 or hardware.is_cpu else
-                        "not run by this version: the all-reduce probe comes with the "
-                        "multi-node work"))
-    checks.append(Check("ray_nodes", "skip", "no Ray cluster: node IPs, versions and model "
-                        "files across nodes are checked on a cluster (RAY_ADDRESS)"))
+    checks.append(check_nccl_transport(hardware, plan))
+    checks += check_cluster(cluster_address, plan)
+    return checks
+
+
+def check_nccl_transport(hardware, plan: dict | None, probe=None) -> Check:
+    """All-reduce over this machine's share of the plan's tensor-parallel ranks, NCCL_DEBUG=INFO,
+    and judge the transport NCCL reports. `probe(world_size) -> log text` runs it."""
+    tp = plan["parallel"]["tensor_parallel_size"] if plan else 2
+    if hardware.is_cpu or hardware.total_gpus < 2 or tp < 2:
+        return Check("nccl_transport", "skip", "needs two or more GPUs here and a plan with "
+                     "tensor parallel (on CPU, gloo carries the collectives)")
+    from shardserve.launch.nccl_probe import judge, parse_nccl_log, run_local_probe
+    world = min(tp, hardware.nodes[0].num_gpus)
+    try:
+        log = (probe or run_local_probe)(world)
+    except Exception as e:  # noqa: BLE001 - any failure of the probe is the finding
+        return Check("nccl_transport", "fail", f"an all-reduce over {world} GPUs failed: {e}",
+                     "rerun with NCCL_DEBUG=INFO and read the first NCCL WARN line")
+    status, detail, fix = judge(parse_nccl_log(log), crosses_nodes=False)
+    return Check("nccl_transport", status, f"all-reduce over {world} GPUs: {detail}", fix)
+
+
+def check_cluster(address: str | None, plan: dict | None) -> list[Check]:
+    """Each Ray node: alive, its IP on one of its interfaces, versions, NCCL/gloo variables and
+    the plan's model files as on this host."""
+    if not address:
+        return [Check("ray_nodes", "skip", "no Ray cluster (pass --ray-address or set "
+                      "RAY_ADDRESS): node IPs, versions and model files across nodes unchecked")]
+    from shardserve.launch.node_facts import env_differences, node_facts
+    from shardserve.launch.ray_nodes import list_nodes, node_problems
+    model = plan["model"].get("path") if plan else None
+    try:
+        nodes = list_nodes(model, address)
+    except PlanError as e:
+        return [Check("ray_nodes", "fail", str(e), "start the cluster: shardserve cluster up")]
+    dead = [n["ip"] for n in nodes if not n["alive"]]
+    checks = [Check("ray_nodes", "fail" if dead else "pass",
+                    f"{len(nodes)} nodes ({', '.join(n['ip'] for n in nodes)})"
+                    + (f"; dead: {', '.join(dead)}" if dead else ""),
+                    "restart the lost nodes (shardserve cluster join) or remove them" if dead
+                    else None)]
+    problems = node_problems(nodes, node_facts(model))
+    checks.append(Check("node_parity", "fail" if problems else "pass",
+                        "; ".join(f"{ip}: {', '.join(p)}" for ip, p in problems.items())
+                        or "every node has this host's versions"
+                        + (" and the model's files" if model else "")
+                        + ", and its Ray IP on its own interfaces",
+                        "install the same versions everywhere, copy the model folder to the "
+                        "same path, and start nodes with `shardserve cluster join` (it picks "
+                        "the IP that routes to the head)" if problems else None))
+    head = next((n["facts"] for n in nodes if n["head"] and "facts" in n), None)
+    differ = {n["ip"]: d for n in nodes if "facts" in n and head
+              and (d := env_differences(head, n["facts"]))}
+    checks.append(Check("node_env", "warn" if differ else "pass",
+                        "; ".join(f"{ip}: {', '.join(d)}" for ip, d in differ.items())
+                        or "NCCL_*/GLOO_* variables agree across nodes",
+                        "set the same NCCL/gloo variables on every node before `cluster join`"
+                        if differ else None))
     return checks
 
 
@@ -96,19 +149,9 @@ def interface_names() -> set[str]:
 
 def check_interfaces(env: os._Environ | dict, names: set[str]) -> Check:
     """NCCL/gloo interface variables must name interfaces this machine has."""
-    wrong = []
-    for var in _IFNAME_VARS:
-        value = env.get(var)
-        if not value:
-            continue
-        wanted = [v.lstrip("^=") for v in value.split(",") if v]
-        exclude = value.startswith("^")
-        # NCCL matches by prefix unless the value starts with '='
-        if not exclude and not any(any(n.startswith(w) for n in names) for w in wanted):
-            wrong.append(f"{var}={value}")
-    if wrong:
-        return Check("interfaces", "fail", f"{', '.join(wrong)} names no interface here "
-                     f"(this machine has {', '.join(sorted(names))})",
+    problem = interface_problem({"interfaces": dict.fromkeys(names), "env": env})
+    if problem:
+        return Check("interfaces", "fail", problem,
                      "set it to the interface that routes to the other nodes")
     set_vars = [f"{v}={env[v]}" for v in _IFNAME_VARS if env.get(v)]
     return Check("interfaces", "pass", f"interfaces {', '.join(sorted(names))}"
@@ -116,13 +159,7 @@ def check_interfaces(env: os._Environ | dict, names: set[str]) -> Check:
 
 
 def check_versions() -> Check:
-    versions = {"python": platform.python_version()}
-    for package in ("shardserve", "torch", "transformers", "ray"):
-        try:
-            versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            pass
-    return Check("versions", "pass", ", ".join(f"{k} {v}" for k, v in versions.items()))
+    return Check("versions", "pass", ", ".join(f"{k} {v}" for k, v in versions().items()))
 
 
 def check_model(plan: dict) -> Check:

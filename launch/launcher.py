@@ -8,6 +8,7 @@ import ipaddress
 import logging
 import os
 import signal
+from pathlib import Path
 
 from shardserve.launch.deploy_config import DeployConfig, merge, validate
 from shardserve.launch.plan_view import resolve_hardware, resolve_model
@@ -155,8 +156,37 @@ def warn_exposure(host: str, api_key: str | None) -> None:
 
 
 def serve(config: DeployConfig, plan: dict, host: str, port: int, api_key: str | None,
-          served_model_name: str | None) -> int:
-    """Start the replicas and the server; returns the process exit code."""
+          served_model_name: str | None, restarts: int = 0) -> int:
+    """Serve; when the engine dies (a rank or a node lost), start the whole gang again, up to
+    `restarts` times. Returns the process exit code."""
+    log_plan(plan)
+    for attempt in range(restarts + 1):
+        if attempt:
+            logger.warning("restarting every replica and rank (restart %d of %d)", attempt,
+                           restarts)
+        code, engine_died = serve_once(config, plan, host, port, api_key, served_model_name)
+        if not engine_died:
+            return code
+    if restarts:
+        logger.error("the engine died %d times; giving up (--restart %d)", restarts + 1, restarts)
+    return 1
+
+
+def uses_ray_cluster(config: DeployConfig) -> bool:
+    ranks = (config.tensor_parallel_size or 1) * (config.pipeline_parallel_size or 1)
+    return (config.distributed_executor_backend == "ray" and ranks > 1
+            and bool(os.environ.get("RAY_ADDRESS")))
+
+
+def model_folder(model: str) -> str:
+    """The model's path as every node sees it: folders absolute, ids as given."""
+    path = resolve_model(model)
+    return str(Path(path).resolve()) if Path(path).is_dir() else path
+
+
+def serve_once(config: DeployConfig, plan: dict, host: str, port: int, api_key: str | None,
+               served_model_name: str | None) -> tuple[int, bool]:
+    """Start the replicas and the server; (exit code, whether the engine died)."""
     import uvicorn
 
     from shardserve.launch.api_server import build_app
@@ -167,9 +197,14 @@ def serve(config: DeployConfig, plan: dict, host: str, port: int, api_key: str |
 
     _Server = _server_class()
 
-    log_plan(plan)
     name = served_model_name or config.model
-    path = resolve_model(config.model)
+    path = model_folder(config.model)
+    if uses_ray_cluster(config):
+        from shardserve.launch.ray_nodes import check_cluster
+        nodes = check_cluster(path)
+        logger.info("cluster: %d live nodes (%s) have the model's files and this host's "
+                    "versions", sum(n["alive"] for n in nodes),
+                    ", ".join(n["ip"] for n in nodes if n["alive"]))
     kwargs = engine_kwargs(config)
     engines = [AsyncEngine(path, **replica_kwargs(kwargs, r))
                for r in range(config.data_parallel_size or 1)]
@@ -209,16 +244,16 @@ def _server_class():
     return Server
 
 
-async def _run(server, replicas) -> int:
-    exit_code = 0
+async def _run(server, replicas) -> tuple[int, bool]:
+    exit_code, engine_died = 0, False
 
     async def watchdog():
-        nonlocal exit_code
+        nonlocal exit_code, engine_died
         while not server.should_exit:
             dead = replicas.dead_reason()
             if dead:
                 logger.error("engine died: %s; stopping the server", dead)
-                exit_code = 1
+                exit_code, engine_died = 1, True
                 await asyncio.sleep(1.0)  # /health answers 503 meanwhile
                 server.should_exit = True
                 return
@@ -232,8 +267,8 @@ async def _run(server, replicas) -> int:
         await replicas.shutdown()
     if exit_code == 0 and not server.started:
         exit_code = 1  # could not bind the port: uvicorn has said why
-    logger.info("shut down cleanly" if exit_code == 0 else "exiting with an error")
-    return exit_code
+    logger.info("shut down cleanly" if exit_code == 0 else "stopped with an error")
+    return exit_code, engine_died
 
 
 def api_key_from_env(flag: str | None) -> str | None:

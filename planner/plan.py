@@ -45,9 +45,15 @@ def make_plan(model: ModelInfo, hardware: Hardware, options: PlanOptions) -> Pla
     weight_bytes = total_weight_bytes(model.spec, model.groups, settings.dtype)
     return Plan(model, hardware, settings, chosen, executor,
                 tuple(rationale(model, hardware, settings, chosen, candidates, executor,
-                                weight_bytes)),
+                                weight_bytes, _pins(options))),
                 tuple(warnings(model, hardware, settings, chosen)),
                 tuple(alternatives(chosen, candidates, hardware)), weight_bytes)
+
+
+def _pins(options: PlanOptions) -> dict[str, int]:
+    return {name: getattr(options, name) for name in
+            ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+            if getattr(options, name) is not None}
 
 
 def _search(model, hardware, options, settings) -> list[Candidate]:

@@ -15,7 +15,8 @@ def _gib(nbytes: float) -> str:
 
 def rationale(model: ModelInfo, hardware: Hardware, settings: RuntimeSettings,
               chosen: Candidate, candidates: list[Candidate], executor: str,
-              weights: int) -> list[str]:
+              weights: int, pins: dict[str, int] | None = None) -> list[str]:
+    """`pins`: the sizes the settings fixed; the layout is then theirs, not a rule's."""
     spec, layout, gpu = model.spec, chosen.layout, hardware.gpu
     tp, pp, dp = (layout.tensor_parallel_size, layout.pipeline_parallel_size,
                   layout.data_parallel_size)
@@ -27,7 +28,11 @@ def rationale(model: ModelInfo, hardware: Hardware, settings: RuntimeSettings,
     lines = [f"weights: {_gib(weights)} in {settings.dtype}"
              + (f" ({spec.quantization.method})" if spec.quantization else "") + f"; {offer}"]
     one_gpu = next((c for c in candidates if c.layout.gpus_per_replica == 1), None)
-    if layout.gpus_per_replica == 1:
+    layout_pins = {k: v for k, v in (pins or {}).items() if k != "data_parallel_size"}
+    if layout_pins:
+        lines.append("layout pinned by the settings: "
+                     + ", ".join(f"{k}={v}" for k, v in layout_pins.items()))
+    elif layout.gpus_per_replica == 1:
         lines.append(f"rule 1: the model fits on one {'rank' if gpu.is_cpu else 'GPU'} with "
                      "room for KV cache"
                      + (f"; the other {dp - 1} GPUs serve as replicas (data parallel)"

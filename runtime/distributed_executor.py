@@ -62,10 +62,14 @@ class DistributedExecutor(Executor):
         self.is_dead = False
         try:
             self.handles = self.start_workers(rendezvous)
-            self._gather(self.handles, STARTUP_TIMEOUT_SECONDS)  # every rank reports ready
+            # every rank reports ready, with the node it runs on (None: this host)
+            self.rank_nodes: list[str | None] = self._gather(self.handles, STARTUP_TIMEOUT_SECONDS)
         except BaseException:
             self.shutdown()
             raise
+        for state, node in zip(self.states, self.rank_nodes):
+            logger.info("rank %d (tp %d/%d, pp %d/%d) runs on %s", state.global_rank, state.tp_rank,
+                        state.tp_size, state.pp_rank, state.pp_size, node or "this host")
 
     @abstractmethod
     def rendezvous_host(self) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import os
 import pickle
+import time
 
 from shardserve.runtime.distributed import Rendezvous
 from shardserve.runtime.distributed_executor import DistributedExecutor, WorkerHandle
@@ -13,19 +14,30 @@ from shardserve.runtime.worker_process import ENV_PREFIXES
 from shardserve.runtime.worker_rpc import WorkerReply
 
 PLACEMENT_TIMEOUT_SECONDS = 300.0
+HEARTBEAT_SECONDS = 1.0  # an idle actor is pinged this often, so a lost node is seen at once
+# Per-node variables: the node's own value (`shardserve cluster join`, Ray) beats the driver's.
+NODE_OWN_ENV = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "CUDA_VISIBLE_DEVICES")  # Ray sets the last
 
 
 class RankActor:
     """The body of one rank's actor (wrapped by ray.remote when Ray is imported)."""
 
-    def __init__(self, config, state, rendezvous: Rendezvous, num_threads: int):
+    def __init__(self, config, state, rendezvous: Rendezvous, num_threads: int, env: dict[str, str]):
+        import ray
+
         from shardserve.runtime.worker_process import setup_rank
 
+        apply_env(env)
         self.state = state
+        self.node_ip = ray.util.get_node_ip_address()
         self.worker = setup_rank(config, state, rendezvous, num_threads)
 
     def ready(self) -> bytes:
-        return pickle.dumps(WorkerReply(self.state.global_rank))
+        """The ready reply names the node the rank runs on."""
+        return pickle.dumps(WorkerReply(self.state.global_rank, self.node_ip))
+
+    def ping(self) -> None:
+        return None
 
     def call(self, payload: bytes) -> bytes | None:
         """A pickled WorkerCall in, a pickled WorkerReply out (None where the rank owes no reply)."""
@@ -54,6 +66,8 @@ class ActorHandle(WorkerHandle):
         self.ray, self.actor, self.rank = ray, actor, rank
         self.pending = collections.deque([actor.ready.remote()])
         self.is_dead = False
+        self.heartbeat = None  # an outstanding ping
+        self.last_heartbeat = time.monotonic()
 
     def send(self, payload: bytes) -> None:
         self.pending.append(self.actor.call.remote(payload))
@@ -77,7 +91,22 @@ class ActorHandle(WorkerHandle):
         return None
 
     def is_alive(self) -> bool:
-        return not self.is_dead
+        """NOTE: a call pending on a lost actor fails by itself, but an idle engine has none, so a
+        ping goes out every HEARTBEAT_SECONDS; the GCS fails it once the actor or its node is gone."""
+        if self.is_dead:
+            return False
+        if self.heartbeat is not None and self.ray.wait([self.heartbeat], timeout=0)[0]:
+            try:
+                self.ray.get(self.heartbeat)
+            except self.ray.exceptions.RayError:
+                self.is_dead = True
+                self.pending.clear()
+                return False
+            self.heartbeat = None
+        if self.heartbeat is None and time.monotonic() - self.last_heartbeat > HEARTBEAT_SECONDS:
+            self.heartbeat = self.actor.ping.remote()
+            self.last_heartbeat = time.monotonic()
+        return True
 
     def stop(self, grace: float) -> None:
         if grace > 0 and not self.is_dead and self.pending:
@@ -88,7 +117,15 @@ class ActorHandle(WorkerHandle):
 
 def forwarded_env() -> dict[str, str]:
     """The variables every rank must see, remote nodes included (NCCL_*, GLOO_*, HF_TOKEN, ...)."""
-    return {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
+    return {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES) and not k.startswith("RAY_")}
+
+
+def apply_env(env: dict[str, str]) -> None:
+    """In a rank, before torch.distributed starts: the driver's variables, except the per-node ones
+    the node already sets (a node's interface name is its own)."""
+    for key, value in env.items():
+        if key not in NODE_OWN_ENV or key not in os.environ:
+            os.environ[key] = value
 
 
 class RayExecutor(DistributedExecutor):
@@ -112,9 +149,8 @@ class RayExecutor(DistributedExecutor):
         for state in self.states:
             strategy = PlacementGroupSchedulingStrategy(groups[state.pp_rank], state.tp_rank)
             actor = actor_class.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                                        scheduling_strategy=strategy,
-                                        runtime_env={"env_vars": forwarded_env()}).remote(
-                self.config, state, rendezvous, 1)
+                                        scheduling_strategy=strategy).remote(
+                self.config, state, rendezvous, 1, forwarded_env())
             handles.append(ActorHandle(actor, state.global_rank))
         self.placement_groups = groups
         return handles

@@ -27,7 +27,7 @@ def test_interface_variables_against_the_real_table():
     assert check_interfaces({"NCCL_SOCKET_IFNAME": "lo"}, names).status == "pass"
     assert check_interfaces({"GLOO_SOCKET_IFNAME": "^docker,veth"}, names).status == "pass"
     bad = check_interfaces({"NCCL_SOCKET_IFNAME": "ib9"}, names)
-    assert bad.status == "fail" and "NCCL_SOCKET_IFNAME=ib9 names no interface here" in bad.detail
+    assert bad.status == "fail" and "NCCL_SOCKET_IFNAME=ib9 names none of its interfaces" in bad.detail
 
 
 def test_gpu_count_and_memory_against_the_plan():

@@ -1,5 +1,6 @@
 """`shardserve launch` start-up: fail-fast checks, clean exits, and exposure warnings."""
 
+import json
 import logging
 import os
 import signal
@@ -153,6 +154,40 @@ def test_tensor_parallel_server_and_a_dead_rank():
     while time.monotonic() < deadline and any(_alive(p) for p in ranks):
         time.sleep(0.2)
     assert not any(_alive(p) for p in ranks), "a rank outlived the server"
+
+
+def _text(body: str) -> str:
+    return json.loads(body)["choices"][0]["text"]
+
+
+def test_restart_brings_the_gang_back_then_gives_up():
+    proc, url = start_server("--profile", "cpu-tp2", "--restart", "1")
+    request = {"model": "shardserve-demo", "prompt": "The function returns", "max_tokens": 8,
+               "temperature": 0}
+    try:
+        first = http(f"{url}/v1/completions", request)
+        assert first[0] == 200, first
+        old = _ranks(proc.pid)
+        os.kill(old[0], signal.SIGKILL)
+        deadline, statuses = time.monotonic() + 120, []
+        while time.monotonic() < deadline:
+            statuses.append(http(f"{url}/health", timeout=2)[0])
+            new = [p for p in _ranks(proc.pid) if p not in old]
+            if statuses[-1] == 200 and len(new) == 2:
+                break
+            time.sleep(0.25)
+        assert statuses[-1] == 200 and {503, 0} & set(statuses), statuses
+        again = http(f"{url}/v1/completions", request)
+        assert again[0] == 200 and _text(again[1]) == _text(first[1])  # the same greedy answer
+        os.kill(new[1], signal.SIGKILL)  # the second loss exceeds --restart 1
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1, out
+    assert "restarting every replica and rank (restart 1 of 1)" in out
+    assert "giving up (--restart 1)" in out
 
 
 def test_each_gpu_replica_takes_its_own_gpus():

@@ -148,3 +148,11 @@ def test_moe_and_other_families_plan():
                             ("mistralai/Mistral-7B-v0.1", "A10G")]:
         d = plan_for(model, hardware).to_dict()
         assert d["memory"]["kv_cache_tokens"] >= d["runtime"]["max_model_len"]
+
+
+def test_a_pinned_layout_is_credited_to_the_settings_not_a_rule():
+    plan = plan_for(LLAMA_8B, "2x8xH100-80GB", pipeline_parallel_size=2)
+    assert layout(plan)[1] == 2
+    assert "layout pinned by the settings: pipeline_parallel_size=2" in plan.rationale
+    assert not any(line.startswith(("rule 1", "rule 2", "rule 3", "rule 4", "rule 5"))
+                   for line in plan.rationale)
