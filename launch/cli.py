@@ -131,6 +131,9 @@ def launch(
         help="Require 'Authorization: Bearer KEY' (or set SHARDSERVE_API_KEY).")] = None,
     served_model_name: Annotated[Optional[str], typer.Option(
         help="The model name clients use (default: --model).")] = None,
+    env: Annotated[Optional[list[str]], typer.Option(
+        "--env", help="NAME=VALUE set for the engine and every rank, on every node; "
+                      "NCCL_*, GLOO_*, CUDA_*, TORCH_*, HF_* travel without it.")] = None,
     restart: Annotated[int, typer.Option(
         "--restart", min=0, help="When a rank or node is lost, start the whole gang again up "
                                  "to this many times (default 0: exit 1).")] = 0,
@@ -138,7 +141,7 @@ def launch(
     """Serve a plan, a profile or a model over an OpenAI-compatible API."""
     import logging
 
-    from shardserve.launch.deploy_config import parse_set
+    from shardserve.launch.deploy_config import parse_env, parse_set
     from shardserve.launch.launcher import api_key_from_env, serve, settle
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
@@ -156,6 +159,7 @@ def launch(
         use_cluster_auth()
     with _user_errors():
         flags.update(parse_set(set_ or []))
+        flags["env"] = parse_env(env or []) or None
         config, plan = settle(str(plan_file) if plan_file else None, profile, flags,
                               ray_address)
     try:

@@ -40,6 +40,8 @@ class DeployConfig(BaseModel):
     # requests in flight before the server answers 503 (SGLang's name); default 4 x
     # max_num_seqs per replica
     max_queued_requests: Optional[int] = Field(None, ge=1)
+    # variables set for the engine and every rank, on every node (Ray included)
+    env: Optional[dict[str, str]] = None
     description: Optional[str] = None
 
     def set_values(self) -> dict:
@@ -50,7 +52,20 @@ def merge(*layers: dict) -> dict:
     """Later layers win: profile < plan < flags."""
     out: dict = {}
     for layer in layers:
-        out.update({k: v for k, v in layer.items() if v is not None})
+        for key, value in layer.items():
+            if value is not None:  # env: a layer adds variables rather than replacing them all
+                out[key] = {**out[key], **value} if key == "env" and key in out else value
+    return out
+
+
+def parse_env(items: list[str]) -> dict[str, str]:
+    """`--env NAME=VALUE` pairs."""
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip().isidentifier():
+            raise PlanError(f"--env {item!r}: write NAME=VALUE, such as --env NCCL_IB_HCA=mlx5")
+        out[name.strip()] = value
     return out
 
 

@@ -160,6 +160,7 @@ def serve(config: DeployConfig, plan: dict, host: str, port: int, api_key: str |
     """Serve; when the engine dies (a rank or a node lost), start the whole gang again, up to
     `restarts` times. Returns the process exit code."""
     log_plan(plan)
+    export_env(config.env or {})
     for attempt in range(restarts + 1):
         if attempt:
             logger.warning("restarting every replica and rank (restart %d of %d)", attempt,
@@ -170,6 +171,17 @@ def serve(config: DeployConfig, plan: dict, host: str, port: int, api_key: str |
     if restarts:
         logger.error("the engine died %d times; giving up (--restart %d)", restarts + 1, restarts)
     return 1
+
+
+def export_env(env: dict[str, str]) -> None:
+    """Set the chosen variables here and name them for the runtime, which sends them to every
+    rank (local processes inherit them anyway)."""
+    if env:
+        from shardserve.runtime.ray_executor import FORWARD_ENV
+        os.environ.update(env)
+        names = {n for n in os.environ.get(FORWARD_ENV, "").split(",") if n} | set(env)
+        os.environ[FORWARD_ENV] = ",".join(sorted(names))
+        logger.info("every rank gets %s", " ".join(f"{k}={v}" for k, v in sorted(env.items())))
 
 
 def uses_ray_cluster(config: DeployConfig) -> bool:

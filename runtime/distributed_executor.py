@@ -16,7 +16,7 @@ from shardserve.runtime.errors import EngineDeadError
 from shardserve.runtime.executor import Executor
 from shardserve.runtime.messages import ModelRunnerOutput, SchedulerOutput
 from shardserve.runtime.parallel_state import ParallelState
-from shardserve.runtime.worker_rpc import WorkerCall, WorkerMethod, WorkerReply
+from shardserve.runtime.worker_rpc import RankPlacement, WorkerCall, WorkerMethod, WorkerReply
 
 logger = logging.getLogger(__name__)
 
@@ -62,14 +62,15 @@ class DistributedExecutor(Executor):
         self.is_dead = False
         try:
             self.handles = self.start_workers(rendezvous)
-            # every rank reports ready, with the node it runs on (None: this host)
-            self.rank_nodes: list[str | None] = self._gather(self.handles, STARTUP_TIMEOUT_SECONDS)
+            # every rank reports ready, with its RankPlacement (None: a process of this host)
+            self.placements: list[RankPlacement | None] = self._gather(self.handles, STARTUP_TIMEOUT_SECONDS)
         except BaseException:
             self.shutdown()
             raise
-        for state, node in zip(self.states, self.rank_nodes):
+        for state, placement in zip(self.states, self.placements):
             logger.info("rank %d (tp %d/%d, pp %d/%d) runs on %s", state.global_rank, state.tp_rank,
-                        state.tp_size, state.pp_rank, state.pp_size, node or "this host")
+                        state.tp_size, state.pp_rank, state.pp_size,
+                        placement.describe() if placement else "this host")
 
     @abstractmethod
     def rendezvous_host(self) -> str:

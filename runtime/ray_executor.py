@@ -11,9 +11,10 @@ import time
 from shardserve.runtime.distributed import Rendezvous
 from shardserve.runtime.distributed_executor import DistributedExecutor, WorkerHandle
 from shardserve.runtime.worker_process import ENV_PREFIXES
-from shardserve.runtime.worker_rpc import WorkerReply
+from shardserve.runtime.worker_rpc import RankPlacement, WorkerReply
 
 PLACEMENT_TIMEOUT_SECONDS = 300.0
+FORWARD_ENV = "SHARDSERVE_FORWARD_ENV"
 HEARTBEAT_SECONDS = 1.0  # an idle actor is pinged this often, so a lost node is seen at once
 # Per-node variables: the node's own value (`shardserve cluster join`, Ray) beats the driver's.
 NODE_OWN_ENV = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "CUDA_VISIBLE_DEVICES")  # Ray sets the last
@@ -33,8 +34,10 @@ class RankActor:
         self.worker = setup_rank(config, state, rendezvous, num_threads)
 
     def ready(self) -> bytes:
-        """The ready reply names the node the rank runs on."""
-        return pickle.dumps(WorkerReply(self.state.global_rank, self.node_ip))
+        """The ready reply names the rank's node and the per-node and chosen variables it got."""
+        names = (*NODE_OWN_ENV, *chosen_env_names())
+        env = {k: os.environ[k] for k in names if k in os.environ}
+        return pickle.dumps(WorkerReply(self.state.global_rank, RankPlacement(self.node_ip, env)))
 
     def ping(self) -> None:
         return None
@@ -115,9 +118,17 @@ class ActorHandle(WorkerHandle):
         self.is_dead = True
 
 
+def chosen_env_names() -> list[str]:
+    """Variables named in SHARDSERVE_FORWARD_ENV (comma-separated) travel too."""
+    return [n for n in os.environ.get(FORWARD_ENV, "").split(",") if n]
+
+
 def forwarded_env() -> dict[str, str]:
-    """The variables every rank must see, remote nodes included (NCCL_*, GLOO_*, HF_TOKEN, ...)."""
-    return {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES) and not k.startswith("RAY_")}
+    """The variables every rank must see, remote nodes included (NCCL_*, GLOO_*, HF_TOKEN, ...,
+    and the chosen ones). NOTE: not RAY_*: those belong to each node's own Ray."""
+    chosen = {*chosen_env_names(), FORWARD_ENV}
+    return {k: v for k, v in os.environ.items()
+            if (k.startswith(ENV_PREFIXES) and not k.startswith("RAY_")) or k in chosen}
 
 
 def apply_env(env: dict[str, str]) -> None:

@@ -41,3 +41,15 @@ def call_worker(worker, call: WorkerCall) -> object:
     if call.method is WorkerMethod.INITIALIZE_KV_CACHE:
         return worker.initialize_kv_cache(call.argument)
     raise ValueError(f"no worker call {call.method}")
+
+
+@dataclass(frozen=True, slots=True)
+class RankPlacement:
+    """Where a rank came up (a ready reply's value): its node and the per-node variables it got."""
+
+    node: str
+    env: dict[str, str]
+
+    def describe(self) -> str:
+        return self.node + (f" ({' '.join(f'{k}={v}' for k, v in sorted(self.env.items()))})"
+                            if self.env else "")

@@ -52,10 +52,10 @@ class Host:
     def shardserve(self, *args: str, timeout: float = 180.0) -> subprocess.CompletedProcess:
         return self.run([*SHARDSERVE, *args], timeout=timeout)
 
-    def popen(self, args: list[str], log: Path) -> subprocess.Popen:
-        out = open(log, "w")
-        return subprocess.Popen(self.command(args), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    def popen(self, args: list[str], log: Path, **env: str) -> subprocess.Popen:
+        with open(log, "w") as out:
+            return subprocess.Popen(self.command(args, **env), stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
 
     def watch(self, url: str, log: Path) -> subprocess.Popen:
         """Poll `url` from inside this host every 0.1 s, one status per line (0: no answer)."""

@@ -223,3 +223,12 @@ def test_overload_answers_503_and_recovers():
     finally:
         code, out = stop_server(proc)
     assert code == 0, out
+
+
+def test_env_variables_from_profile_and_flags_add_up():
+    from shardserve.launch.deploy_config import merge, parse_env, validate
+    flags = parse_env(["NCCL_IB_HCA=mlx5", "EMPTY="])
+    config = validate(merge({"env": {"A": "1", "NCCL_IB_HCA": "old"}}, {"env": flags}), "t")
+    assert config.env == {"A": "1", "NCCL_IB_HCA": "mlx5", "EMPTY": ""}
+    with pytest.raises(PlanError, match="write NAME=VALUE"):
+        parse_env(["no-equals"])

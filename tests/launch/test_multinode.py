@@ -123,9 +123,11 @@ def test_pipeline_stage_on_each_host_then_a_lost_node(cluster, tmp_path):
 
     a, b, _, address, *_ = cluster
     log = tmp_path / "launch.log"
+    # the launching shell's GLOO_SOCKET_IFNAME must not override each node's own
     server = a.popen([*SHARDSERVE, "launch", "--ray-address", "auto",  # the cluster a joined
                       "--pipeline-parallel-size", "2", "--distributed-executor-backend", "ray",
-                      "--port", "8000"], log)
+                      "--port", "8000", "--env", "SS_MARK=two-hosts"], log,
+                     GLOO_SOCKET_IFNAME="lo")
     url, watcher = "http://127.0.0.1:8000", None
     try:
         deadline = time.monotonic() + 240
@@ -133,9 +135,12 @@ def test_pipeline_stage_on_each_host_then_a_lost_node(cluster, tmp_path):
             assert server.poll() is None, log.read_text()
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(1)
-        placed = re.findall(r"rank (\d) \(tp 0/1, pp \d/2\) runs on (\S+)", log.read_text())
-        assert sorted(placed) == [("0", placed[0][1]), ("1", placed[1][1])]
-        assert {ip for _, ip in placed} == {a.ip, b.ip}  # one stage on each host
+        placed = dict(re.findall(r"rank \d \(tp 0/1, pp \d/2\) runs on (\S+) \((.*)\)",
+                                 log.read_text()))
+        assert set(placed) == {a.ip, b.ip}, log.read_text()  # one stage on each host
+        for host in (a, b):  # each node's interface, and the chosen variable everywhere
+            assert placed[host.ip] == (f"GLOO_SOCKET_IFNAME={host.interface} "
+                                       f"NCCL_SOCKET_IFNAME={host.interface} SS_MARK=two-hosts")
         code, body = a.http(f"{url}/v1/completions", {
             "model": "shardserve-demo", "prompt": PROMPT, "max_tokens": MAX_TOKENS,
             "temperature": 0})
