@@ -89,12 +89,12 @@ def make_checkpoint(shape: str, workdir: Path, small: bool, device: str) -> Path
 
 
 def decode_batch1(folder: Path, device: str, bandwidth: float, prompt_len: int,
-                  output_len: int) -> dict:
+                  output_len: int, enforce_eager: bool) -> dict:
     """Tokens/s of one request's decode, against weights + KV bytes per step over bandwidth."""
     from shardserve.planner import load_model
     from shardserve.runtime import LLM, SamplingParams
     llm = LLM(str(folder), device=device, max_model_len=prompt_len + output_len + 16,
-              enable_prefix_caching=False, skip_tokenizer_init=True)
+              enable_prefix_caching=False, skip_tokenizer_init=True, enforce_eager=enforce_eager)
     prompt = [{"prompt_token_ids": throughput.random_prompts(
         llm.engine.config.model.vocab_size, 1, prompt_len, 0)[0]}]
 
@@ -105,7 +105,7 @@ def decode_batch1(folder: Path, device: str, bandwidth: float, prompt_len: int,
         throughput._synchronize(device)
         return time.perf_counter() - start
 
-    timed(8)  # warm-up: compilation, graph capture, allocator
+    timed(8)  # warm-up: compilation, allocator (graphs were captured when the engine started)
     decode_s = min(timed(output_len) for _ in range(2)) - min(timed(1) for _ in range(2))
     tok_s = (output_len - 1) / decode_s
     info = load_model(str(folder))
@@ -116,7 +116,8 @@ def decode_batch1(folder: Path, device: str, bandwidth: float, prompt_len: int,
     roofline = bandwidth / step_bytes
     return {"benchmark": "decode_batch1", "shardserve_tok_s": round(tok_s, 1),
             "roofline_tok_s": round(roofline, 1), "fraction_of_roofline": round(tok_s / roofline, 3),
-            "settings": {"prompt_len": prompt_len, "output_len": output_len,
+            "settings": {"prompt_len": prompt_len, "output_len": output_len, "enforce_eager": enforce_eager,
+                         "cuda_graphs": llm.engine.executor.worker.cuda_graphs is not None,
                          "weight_bytes": weight_bytes, "bandwidth_bytes_per_s": round(bandwidth)}}
 
 
@@ -125,7 +126,9 @@ def offline(folder: Path, device: str, num_prompts: int, input_len: int, output_
     args = argparse.Namespace(dtype="auto", device=device, input_len=input_len,
                               output_len=output_len, max_num_seqs=256,
                               max_num_batched_tokens=None, kv_cache_memory_bytes=None,
-                              gpu_memory_utilization=0.9, seed=0, hf_batch_size=None)
+                              gpu_memory_utilization=0.9, seed=0, hf_batch_size=None,
+                              tensor_parallel_size=1, pipeline_parallel_size=1,
+                              distributed_executor_backend=None, enforce_eager=False)
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
     prompts = throughput.random_prompts(vocab, num_prompts, input_len, 0)
     ours = throughput.bench_runtime(args, str(folder), prompts)
@@ -183,10 +186,11 @@ def main() -> None:
     shapes = [(1000, 128, 128), (1000, 1024, 128)] if not args.small else [(8, 32, 16)]
     for shape in args.models:
         folder = make_checkpoint(shape, workdir, args.small, args.device)
-        decode = decode_batch1(folder, args.device, bandwidth, 32 if args.small else 128,
-                               16 if args.small else 256)
-        records.append(base | {"model": shape} | decode)
-        print(json.dumps(records[-1]), flush=True)
+        for enforce_eager in (True, False) if args.device == "cuda" else (True,):  # eager, then graphs
+            decode = decode_batch1(folder, args.device, bandwidth, 32 if args.small else 128,
+                                   16 if args.small else 256, enforce_eager)
+            records.append(base | {"model": shape} | decode)
+            print(json.dumps(records[-1]), flush=True)
         for num, inp, out in shapes:
             records.append(base | {"model": shape} | offline(folder, args.device, num, inp, out,
                                                              args.skip_hf))

@@ -33,6 +33,7 @@ class DeployConfig(BaseModel):
     max_num_seqs: Optional[int] = Field(None, ge=1)
     max_num_batched_tokens: Optional[int] = Field(None, ge=1)
     enable_prefix_caching: Optional[bool] = None
+    enforce_eager: Optional[bool] = None  # true: no CUDA graphs for decode
     target_concurrency: Optional[int] = Field(None, ge=1)
     host: Optional[str] = None
     port: Optional[int] = Field(None, ge=0, le=65535)

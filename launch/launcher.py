@@ -25,8 +25,8 @@ GRACE_SECONDS = 10
 # Engine options the launcher passes through from the settled config.
 _ENGINE_KEYS = ("dtype", "device", "max_model_len", "gpu_memory_utilization",
                 "kv_cache_memory_bytes", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                "enable_prefix_caching", "tensor_parallel_size", "pipeline_parallel_size",
-                "distributed_executor_backend")
+                "enable_prefix_caching", "enforce_eager", "tensor_parallel_size",
+                "pipeline_parallel_size", "distributed_executor_backend")
 
 
 def plan_settings(plan: dict) -> dict:

@@ -22,6 +22,7 @@ class ModelConfig:
     dtype: torch.dtype
     max_model_len: int
     skip_tokenizer_init: bool = False
+    enforce_eager: bool = False  # True: no CUDA graphs, every step runs eagerly
 
     @property
     def num_layers(self) -> int:
@@ -43,7 +44,7 @@ class ModelConfig:
 
 
 def load_model_config(model: str, dtype: str = "auto", max_model_len: int | None = None,
-                      skip_tokenizer_init: bool = False) -> ModelConfig:
+                      skip_tokenizer_init: bool = False, enforce_eager: bool = False) -> ModelConfig:
     from transformers import AutoConfig
 
     config_path = os.path.join(model, "config.json")
@@ -64,7 +65,7 @@ def load_model_config(model: str, dtype: str = "auto", max_model_len: int | None
         raise ValueError(f"max_model_len must be positive, got {max_model_len}")
     return ModelConfig(model=model, hf_config=hf_config, architecture=architectures[0],
                        dtype=_resolve_dtype(dtype, hf_config), max_model_len=max_model_len,
-                       skip_tokenizer_init=skip_tokenizer_init)
+                       skip_tokenizer_init=skip_tokenizer_init, enforce_eager=enforce_eager)
 
 
 def _max_positions(hf_config) -> int:

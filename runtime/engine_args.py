@@ -24,12 +24,14 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     seed: int = 0
     skip_tokenizer_init: bool = False
+    enforce_eager: bool = False  # on CUDA, False captures decode steps in CUDA graphs
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
 
     def create_engine_config(self) -> EngineConfig:
-        model = load_model_config(self.model, self.dtype, self.max_model_len, self.skip_tokenizer_init)
+        model = load_model_config(self.model, self.dtype, self.max_model_len, self.skip_tokenizer_init,
+                                  self.enforce_eager)
         return EngineConfig(
             model=model,
             cache=CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,

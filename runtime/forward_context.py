@@ -27,13 +27,13 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [num_requests] int32, cached + new tokens per request
     block_tables: torch.Tensor  # [num_requests, max_blocks_per_request] int32, padded with 0
     max_query_len: int
-    max_seq_len: int
+    max_seq_len: int  # an upper bound inside a CUDA graph (max_model_len)
     query_start_loc_cpu: list[int]
-    seq_lens_cpu: list[int]
+    seq_lens_cpu: list[int] | None  # None inside a CUDA graph, where only the device tensor is current
 
     @property
     def num_requests(self) -> int:
-        return len(self.seq_lens_cpu)
+        return self.seq_lens.shape[0]
 
     @property
     def is_decode_only(self) -> bool:

@@ -1,13 +1,18 @@
 """Turn a batch's last-token logits into next tokens (and the log-probabilities asked for).
 
 Order: penalties, min_tokens mask, then greedy argmax or temperature -> top-k -> top-p -> min-p ->
-a seeded draw."""
+a seeded draw. Everything per token stays on the logits' device; the common path (no penalties,
+no min_tokens, no logprobs) makes one host->device copy of the per-request parameters and one
+device->host copy of the sampled ids."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
-from shardserve.runtime.inputs import RequestState
+from shardserve.runtime.inputs import RequestState, host_to_device
 from shardserve.runtime.messages import TokenLogprobs
 
 _MASK = float("-inf")
@@ -19,22 +24,77 @@ def sample_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step) % (2**63 - 1)
 
 
+def seeded_uniforms(seeds: np.ndarray) -> np.ndarray:
+    """[rows] uint64 seeds -> [rows] float64 in [0, 1): SplitMix64's output function.
+    NOTE: a counter-based hash rather than a generator object per row: all rows in a few numpy
+    operations, and the same draw on every machine and device."""
+    with np.errstate(over="ignore"):
+        z = seeds.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+@dataclass(slots=True)
+class SamplingTensors:
+    """The per-request sampling parameters, on the logits' device ([rows] each). Greedy rows get
+    temperature 1 and no filters; their draw is discarded."""
+
+    temperature: torch.Tensor  # float32
+    top_k: torch.Tensor | None  # int64 in [1, vocab]; None when no row sets top_k
+    top_p: torch.Tensor | None  # float32; 1.0 (no filter) for rows without top_p
+    min_p: torch.Tensor | None  # float32
+    uniform: torch.Tensor  # float64, the seeded draw of each row
+    is_greedy: torch.Tensor  # bool
+
+    @classmethod
+    def from_states(cls, states: list[RequestState], vocab_size: int, device: torch.device) -> SamplingTensors:
+        params = [s.sampling_params for s in states]
+        greedy = np.array([p.is_greedy for p in params])
+        packed = np.empty((6, len(states)), dtype=np.float64)  # one copy to the device for all six
+        packed[0] = np.where(greedy, 1.0, [p.temperature for p in params])
+        packed[1] = [min(p.top_k or vocab_size, vocab_size) for p in params]
+        packed[2] = [p.top_p for p in params]
+        packed[3] = [p.min_p for p in params]
+        packed[4] = seeded_uniforms(np.array([sample_seed(s.seed, s.num_output_tokens) for s in states],
+                                             dtype=np.uint64))
+        packed[5] = greedy
+        values = host_to_device(packed, device)
+        return cls(temperature=values[0].float(),
+                   top_k=values[1].long() if any(p.top_k is not None for p in params) else None,
+                   top_p=values[2].float() if any(p.top_p < 1.0 for p in params) else None,
+                   min_p=values[3].float() if any(p.min_p > 0.0 for p in params) else None,
+                   uniform=values[4], is_greedy=values[5].bool())
+
+
 def sample(logits: torch.Tensor, states: list[RequestState]) -> tuple[list[int], dict[str, TokenLogprobs]]:
     """logits: [num_sampled, vocab_size] float32, rows in the order of `states`."""
-    raw = logits
-    logits = _apply_penalties(logits.clone(), states)
-    _mask_stop_tokens_before_min(logits, states)
+    tokens = sample_on_device(logits, states)
+    token_list = tokens.tolist()  # the step's one device->host copy
+    return token_list, _logprobs(logits, states, tokens)
+
+
+def sample_on_device(logits: torch.Tensor, states: list[RequestState]) -> torch.Tensor:
+    """[num_sampled] int64 token ids on the logits' device. Without penalties or min_tokens it waits
+    for nothing on the device: the decisions on the host come from the sampling parameters alone."""
+    if any(_edits_logits(s) for s in states):
+        logits = logits.clone()
+        _apply_penalties(logits, states)
+        _mask_stop_tokens_before_min(logits, states)
     tokens = logits.argmax(dim=-1)
-    random_rows = [i for i, s in enumerate(states) if not s.sampling_params.is_greedy]
-    if random_rows:
-        index = torch.tensor(random_rows, device=logits.device)
-        chosen = _sample_random(logits[index], [states[i] for i in random_rows])
-        tokens[index] = chosen
-    token_list = tokens.tolist()
-    return token_list, _logprobs(raw, states, token_list)
+    if all(s.sampling_params.is_greedy for s in states):
+        return tokens
+    params = SamplingTensors.from_states(states, logits.shape[1], logits.device)
+    return torch.where(params.is_greedy, tokens, _sample_random(logits, params))
 
 
-def _apply_penalties(logits: torch.Tensor, states: list[RequestState]) -> torch.Tensor:
+def _edits_logits(state: RequestState) -> bool:
+    params = state.sampling_params
+    return params.has_penalties or (state.num_output_tokens < params.min_tokens and bool(state.stop_token_ids))
+
+
+def _apply_penalties(logits: torch.Tensor, states: list[RequestState]) -> None:
     for row, state in enumerate(states):  # NOTE: per row; only rows with penalties pay for it
         params = state.sampling_params
         if not params.has_penalties:
@@ -49,7 +109,6 @@ def _apply_penalties(logits: torch.Tensor, states: list[RequestState]) -> torch.
         if outputs and (params.presence_penalty or params.frequency_penalty):
             counts = torch.bincount(torch.tensor(outputs, device=logits.device), minlength=vocab).to(logits.dtype)
             logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
-    return logits
 
 
 def _mask_stop_tokens_before_min(logits: torch.Tensor, states: list[RequestState]) -> None:
@@ -59,63 +118,57 @@ def _mask_stop_tokens_before_min(logits: torch.Tensor, states: list[RequestState
             logits[row, ids] = _MASK
 
 
-def _sample_random(logits: torch.Tensor, states: list[RequestState]) -> torch.Tensor:
-    temperature = torch.tensor([s.sampling_params.temperature for s in states], device=logits.device)
-    logits = logits / temperature[:, None]
-    logits = _top_k(logits, [s.sampling_params.top_k for s in states])
-    logits = _top_p(logits, [s.sampling_params.top_p for s in states])
+def _sample_random(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    logits = logits / params.temperature[:, None]
+    if params.top_k is not None or params.top_p is not None:
+        logits = _top_k_top_p(logits, params.top_k, params.top_p)
     probs = torch.softmax(logits, dim=-1)
-    probs = _min_p(probs, [s.sampling_params.min_p for s in states])
-    # Inverse CDF with one uniform per row, drawn on the CPU from (seed, output index): cheap, and
-    # the same draw on every device. right=True never lands on a zero-probability token.
-    uniforms = [torch.rand(1, generator=torch.Generator().manual_seed(sample_seed(s.seed, s.num_output_tokens)),
-                           dtype=torch.float64).item() for s in states]
+    if params.min_p is not None:
+        threshold = params.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    # Inverse CDF with one seeded uniform per row. right=True never lands on a zero-probability token.
     cdf = probs.double().cumsum(dim=-1)  # [rows, vocab]
-    targets = torch.tensor(uniforms, dtype=torch.float64, device=probs.device)[:, None] * cdf[:, -1:]
+    targets = params.uniform[:, None] * cdf[:, -1:]
     return torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
-def _top_k(logits: torch.Tensor, top_k: list[int | None]) -> torch.Tensor:
-    if all(k is None for k in top_k):
-        return logits
-    vocab = logits.shape[1]
-    k = torch.tensor([min(k or vocab, vocab) for k in top_k], device=logits.device)
-    kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])  # [rows, 1]
-    return logits.masked_fill(logits < kth, _MASK)
-
-
-def _top_p(logits: torch.Tensor, top_p: list[float]) -> torch.Tensor:
-    if all(p >= 1.0 for p in top_p):
-        return logits
-    p = torch.tensor(top_p, device=logits.device)[:, None]
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """NOTE: one sort serves both filters: masking the top-k tail moves no token, so the sorted
+    order stays valid for the top-p mass that follows."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
-    drop_sorted = mass_before >= p  # the first token is always kept
-    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-    return logits.masked_fill(drop, _MASK)
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (top_k - 1)[:, None])  # [rows, 1]
+        logits = logits.masked_fill(logits < kth, _MASK)
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _MASK)
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
+        # the first token is always kept; top_p = 1 keeps all, even where rounding sums past 1
+        drop_sorted = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+        logits = logits.masked_fill(torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted), _MASK)
+    return logits
 
 
-def _min_p(probs: torch.Tensor, min_p: list[float]) -> torch.Tensor:
-    if all(m == 0.0 for m in min_p):
-        return probs
-    threshold = torch.tensor(min_p, device=probs.device)[:, None] * probs.max(dim=-1, keepdim=True).values
-    return probs.masked_fill(probs < threshold, 0.0)
-
-
-def _logprobs(raw: torch.Tensor, states: list[RequestState], tokens: list[int]) -> dict[str, TokenLogprobs]:
-    """Log-probabilities under the model's raw distribution (before penalties and temperature)."""
+def _logprobs(raw: torch.Tensor, states: list[RequestState], tokens: torch.Tensor) -> dict[str, TokenLogprobs]:
+    """Log-probabilities under the model's raw distribution (before penalties and temperature),
+    for the rows that ask, computed together and copied to the host once."""
     rows = [i for i, s in enumerate(states) if s.sampling_params.logprobs is not None]
-    result = {}
     if not rows:
-        return result
-    logprobs = torch.log_softmax(raw[rows].float(), dim=-1)
-    for local, row in enumerate(rows):
-        k = states[row].sampling_params.logprobs
-        sampled = logprobs[local, tokens[row]]
-        rank = int((logprobs[local] > sampled).sum()) + 1
-        top = logprobs[local].topk(k) if k else None
-        ids = (tokens[row],) + (tuple(top.indices.tolist()) if top is not None else ())
-        values = (float(sampled),) + (tuple(top.values.tolist()) if top is not None else ())
-        result[states[row].request_id] = TokenLogprobs(ids, values, rank)
+        return {}
+    index = host_to_device(np.array(rows, dtype=np.int64), raw.device)
+    logprobs = torch.log_softmax(raw[index].float(), dim=-1)  # [num_rows, vocab]
+    chosen = tokens[index]
+    sampled = logprobs.gather(1, chosen[:, None])  # [num_rows, 1]
+    ranks = (logprobs > sampled).sum(dim=-1, keepdim=True) + 1
+    k = max(states[row].sampling_params.logprobs for row in rows)
+    top = logprobs.topk(k, dim=-1)
+    # [num_rows, 3 + 2k] float64: token, logprob, rank, top ids, top logprobs (ids are exact below 2^53)
+    packed = torch.cat([chosen[:, None].double(), sampled.double(), ranks.double(), top.indices.double(),
+                        top.values.double()], dim=1).tolist()
+    result = {}
+    for values, row in zip(packed, rows):
+        wanted = states[row].sampling_params.logprobs
+        ids = (int(values[0]),) + tuple(int(i) for i in values[3: 3 + wanted])
+        logs = (values[1],) + tuple(values[3 + k: 3 + k + wanted])
+        result[states[row].request_id] = TokenLogprobs(ids, logs, int(values[2]))
     return result

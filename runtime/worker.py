@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -9,8 +10,10 @@ import torch
 from shardserve.runtime.attention.layer import Attention
 from shardserve.runtime.attention.torch_backend import TorchAttentionBackend
 from shardserve.runtime.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from shardserve.runtime.cuda_graphs import DecodeGraphRunner, capture_sizes, cuda_graphs_disabled_reason
 from shardserve.runtime.forward_context import ForwardContext, forward_context
-from shardserve.runtime.inputs import RequestState, apply_scheduler_output, prepare_inputs
+from shardserve.runtime.inputs import (HostInputs, RequestState, apply_scheduler_output, build_host_inputs,
+                                       host_to_device, to_device)
 from shardserve.runtime.loader import load_model
 from shardserve.runtime.messages import ModelRunnerOutput, SchedulerOutput
 from shardserve.runtime.parallel_state import get_parallel_state
@@ -41,6 +44,7 @@ class Worker:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.states: dict[str, RequestState] = {}
         self.kv_cache: torch.Tensor | None = None
+        self.cuda_graphs: DecodeGraphRunner | None = None  # built with the KV cache
 
     @property
     def bytes_per_block(self) -> int:
@@ -57,7 +61,13 @@ class Worker:
             logger.info("KV cache on CPU: using the default %.1f GiB (set kv_cache_memory_bytes to change it)",
                         DEFAULT_CPU_KV_CACHE_BYTES / 1024**3)
             return DEFAULT_CPU_KV_CACHE_BYTES
-        return self._profile_cuda_kv_budget()
+        with self._on_device():
+            return self._profile_cuda_kv_budget()
+
+    def _on_device(self):
+        """NOTE: Triton launches on torch's current device, and a data-parallel replica steps in
+        whichever pool thread is free: every GPU step first makes this worker's device current."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     def _profile_cuda_kv_budget(self) -> int:
         """Run the largest step the scheduler can issue, then give the KV cache what is left of
@@ -89,33 +99,59 @@ class Worker:
         return max(budget, 0)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        """The pool of num_blocks blocks, plus one scratch block after them where CUDA graphs write
+        the padding rows of a decode step (the block manager never hands it out)."""
+        reason = cuda_graphs_disabled_reason(self.config, self.device, self.model)
+        num_scratch = 1 if reason is None else 0
         layer = self.attention_layers[0]
-        shape = (len(self.attention_layers), 2, num_blocks, self.config.cache.block_size,
+        shape = (len(self.attention_layers), 2, num_blocks + num_scratch, self.config.cache.block_size,
                  layer.num_kv_heads, layer.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.config.model.dtype, device=self.device)
         for index, attention in enumerate(self.attention_layers):
             attention.kv_cache = self.kv_cache[index]  # [2, num_blocks, block_size, kv_heads, head_dim]
+        if reason is not None:
+            logger.info("decode runs eagerly, without CUDA graphs: %s", reason)
+            return
+        sizes = capture_sizes(self.config.scheduler.max_num_seqs)
+        self.cuda_graphs = DecodeGraphRunner(self.model, self.backend, sizes, self.config.model.max_model_len,
+                                             self.config.cache.block_size, scratch_block=num_blocks,
+                                             device=self.device)
+        self.cuda_graphs.capture()
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Every rank runs every step; only the output rank returns a result (the others None)."""
+        with self._on_device():
+            return self._step(output)
+
+    def _step(self, output: SchedulerOutput) -> ModelRunnerOutput | None:
         state = self.parallel_state
         batch = apply_scheduler_output(self.states, output)
         if not batch:
             return ModelRunnerOutput() if state.is_output_rank else None
-        inputs = prepare_inputs(batch, output.num_scheduled_tokens, self.config.cache.block_size, self.device)
-        intermediate = None if state.is_first_stage else recv_intermediate(self.config.model.dtype, self.device)
-        with forward_context(ForwardContext(inputs.attn_metadata, self.backend)):
-            hidden = self.model(inputs.input_ids, inputs.positions, intermediate)  # [num_tokens, hidden_size]
+        host = build_host_inputs(batch, output.num_scheduled_tokens, self.config.cache.block_size)
+        hidden = self._forward(host)  # [num_tokens, hidden_size]
         if not state.is_last_stage:
             send_intermediate(hidden)
             return None
-        if not inputs.sampled_states:
+        if not host.sampled_states:
             return ModelRunnerOutput() if state.is_output_rank else None
+        if not host.samples_every_token:
+            hidden = hidden[host_to_device(host.logits_indices, self.device)]
         # every TP rank of the last stage joins the logits gather; the output rank alone samples
-        logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()  # [num_sampled, vocab]
+        logits = self.model.compute_logits(hidden).float()  # [num_sampled, vocab]
         if not state.is_output_rank:
             return None
-        tokens, logprobs = sample(logits, inputs.sampled_states)
-        sampled = {state.request_id: token for state, token in zip(inputs.sampled_states, tokens)}
+        tokens, logprobs = sample(logits, host.sampled_states)
+        sampled = {state.request_id: token for state, token in zip(host.sampled_states, tokens)}
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _forward(self, host: HostInputs):
+        """A captured graph for a decode step that has one; the model run eagerly otherwise."""
+        if self.cuda_graphs is not None and self.cuda_graphs.can_replay(host):
+            return self.cuda_graphs.replay(host)
+        inputs = to_device(host, self.device)
+        state = self.parallel_state
+        intermediate = None if state.is_first_stage else recv_intermediate(self.config.model.dtype, self.device)
+        with forward_context(ForwardContext(inputs.attn_metadata, self.backend)):
+            return self.model(inputs.input_ids, inputs.positions, intermediate)

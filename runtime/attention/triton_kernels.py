@@ -99,11 +99,15 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_ptr, s
 @triton.jit
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
                          query_start_ptr, seq_lens_ptr, tables_ptr, table_stride, scale, num_heads,
-                         num_kv_heads, head_dim, block_size, num_splits, split_len,
+                         num_kv_heads, head_dim, block_size, num_splits,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One (request, head, split): partial softmax over keys [split * split_len, +split_len)."""
+    """One (request, head, split): partial softmax over keys [split * split_len, +split_len).
+    NOTE: split_len comes from this request's own length (its keys / num_splits, rounded up to
+    BLOCK_N), not from the batch's longest, so the host passes only num_splits: a CUDA graph fixes
+    it at capture and every replay still spreads each request over all its splits."""
     request, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + request)
+    split_len = ((seq_len + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     token = tl.load(query_start_ptr + request)
     kv_head = head // (num_heads // num_kv_heads)
     dims = tl.arange(0, BLOCK_D)
@@ -181,11 +185,11 @@ def default_num_splits(num_requests: int, num_heads: int, max_seq_len: int, num_
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, num_splits: int | None = None,
                  block_n: int = 16) -> torch.Tensor:
-    """q: [num_requests, num_heads, head_dim], one query token per request (split-KV decode)."""
+    """q: [num_requests, num_heads, head_dim], one query token per request (split-KV decode).
+    Reads no tensor value on the host, so it can be captured in a CUDA graph."""
     num_requests, num_heads, head_dim = meta.num_requests, q.shape[1], q.shape[2]
     if num_splits is None:
         num_splits = default_num_splits(num_requests, num_heads, meta.max_seq_len)
-    split_len = triton.cdiv(triton.cdiv(meta.max_seq_len, num_splits), block_n) * block_n
     block_d = _block_d(head_dim)
     part_out = torch.empty((num_requests, num_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
     part_max = torch.empty((num_requests, num_heads, num_splits), dtype=torch.float32, device=q.device)
@@ -194,7 +198,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, nu
     _decode_split_kernel[(num_requests, num_heads, num_splits)](
         q.contiguous(), kv_cache[0], kv_cache[1], part_out, part_max, part_sum, meta.query_start_loc,
         meta.seq_lens, meta.block_tables, meta.block_tables.stride(0), scale, num_heads, kv_cache.shape[3],
-        head_dim, kv_cache.shape[2], num_splits, split_len, BLOCK_N=block_n, BLOCK_D=block_d)
+        head_dim, kv_cache.shape[2], num_splits, BLOCK_N=block_n, BLOCK_D=block_d)
     _decode_reduce_kernel[(num_requests, num_heads)](
         part_out, part_max, part_sum, out, meta.query_start_loc, num_heads, head_dim, num_splits,
         BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d)

@@ -128,6 +128,7 @@ def check_sliding_window(config, max_model_len: int) -> None:
 
 class LlamaForCausalLM(nn.Module):
     packed_modules = LLAMA_PACKED
+    supports_cuda_graphs = True  # the forward reads no tensor value on the host
 
     def __init__(self, model_config: ModelConfig, variant: LlamaVariant = LlamaVariant(),
                  build_mlp: Callable[[int], nn.Module] | None = None):

@@ -31,6 +31,8 @@ class MixtralForCausalLM(nn.Module):
     """Composes LlamaForCausalLM with MixtralMoE as each layer's MLP; checkpoint names
     `block_sparse_moe.*` map to the layer's `mlp` slot."""
 
+    supports_cuda_graphs = False  # FusedMoE lists the chosen experts on the host
+
     def __init__(self, model_config: ModelConfig):
         super().__init__()
         config = model_config.hf_config

@@ -12,23 +12,13 @@ import torch  # noqa: E402
 from shardserve.runtime.attention import triton_kernels  # noqa: E402
 from shardserve.runtime.attention.torch_backend import TorchAttentionBackend, paged_attention, write_kv  # noqa: E402
 from shardserve.runtime.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from shardserve.runtime.inputs import RequestState, prepare_inputs  # noqa: E402
-from shardserve.runtime.sampling_params import SamplingParams  # noqa: E402
+from tests.runtime import attention_cases  # noqa: E402
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 24
 
 
 def make_batch(shapes, seed=0):
-    """shapes: (num_cached, num_new) per request -> metadata with shuffled block tables."""
-    generator = torch.Generator().manual_seed(seed)
-    free = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
-    states, scheduled = [], {}
-    for i, (num_cached, num_new) in enumerate(shapes):
-        total = num_cached + num_new
-        blocks = [free.pop() for _ in range(-(-total // BLOCK_SIZE))]
-        states.append(RequestState(f"r{i}", [1] * total, total, SamplingParams(), 0, frozenset(), blocks, num_cached))
-        scheduled[f"r{i}"] = num_new
-    return prepare_inputs(states, scheduled, BLOCK_SIZE, torch.device("cpu")).attn_metadata
+    return attention_cases.make_batch(shapes, BLOCK_SIZE, NUM_BLOCKS, torch.device("cpu"), seed)
 
 
 def random_case(shapes, num_heads=4, num_kv_heads=2, head_dim=24, seed=0):

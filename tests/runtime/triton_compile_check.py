@@ -11,6 +11,7 @@ from triton.compiler import ASTSource
 from triton.compiler import compile as triton_compile
 
 from shardserve.runtime.attention import triton_kernels as kernels
+from shardserve.runtime.layers import triton_norm
 
 INDEX = {"query_start_ptr": "*i32", "seq_lens_ptr": "*i32", "tables_ptr": "*i32", "table_stride": "i32",
          "scale": "fp32", "num_heads": "i32", "num_kv_heads": "i32", "head_dim": "i32", "block_size": "i32"}
@@ -35,11 +36,16 @@ def main() -> None:
                        {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_D": 128, "IS_FP32": is_fp32})
         parts = {"part_out_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32"}
         compile_kernel(kernels._decode_split_kernel,
-                       {**tensors, **parts, **INDEX, "num_splits": "i32", "split_len": "i32"},
+                       {**tensors, **parts, **INDEX, "num_splits": "i32"},
                        {"BLOCK_N": 16, "BLOCK_D": 128})
         compile_kernel(kernels._decode_reduce_kernel,
                        {**parts, "out_ptr": dtype, "query_start_ptr": "*i32", "num_heads": "i32",
                         "head_dim": "i32", "num_splits": "i32"}, {"BLOCK_S": 4, "BLOCK_D": 128})
+        for has_residual in (False, True):
+            compile_kernel(triton_norm._rms_norm_kernel,
+                           {"x_ptr": dtype, "residual_ptr": dtype, "weight_ptr": dtype, "out_ptr": dtype,
+                            "residual_out_ptr": dtype, "x_stride": "i64", "residual_stride": "i64",
+                            "hidden_size": "i32", "eps": "fp32"}, {"HAS_RESIDUAL": has_residual, "BLOCK": 4096})
     print("compiled")
 
 

@@ -1,0 +1,171 @@
+"""CUDA graphs for decode steps: the sizes to capture, padding a batch to one, the static inputs the
+graphs read, capture and replay.
+
+A decode step (one new token per request) of n requests replays the graph of the smallest captured
+size >= n. Rows past n are padding that touches only a scratch block outside the block manager's pool:
+
+    static rows:   | r0  r1  ...  r(n-1) | pad  ...  pad |     (size rows, size in capture_sizes)
+    padding row:   token 0 at position 0, seq_len 1, block table [scratch, ...],
+                   slot scratch * block_size: it writes and reads only the scratch block
+
+Prefill and mixed steps, batches above the largest size, and the sampler run eagerly."""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from shardserve.runtime.config import EngineConfig
+from shardserve.runtime.forward_context import AttentionMetadata, ForwardContext, forward_context
+from shardserve.runtime.inputs import HostInputs, host_to_device
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """vLLM's ladder: 1, 2, 4, then every multiple of 8 below max_num_seqs, and max_num_seqs itself
+    (so that every decode batch the scheduler can issue has a graph)."""
+    small = {size for size in (1, 2, 4) if size < max_num_seqs}
+    return sorted(small | set(range(8, max_num_seqs, 8)) | {max_num_seqs})
+
+
+def padded_size(num_requests: int, sizes: list[int]) -> int | None:
+    """The smallest of the (sorted) captured sizes that holds num_requests; None if none does."""
+    index = bisect.bisect_left(sizes, num_requests)
+    return sizes[index] if index < len(sizes) else None
+
+
+def cuda_graphs_disabled_reason(config: EngineConfig, device: torch.device, model: torch.nn.Module) -> str | None:
+    """Why decode steps must run eagerly on this worker, or None when graphs can be captured."""
+    if device.type != "cuda":
+        return f"the device is {device.type}"
+    if config.model.enforce_eager:
+        return "enforce_eager=True"
+    if config.parallel.world_size > 1:  # NOTE: NCCL inside a captured graph is not yet checked on GPUs
+        return "tensor or pipeline parallel (graph capture of collectives is not validated yet)"
+    if not getattr(model, "supports_cuda_graphs", False):
+        return f"{type(model).__name__} reads tensor values on the host during its forward"
+    return None
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    """A decode step padded to a captured size, on the host (see the module docstring)."""
+
+    input_ids: np.ndarray  # [size] int64
+    positions: np.ndarray  # [size] int64
+    slot_mapping: np.ndarray  # [size] int64
+    seq_lens: np.ndarray  # [size] int32
+    block_tables: np.ndarray  # [size, widest block table of the step] int32
+
+    @property
+    def size(self) -> int:
+        return len(self.input_ids)
+
+
+def pad_decode_batch(host: HostInputs, size: int, scratch_block: int, block_size: int) -> DecodeBatch:
+    num_requests = host.num_requests
+    if not host.is_decode_only or num_requests > size:
+        raise ValueError(f"only a decode step of at most {size} requests pads to {size} rows; got "
+                         f"{num_requests} requests and {host.num_tokens} tokens")
+    num_padding = size - num_requests
+    tables = np.zeros((size, host.block_tables.shape[1]), dtype=np.int32)
+    tables[:num_requests] = host.block_tables
+    tables[num_requests:, 0] = scratch_block
+    return DecodeBatch(
+        input_ids=np.concatenate((host.input_ids, np.zeros(num_padding, dtype=np.int64))),
+        positions=np.concatenate((host.positions, np.zeros(num_padding, dtype=np.int64))),
+        slot_mapping=np.concatenate((host.slot_mapping,
+                                     np.full(num_padding, scratch_block * block_size, dtype=np.int64))),
+        seq_lens=np.concatenate((host.seq_lens, np.ones(num_padding, dtype=np.int32))),
+        block_tables=tables)
+
+
+class StaticDecodeInputs:
+    """The tensors every captured graph reads, at fixed addresses; a replay first copies its padded
+    batch into the leading rows. Until then every row is padding, which is what capture runs on.
+    block_tables has a column for every block of max_model_len; a step copies only its own width,
+    and a request never reads columns past its seq_len."""
+
+    def __init__(self, max_size: int, max_model_len: int, block_size: int, scratch_block: int,
+                 device: torch.device):
+        self.max_model_len = max_model_len
+        max_blocks_per_request = -(-max_model_len // block_size)
+        int32, int64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
+        self.input_ids = torch.zeros(max_size, **int64)
+        self.positions = torch.zeros(max_size, **int64)
+        self.slot_mapping = torch.full((max_size,), scratch_block * block_size, **int64)
+        self.seq_lens = torch.ones(max_size, **int32)
+        self.query_start_loc = torch.arange(max_size + 1, **int32)  # one token per request, never changes
+        self.block_tables = torch.zeros((max_size, max_blocks_per_request), **int32)
+        self.block_tables[:, 0] = scratch_block
+
+    def load(self, batch: DecodeBatch) -> None:
+        size, width = batch.size, batch.block_tables.shape[1]
+        device = self.input_ids.device
+        for static, values in ((self.input_ids, batch.input_ids), (self.positions, batch.positions),
+                               (self.slot_mapping, batch.slot_mapping), (self.seq_lens, batch.seq_lens)):
+            static[:size].copy_(host_to_device(values, device), non_blocking=True)
+        self.block_tables[:size, :width].copy_(host_to_device(batch.block_tables, device), non_blocking=True)
+
+    def metadata(self, size: int) -> AttentionMetadata:
+        """Views of the first `size` rows. Nothing in it is read from a tensor on the host: the decode
+        kernel takes its split count from max_model_len, fixed for every replay."""
+        return AttentionMetadata(slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[:size + 1],
+                                 seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size],
+                                 max_query_len=1, max_seq_len=self.max_model_len,
+                                 query_start_loc_cpu=list(range(size + 1)), seq_lens_cpu=None)
+
+
+class DecodeGraphRunner:
+    """One captured decode forward per size, all reading one StaticDecodeInputs and sharing one
+    memory pool. forward_static is what each graph records; on a CPU it runs as it is (the tests)."""
+
+    def __init__(self, model: torch.nn.Module, backend, sizes: list[int], max_model_len: int, block_size: int,
+                 scratch_block: int, device: torch.device):
+        self.model, self.backend, self.sizes, self.device = model, backend, sorted(sizes), device
+        self.block_size, self.scratch_block = block_size, scratch_block
+        self.inputs = StaticDecodeInputs(self.sizes[-1], max_model_len, block_size, scratch_block, device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}  # [size, hidden_size], overwritten by each replay
+
+    def forward_static(self, size: int) -> torch.Tensor:
+        with forward_context(ForwardContext(self.inputs.metadata(size), self.backend)):
+            return self.model(self.inputs.input_ids[:size], self.inputs.positions[:size])
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        start = time.perf_counter()
+        with torch.cuda.device(self.device):  # a replica's thread may have another current device
+            pool = torch.cuda.graph_pool_handle()
+            for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool memory
+                self.forward_static(size)  # warm-up: Triton compiles its kernels, cuBLAS picks its own
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: data-parallel replicas in other threads of this process keep running
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                    self.outputs[size] = self.forward_static(size)
+                self.graphs[size] = graph
+            torch.cuda.synchronize()
+        logger.info("captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s", len(self.sizes),
+                    self.sizes[0], self.sizes[-1], time.perf_counter() - start)
+
+    def can_replay(self, host: HostInputs) -> bool:
+        return host.is_decode_only and host.num_requests <= self.sizes[-1]
+
+    def load(self, host: HostInputs) -> int:
+        """Copy the step into the static inputs; returns the padded size that runs it."""
+        size = padded_size(host.num_requests, self.sizes)
+        self.inputs.load(pad_decode_batch(host, size, self.scratch_block, self.block_size))
+        return size
+
+    def replay(self, host: HostInputs) -> torch.Tensor:
+        """[num_requests, hidden_size]: the step's hidden states, valid until the next replay."""
+        size = self.load(host)
+        self.graphs[size].replay()  # on the current device: the worker makes its own current
+        return self.outputs[size][: host.num_requests]

@@ -1,0 +1,35 @@
+"""Random Llama and Qwen3 checkpoints for the GPU tests (transformers save_pretrained), bigger than the
+CPU tests' so that the kernels see real head sizes, GQA groups and several KV blocks per request."""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB_SIZE = 512
+
+
+def gpu_config(family: str):
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6,
+                  bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    if family == "llama":
+        return tf.LlamaConfig(head_dim=64, **common)  # GQA groups of 4
+    if family == "qwen3":
+        return tf.Qwen3Config(head_dim=128, tie_word_embeddings=False, **common)  # head_dim above hidden / heads
+    raise KeyError(family)
+
+
+def save_gpu_checkpoint(folder: str, family: str, seed: int = 0):
+    """Writes float32 weights (each run casts them to its dtype); returns the transformers model, float32."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(gpu_config(family), dtype=torch.float32)
+    with torch.no_grad():  # larger than the default init: peaked logits, so greedy argmax is robust in bf16
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.08)
+    model.save_pretrained(folder)
+    return model.eval()
