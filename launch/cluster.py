@@ -161,9 +161,10 @@ def _save_token(folder: Path, token_file: str | None, is_head: bool) -> None:
                            "or set RAY_AUTH_TOKEN")
     if not token:
         raise ClusterError("the token is empty: copy the head's token file again")
-    path = token_path(folder)
-    path.touch(mode=0o600)
-    path.write_text(token)
+    fd = os.open(token_path(folder), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, 0o600)  # also when the file was already there with looser bits
+        f.write(token)
 
 
 def _check_reachable(head: str, port: int) -> None:
@@ -188,7 +189,7 @@ def start_node(folder: Path, head: tuple[str, int] | None, address: NodeAddress,
                            "`shardserve cluster down` first")
     if head is not None:
         _check_reachable(*head)
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     _save_token(folder, token_file, head is None)
     # NOTE: Ray's socket paths must stay under ~107 bytes, so its temp dir is short, not in folder
     temp_dir = tempfile.mkdtemp(prefix="shardserve-ray-")

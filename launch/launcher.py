@@ -271,6 +271,7 @@ async def _run(server, replicas) -> tuple[int, bool]:
                 return
             await asyncio.sleep(0.5)
 
+    replicas.start()
     watch = asyncio.create_task(watchdog())
     try:
         await server.serve()

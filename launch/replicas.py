@@ -86,6 +86,11 @@ class ReplicaSet:
         finally:
             replica.num_active -= 1
 
+    def start(self) -> None:
+        """Every engine watches its ranks from now on, busy or not."""
+        for r in self.replicas:
+            r.engine.start()
+
     async def shutdown(self) -> None:
         for r in self.replicas:
             await r.engine.shutdown()

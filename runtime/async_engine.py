@@ -79,6 +79,11 @@ class AsyncEngine:
         self._ensure_loop()
         await done
 
+    def start(self) -> None:
+        """Start the step loop now (inside the running event loop), so that the workers are watched
+        before the first request arrives; otherwise the first request starts it."""
+        self._ensure_loop()
+
     def _ensure_loop(self) -> None:
         if self.error is not None:
             raise RuntimeError(f"the engine is dead: {self.error}") from self.error

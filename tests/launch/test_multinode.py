@@ -68,6 +68,8 @@ def test_up_and_join_choose_the_interface_that_routes_to_the_head(cluster):
     joined = " ".join(join_out.split())
     assert f"node IP {b.ip} on {b.interface} ({b.interface} routes to the head {a.ip})" in joined
     assert f"NCCL_SOCKET_IFNAME={b.interface}" in joined
+    for host in (a, b):  # the token is the owner's alone
+        assert (host.state_dir / "auth_token").stat().st_mode & 0o777 == 0o600
 
 
 def test_status_lists_both_hosts(cluster):
