@@ -85,6 +85,7 @@ def check_cluster(address: str | None, plan: dict | None) -> list[Check]:
                         "install the same versions everywhere, copy the model folder to the "
                         "same path, and start nodes with `shardserve cluster join` (it picks "
                         "the IP that routes to the head)" if problems else None))
+    checks.append(check_nccl_between_nodes(address, nodes))
     head = next((n["facts"] for n in nodes if n["head"] and "facts" in n), None)
     differ = {n["ip"]: d for n in nodes if "facts" in n and head
               and (d := env_differences(head, n["facts"]))}
@@ -94,6 +95,25 @@ def check_cluster(address: str | None, plan: dict | None) -> list[Check]:
                         "set the same NCCL/gloo variables on every node before `cluster join`"
                         if differ else None))
     return checks
+
+
+def check_nccl_between_nodes(address: str, nodes: list[dict], probe=None) -> Check:
+    """An all-reduce with one rank on each GPU node: the transport NCCL takes between nodes.
+    `probe(address) -> (node IPs, log text)` runs it."""
+    gpu_nodes = [n["ip"] for n in nodes if n["alive"] and n["gpus"]]
+    if len(gpu_nodes) < 2:
+        return Check("nccl_between_nodes", "skip", f"{len(gpu_nodes)} live node(s) with GPUs: "
+                     "no NCCL traffic crosses nodes")
+    from shardserve.launch.nccl_probe import judge, parse_nccl_log, run_cluster_probe
+    try:
+        ips, log = (probe or run_cluster_probe)(address)
+    except Exception as e:  # noqa: BLE001 - any failure of the probe is the finding
+        return Check("nccl_between_nodes", "fail", f"an all-reduce across {len(gpu_nodes)} "
+                     f"nodes failed: {e}", "check NCCL_SOCKET_IFNAME on each node (shardserve "
+                     "cluster join sets it) and that the nodes reach each other on any port")
+    status, detail, fix = judge(parse_nccl_log(log), crosses_nodes=True)
+    return Check("nccl_between_nodes", status, f"all-reduce across {', '.join(ips)}: {detail}",
+                 fix)
 
 
 def check_gpus(hardware, plan: dict | None) -> Check:

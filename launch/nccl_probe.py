@@ -6,10 +6,10 @@ from __future__ import annotations
 import collections
 import os
 import re
-import socket
 import tempfile
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 PROBE_TIMEOUT_SECONDS = 120
@@ -77,33 +77,54 @@ def judge(report: TransportReport, crosses_nodes: bool) -> tuple[str, str, str |
     return "pass", f"NCCL channels: {seen}" + (" (GPUDirect RDMA)" if report.gdrdma else ""), None
 
 
-def _probe_rank(rank: int, world_size: int, port: int, log_dir: str) -> None:
-    """One rank of the probe (a spawned process): join, all-reduce 1 MiB, leave."""
+def all_reduce_rank(rank: int, world_size: int, host: str, port: int, backend: str,
+                    log_dir: str) -> None:
+    """One rank of the probe: join the store at host:port, all-reduce 1 MiB, check it, leave.
+    NCCL writes its INFO log into log_dir."""
     os.environ["NCCL_DEBUG"] = "INFO"
     os.environ["NCCL_DEBUG_FILE"] = os.path.join(log_dir, "nccl.%h.%p.log")
     import torch
     import torch.distributed as dist
 
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
+    store = dist.TCPStore(host, port, world_size + 1, is_master=False,
+                          timeout=timedelta(seconds=PROBE_TIMEOUT_SECONDS))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    try:
+        tensor = torch.ones(1 << 18, device=device)
+        dist.all_reduce(tensor)
+        if tensor[0].item() != world_size:
+            raise RuntimeError(f"all-reduce gave {tensor[0].item()}, expected {world_size}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _local_rank(rank: int, world_size: int, port: int, log_dir: str) -> None:
+    import torch
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size)
-    tensor = torch.ones(1 << 18, device="cuda")
-    dist.all_reduce(tensor)
-    torch.cuda.synchronize()
-    if tensor[0].item() != world_size:
-        raise RuntimeError(f"all-reduce gave {tensor[0].item()}, expected {world_size}")
-    dist.destroy_process_group()
+    all_reduce_rank(rank, world_size, "127.0.0.1", port, "nccl", log_dir)
+
+
+def _node_rank(rank: int, world_size: int, host: str, port: int, backend: str) -> str:
+    """A rank on a cluster node (a Ray task): its node's NCCL log text."""
+    with tempfile.TemporaryDirectory(prefix="shardserve-nccl-") as log_dir:
+        all_reduce_rank(rank, world_size, host, port, backend, log_dir)
+        return _read_logs(log_dir)
+
+
+def _read_logs(log_dir: str) -> str:
+    return "\n".join(p.read_text(errors="replace") for p in Path(log_dir).glob("nccl.*"))
 
 
 def run_local_probe(world_size: int) -> str:
     """All-reduce over `world_size` GPUs of this machine; NCCL's log text."""
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from shardserve.runtime.distributed import start_rendezvous
+
+    store, rendezvous = start_rendezvous("127.0.0.1", world_size)
     with tempfile.TemporaryDirectory(prefix="shardserve-nccl-") as log_dir:
-        context = mp.start_processes(_probe_rank, args=(world_size, port, log_dir),
+        context = mp.start_processes(_local_rank, args=(world_size, rendezvous.port, log_dir),
                                      nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + PROBE_TIMEOUT_SECONDS
         while not context.join(timeout=1.0):  # raises if a rank failed
@@ -111,4 +132,28 @@ def run_local_probe(world_size: int) -> str:
                 for process in context.processes:
                     process.kill()
                 raise TimeoutError(f"the all-reduce did not finish in {PROBE_TIMEOUT_SECONDS} s")
-        return "\n".join(p.read_text(errors="replace") for p in Path(log_dir).glob("nccl.*"))
+        return _read_logs(log_dir)
+
+
+def run_cluster_probe(address: str | None, backend: str = "nccl") -> tuple[list[str], str]:
+    """One rank on each live node (with a GPU for NCCL), an all-reduce across them: (node IPs,
+    NCCL's log text from every node). The store lives here; gloo runs it on CPU clusters."""
+    from shardserve.launch.ray_nodes import connect
+    from shardserve.runtime.distributed import start_rendezvous
+
+    ray = connect(address)
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    needs_gpu = backend == "nccl"
+    nodes = [n for n in ray.nodes() if n["Alive"] and (not needs_gpu or n["Resources"].get("GPU"))]
+    if len(nodes) < 2:
+        raise ValueError(f"{len(nodes)} live node(s){' with GPUs' if needs_gpu else ''}: "
+                         "nothing crosses nodes")
+    store, rendezvous = start_rendezvous(ray.util.get_node_ip_address(), len(nodes))
+    task = ray.remote(_node_rank)
+    refs = [task.options(num_cpus=0, num_gpus=1 if needs_gpu else 0,
+                         scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+            .remote(rank, len(nodes), rendezvous.host, rendezvous.port, backend)
+            for rank, n in enumerate(nodes)]
+    logs = ray.get(refs, timeout=PROBE_TIMEOUT_SECONDS)
+    return [n["NodeManagerAddress"] for n in nodes], "\n".join(logs)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 import time
 
 import pytest
@@ -98,6 +99,21 @@ def test_doctor_checks_every_node(cluster, tmp_path):
     parity = {c["name"]: c for c in json.loads(bad.stdout)["checks"]}["node_parity"]
     assert bad.returncode == 1 and parity["status"] == "fail"
     assert f"{b.ip}: the model folder {hidden} is empty" in parity["detail"]
+
+
+def test_all_reduce_with_a_rank_on_each_host(cluster):
+    """The doctor's cross-node probe, with gloo on these CPU hosts: one rank placed on each node,
+    the store on the launching host, the sum checked (NCCL's log is read on GPU clusters)."""
+    a, b, *_ = cluster
+    code = ("import json\n"
+            "from shardserve.launch.nccl_probe import run_cluster_probe\n"
+            "ips, log = run_cluster_probe(None, backend='gloo')  # RAY_ADDRESS\n"
+            "print(json.dumps(ips))\n")
+    result = a.run([sys.executable, "-c", code],
+                   RAY_ADDRESS=read_record(a.state_dir).address,
+                   RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(a.state_dir / "auth_token"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(json.loads(result.stdout.splitlines()[-1])) == sorted([a.ip, b.ip])
 
 
 def test_without_the_token_the_cluster_refuses(cluster, tmp_path):

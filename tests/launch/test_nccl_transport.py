@@ -68,3 +68,20 @@ def test_doctor_runs_the_probe_over_the_plans_tensor_parallel_ranks():
     broken = check_nccl_transport(eight, plan, failing)
     assert broken.status == "fail" and "unhandled system error" in broken.detail
     assert check_nccl_transport(detect_local(FakeNvml([], fail_init=True)), plan).status == "skip"
+
+
+def test_doctor_judges_the_transport_between_gpu_nodes():
+    from shardserve.launch.doctor import check_nccl_between_nodes
+    nodes = [{"ip": "10.0.0.1", "alive": True, "gpus": 8}, {"ip": "10.0.0.2", "alive": True, "gpus": 8}]
+    calls = []
+
+    def probe(address):
+        calls.append(address)
+        return ["10.0.0.1", "10.0.0.2"], (LOGS / "socket_two_nodes.log").read_text()
+
+    check = check_nccl_between_nodes("10.0.0.1:6379", nodes, probe)
+    assert calls == ["10.0.0.1:6379"]
+    assert check.status == "warn" and "TCP sockets" in check.detail
+    assert check.detail.startswith("all-reduce across 10.0.0.1, 10.0.0.2")
+    one_gpu_node = [nodes[0], {**nodes[1], "gpus": 0}]
+    assert check_nccl_between_nodes("x", one_gpu_node, probe).status == "skip"
