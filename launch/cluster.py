@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from shardserve.launch.node_facts import interface_addresses
+from shardserve.launch.node_facts import IFNAME_VARS, interface_addresses
 from shardserve.planner import PlanError
 
 DEFAULT_PORT = 6379  # Ray's own default, what users of `ray start` expect
@@ -124,12 +124,19 @@ def token_path(folder: Path) -> Path:
     return folder / "auth_token"
 
 
+def token_env(folder: Path) -> dict[str, str]:
+    """Ray's token authentication with the token kept in `folder`."""
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path(folder))}
+
+
 def auth_env(folder: Path | None = None) -> dict[str, str]:
-    """Variables a Ray client needs to reach a cluster this host belongs to (token auth on)."""
-    path = token_path(folder or state_dir())
-    if "RAY_AUTH_MODE" in os.environ or "RAY_AUTH_TOKEN" in os.environ or not path.is_file():
+    """Variables a Ray client needs to reach a cluster this host belongs to, unless the caller's
+    environment already says how to authenticate."""
+    folder = folder or state_dir()
+    if "RAY_AUTH_MODE" in os.environ or "RAY_AUTH_TOKEN" in os.environ or \
+            not token_path(folder).is_file():
         return {}
-    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(path)}
+    return token_env(folder)
 
 
 def use_cluster_auth() -> None:
@@ -226,8 +233,7 @@ def start_node(folder: Path, head: tuple[str, int] | None, address: NodeAddress,
 
 def node_env(folder: Path, address: NodeAddress, is_head: bool) -> dict[str, str]:
     """The environment of this host's Ray node, so every rank started on it inherits it."""
-    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path(folder)),
-           "NCCL_SOCKET_IFNAME": address.interface, "GLOO_SOCKET_IFNAME": address.interface}
+    env = token_env(folder) | dict.fromkeys(IFNAME_VARS, address.interface)
     if is_head:
         env |= {k: v for k, v in HEAD_ENV.items() if k not in os.environ}
     return env
@@ -254,7 +260,7 @@ def wait_registered(address: str, node_ip: str, folder: Path) -> None:
             "        sys.exit(0)\n"
             "    time.sleep(0.5)\n"
             "sys.exit(3)\n")
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path(folder))}
+    env = {**os.environ, **token_env(folder)}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                             timeout=REGISTER_TIMEOUT_SECONDS * 2)
     if result.returncode != 0:

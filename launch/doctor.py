@@ -7,13 +7,12 @@ import socket
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from shardserve.launch.node_facts import interface_problem, versions
+from shardserve.launch.node_facts import IFNAME_VARS, interface_problem, versions
 from shardserve.planner import PlanError
 from shardserve.planner.detect import detect_local
 from shardserve.planner.hardware import GIB
 
 MIN_SHM_BYTES = GIB  # NCCL and the mp executor keep buffers in /dev/shm
-_IFNAME_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 
 
 @dataclass(frozen=True)
@@ -173,7 +172,7 @@ def check_interfaces(env: os._Environ | dict, names: set[str]) -> Check:
     if problem:
         return Check("interfaces", "fail", problem,
                      "set it to the interface that routes to the other nodes")
-    set_vars = [f"{v}={env[v]}" for v in _IFNAME_VARS if env.get(v)]
+    set_vars = [f"{v}={env[v]}" for v in IFNAME_VARS if env.get(v)]
     return Check("interfaces", "pass", f"interfaces {', '.join(sorted(names))}"
                  + (f"; {', '.join(set_vars)}" if set_vars else ""))
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 PACKAGES = ("shardserve", "torch", "transformers", "ray")
 ENV_PREFIXES = ("NCCL_", "GLOO_")
+IFNAME_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")  # each node's own interface
 _SIOCGIFADDR = 0x8915
 
 
@@ -102,7 +103,7 @@ def ip_problem(node: dict) -> str | None:
 def interface_problem(node: dict) -> str | None:
     """NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME naming an interface the node lacks."""
     names = node["interfaces"].keys()
-    for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+    for var in IFNAME_VARS:
         value = node["env"].get(var)
         if not value or value.startswith("^"):
             continue
@@ -115,6 +116,6 @@ def interface_problem(node: dict) -> str | None:
 def env_differences(reference: dict, node: dict) -> list[str]:
     """NCCL_*/GLOO_* variables set differently (the interface names are each node's own)."""
     ref, got = reference["env"], node["env"]
-    keys = sorted((ref.keys() | got.keys()) - {"NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"})
+    keys = sorted((ref.keys() | got.keys()) - set(IFNAME_VARS))
     return [f"{k}={got.get(k, '<unset>')} there, {ref.get(k, '<unset>')} on the head"
             for k in keys if ref.get(k) != got.get(k)]

@@ -69,6 +69,13 @@ def stop_server(proc: subprocess.Popen) -> tuple[int, str]:
     return proc.returncode, out
 
 
+def kill_if_running(proc: subprocess.Popen) -> None:
+    """After a test that expected the server to exit by itself: make sure it did."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+
+
 @pytest.fixture(scope="module")
 def server():
     proc, url = start_server("--profile", "demo", "--api-key", API_KEY)

@@ -15,7 +15,7 @@ import yaml
 from shardserve.launch.launcher import check_plan_fits, plan_file_values, warn_exposure
 from shardserve.planner import PlanError, parse_declared
 
-from tests.launch.conftest import http, start_server, stop_server
+from tests.launch.conftest import http, kill_if_running, start_server, stop_server
 from tests.planner.factories import plan_for
 
 
@@ -144,9 +144,7 @@ def test_tensor_parallel_server_and_a_dead_rank():
             time.sleep(0.2)
         out = proc.communicate(timeout=30)[0]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        kill_if_running(proc)
     assert proc.returncode == 1, out
     assert 503 in statuses or 0 in statuses
     assert "engine died" in out
@@ -180,9 +178,7 @@ def test_restart_brings_the_gang_back_then_gives_up():
         os.kill(new[1], signal.SIGKILL)  # the second loss exceeds --restart 1
         out = proc.communicate(timeout=60)[0]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        kill_if_running(proc)
     assert proc.returncode == 1, out
     assert "restarting every replica and rank (restart 1 of 1)" in out
     assert "giving up (--restart 1)" in out

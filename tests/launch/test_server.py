@@ -4,7 +4,6 @@ import asyncio
 import json
 import re
 import time
-import urllib.error
 
 import openai
 import pytest
