@@ -1,27 +1,35 @@
-"""The GPU suite behind bench/run_gpu.sh: decode against the HBM roofline, offline throughput
-beside transformers' continuous batching, and records appended to bench/results.json.
+"""The GPU benchmarks behind bench/run_gpu.sh, one kind per call so that each fits one device call:
+batch-1 decode against the HBM roofline measured in the same run, offline throughput beside
+transformers' continuous batching, and serving through the OpenAI API at fixed concurrency.
 
-    python bench/gpu_bench.py --models llama-3.1-8b qwen3-0.6b          # on an H100/H200
-    python bench/gpu_bench.py --small --device cpu                       # smoke run on a CPU
+    python bench/gpu_bench.py decode  --model llama-3.1-8b                      # on an H100/H200
+    python bench/gpu_bench.py offline --model llama-3.1-8b --shapes 128/128
+    python bench/gpu_bench.py serve   --model llama-3.1-8b --concurrency 1 16 64
+    python bench/gpu_bench.py decode  --model qwen3-0.6b --small --device cpu   # smoke run on a CPU
 
 Checkpoints are random bf16 weights of the real shapes (configs from the planner's catalog),
 written once under --workdir; prompts are random token ids, ignore_eos, prefix caching off.
+Each record is appended to --results the moment it is measured (a later crash loses nothing),
+with the plan's estimate for the same model and GPU beside the measured figure.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import platform
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+import gpu_serve  # noqa: E402  (bench/gpu_serve.py: the serving benchmark's server and client)
 import throughput  # noqa: E402  (bench/throughput.py: shared prompt and timing helpers)
 
 from shardserve.planner.catalog import model_catalog  # noqa: E402
@@ -30,6 +38,7 @@ SHAPES = {"llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct", "qwen3-0.6b": "Qwe
 SMALL = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 2048}
 RESULTS_JSON = Path(__file__).parent / "results.json"
+GPU_NAMES = {"H100": "H100-80GB", "H200": "H200"}  # torch's device name -> the planner's catalog
 
 
 def versions() -> dict:
@@ -49,6 +58,22 @@ def device_name(device: str) -> str:
     return torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"
 
 
+def append_record(record: dict, path: Path) -> None:
+    """Append one record at once, rewriting the file atomically."""
+    existing = json.loads(path.read_text()) if path.exists() else []
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(existing + [record], indent=1) + "\n")
+    os.replace(tmp, path)
+    print(json.dumps(record), flush=True)
+
+
+def free_device_memory(device: str) -> None:
+    """Between engines: whatever the last one left is collected and handed back to the driver."""
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
 def measure_bandwidth(device: str, nbytes: int) -> float:
     """Bytes per second of a device-to-device copy, counting bytes read plus bytes written."""
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
@@ -62,6 +87,8 @@ def measure_bandwidth(device: str, nbytes: int) -> float:
         dst.copy_(src)
         throughput._synchronize(device)
         times.append(time.perf_counter() - start)
+    del src, dst
+    free_device_memory(device)
     return 2 * nbytes / sorted(times)[len(times) // 2]
 
 
@@ -83,9 +110,38 @@ def make_checkpoint(shape: str, workdir: Path, small: bool, device: str) -> Path
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    model.save_pretrained(folder)
+    partial = folder.with_name(folder.name + ".partial")
+    model.save_pretrained(partial)
+    save_word_tokenizer(partial, hf_config.vocab_size)
+    os.replace(partial, folder)  # NOTE: a call cut off mid-save leaves no folder that looks complete
     del model
+    free_device_memory(device)
     return folder
+
+
+def save_word_tokenizer(folder: Path, vocab_size: int) -> None:
+    """One word per id ("w0" ... "w{vocab_size - 1}"), so the server streams text for any token a
+    random model samples."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="w0").save_pretrained(folder)
+
+
+def plan_estimate(folder: Path, device: str, max_model_len: int) -> dict | None:
+    """The planner's figures for this checkpoint on this GPU (None off a catalog GPU)."""
+    from shardserve.planner import PlanOptions, load_model, make_plan, parse_declared
+    gpu = next((name for key, name in GPU_NAMES.items()
+                if device == "cuda" and key in device_name(device)), None)
+    if gpu is None:
+        return None
+    plan = make_plan(load_model(str(folder)), parse_declared(gpu), PlanOptions(max_model_len=max_model_len))
+    estimates = plan.chosen.estimates
+    return {"hardware": gpu, "max_model_len": max_model_len,
+            "decode_tok_s_batch1": round(estimates.decode_tokens_per_s_batch1, 1),
+            "throughput_tok_s": round(estimates.throughput_tokens_per_s, 1),
+            "batch_per_replica": estimates.batch_per_replica}
 
 
 def decode_batch1(folder: Path, device: str, bandwidth: float, prompt_len: int,
@@ -95,30 +151,35 @@ def decode_batch1(folder: Path, device: str, bandwidth: float, prompt_len: int,
     from shardserve.runtime import LLM, SamplingParams
     llm = LLM(str(folder), device=device, max_model_len=prompt_len + output_len + 16,
               enable_prefix_caching=False, skip_tokenizer_init=True, enforce_eager=enforce_eager)
-    prompt = [{"prompt_token_ids": throughput.random_prompts(
-        llm.engine.config.model.vocab_size, 1, prompt_len, 0)[0]}]
+    try:
+        prompt = [{"prompt_token_ids": throughput.random_prompts(
+            llm.engine.config.model.vocab_size, 1, prompt_len, 0)[0]}]
 
-    def timed(n: int) -> float:
-        throughput._synchronize(device)
-        start = time.perf_counter()
-        llm.generate(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-        throughput._synchronize(device)
-        return time.perf_counter() - start
+        def timed(n: int) -> float:
+            throughput._synchronize(device)
+            start = time.perf_counter()
+            llm.generate(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+            throughput._synchronize(device)
+            return time.perf_counter() - start
 
-    timed(8)  # warm-up: compilation, allocator (graphs were captured when the engine started)
-    decode_s = min(timed(output_len) for _ in range(2)) - min(timed(1) for _ in range(2))
+        timed(8)  # warm-up: compilation, allocator (graphs were captured when the engine started)
+        decode_s = min(timed(output_len) for _ in range(2)) - min(timed(1) for _ in range(2))
+        dtype_bytes = llm.engine.config.model.dtype.itemsize
+        has_graphs = llm.engine.executor.worker.cuda_graphs is not None
+    finally:
+        llm.shutdown()
+        del llm
+        free_device_memory(device)
     tok_s = (output_len - 1) / decode_s
     info = load_model(str(folder))
-    dtype_bytes = 2 if "16" in str(llm.engine.config.model.dtype) else 4
     weight_bytes = sum(t.numel for t in info.tensors) * dtype_bytes
-    kv_per_token = info.spec.kv_bytes_per_token(dtype_bytes)
-    step_bytes = weight_bytes + (prompt_len + output_len / 2) * kv_per_token
+    step_bytes = weight_bytes + (prompt_len + output_len / 2) * info.spec.kv_bytes_per_token(dtype_bytes)
     roofline = bandwidth / step_bytes
     return {"benchmark": "decode_batch1", "shardserve_tok_s": round(tok_s, 1),
             "roofline_tok_s": round(roofline, 1), "fraction_of_roofline": round(tok_s / roofline, 3),
             "settings": {"prompt_len": prompt_len, "output_len": output_len, "enforce_eager": enforce_eager,
-                         "cuda_graphs": llm.engine.executor.worker.cuda_graphs is not None,
-                         "weight_bytes": weight_bytes, "bandwidth_bytes_per_s": round(bandwidth)}}
+                         "cuda_graphs": has_graphs, "weight_bytes": weight_bytes,
+                         "bandwidth_bytes_per_s": round(bandwidth)}}
 
 
 def offline(folder: Path, device: str, num_prompts: int, input_len: int, output_len: int,
@@ -132,70 +193,92 @@ def offline(folder: Path, device: str, num_prompts: int, input_len: int, output_
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
     prompts = throughput.random_prompts(vocab, num_prompts, input_len, 0)
     ours = throughput.bench_runtime(args, str(folder), prompts)
-    torch.cuda.empty_cache() if device == "cuda" else None
-    hf = None if skip_hf else hf_generate_batch(folder, device, prompts, output_len)
+    free_device_memory(device)
+    hf, hf_error = None, None
+    if not skip_hf:
+        try:  # NOTE: the peer's failure is a finding to record, not a reason to lose our number
+            hf = hf_generate_batch(folder, device, prompts, output_len)
+        except Exception as e:  # noqa: BLE001
+            hf_error = "".join(traceback.format_exception_only(e)).strip()[-2000:]
+        free_device_memory(device)
     return {"benchmark": "offline_throughput",
             "shardserve_tok_s": ours["output_tokens_per_s"],
             "hf_tok_s": hf["output_tokens_per_s"] if hf else None,
-            "ratio": round(ours["output_tokens_per_s"] / hf["output_tokens_per_s"], 2)
-            if hf else None,
-            "settings": {"num_prompts": num_prompts, "input_len": input_len,
-                         "output_len": output_len, "shardserve": ours, "hf": hf}}
+            "ratio": round(ours["output_tokens_per_s"] / hf["output_tokens_per_s"], 2) if hf else None,
+            "settings": {"num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
+                         "shardserve": ours, "hf": hf, "hf_error": hf_error}}
 
 
-def hf_generate_batch(folder: Path, device: str, prompts: list[list[int]],
-                      output_len: int) -> dict:
+def hf_generate_batch(folder: Path, device: str, prompts: list[list[int]], output_len: int) -> dict:
     """transformers' continuous batching (`generate_batch`, paged|sdpa attention)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
     model = AutoModelForCausalLM.from_pretrained(
         folder, dtype="auto", attn_implementation="paged|sdpa").to(device).eval()
     config = GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len,
                               do_sample=False, eos_token_id=-1, pad_token_id=0)
-    with torch.no_grad():
-        model.generate_batch(prompts[:2], generation_config=config, max_new_tokens=4)
-        throughput._synchronize(device)
-        start = time.perf_counter()
-        outputs = model.generate_batch(prompts, generation_config=config)
-        throughput._synchronize(device)
+    try:
+        with torch.no_grad():
+            model.generate_batch(prompts[:2], generation_config=config, max_new_tokens=4)
+            throughput._synchronize(device)
+            start = time.perf_counter()
+            outputs = model.generate_batch(prompts, generation_config=config)
+            throughput._synchronize(device)
+    finally:
+        del model
     elapsed = time.perf_counter() - start
     num_out = sum(len(o.generated_tokens) for o in outputs.values())
-    del model
     return throughput._result(elapsed, prompts, num_out)
 
 
-def append_results(records: list[dict], path: Path) -> None:
-    existing = json.loads(path.read_text()) if path.exists() else []
-    path.write_text(json.dumps(existing + records, indent=1) + "\n")
+def run_decode(args, folder: Path, base: dict) -> None:
+    bandwidth = measure_bandwidth(args.device, (64 << 20) if args.small else (4 << 30))
+    prompt_len, output_len = (32, 16) if args.small else (128, 256)
+    estimate = plan_estimate(folder, args.device, prompt_len + output_len + 16)
+    for enforce_eager in (True, False) if args.device == "cuda" else (True,):  # eager, then graphs
+        record = decode_batch1(folder, args.device, bandwidth, prompt_len, output_len, enforce_eager)
+        append_record(base | record | {"plan_estimate": estimate}, Path(args.results))
+
+
+def run_offline(args, folder: Path, base: dict) -> None:
+    for shape in args.shapes:
+        input_len, output_len = (int(n) for n in shape.split("/"))
+        record = offline(folder, args.device, args.num_prompts, input_len, output_len, args.skip_hf)
+        estimate = plan_estimate(folder, args.device, input_len + output_len)
+        append_record(base | record | {"plan_estimate": estimate}, Path(args.results))
+
+
+def run_serve(args, folder: Path, base: dict) -> None:
+    estimate = plan_estimate(folder, args.device, args.input_len + args.output_len)
+    for record in gpu_serve.serve_levels(folder, args.device, args.concurrency, args.num_prompts,
+                                         args.input_len, args.output_len):
+        append_record(base | record | {"plan_estimate": estimate}, Path(args.results))
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("benchmark", choices=["decode", "offline", "serve"])
+    parser.add_argument("--model", required=True, choices=list(SHAPES))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--small", action="store_true", help="tiny shapes, few prompts (a smoke run)")
+    parser.add_argument("--workdir", default=os.environ.get("TMPDIR", "/tmp") + "/shardserve-bench")
+    parser.add_argument("--results", default=str(RESULTS_JSON))
+    parser.add_argument("--shapes", nargs="+", default=["128/128"], help="offline: INPUT/OUTPUT lengths")
+    parser.add_argument("--num-prompts", type=int, default=1000)
+    parser.add_argument("--skip-hf", action="store_true", help="offline: no transformers peer")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64], help="serve")
+    parser.add_argument("--input-len", type=int, default=128, help="serve")
+    parser.add_argument("--output-len", type=int, default=128, help="serve")
+    return parser.parse_args()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--small", action="store_true", help="tiny shapes, few prompts")
-    parser.add_argument("--workdir", default=os.environ.get("TMPDIR", "/tmp") + "/shardserve-bench")
-    parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument("--results", default=str(RESULTS_JSON))
-    args = parser.parse_args()
+    args = parse_args()
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    bandwidth = measure_bandwidth(args.device, (64 << 20) if args.small else (4 << 30))
+    folder = make_checkpoint(args.model, workdir, args.small, args.device)
     base = {"date": datetime.date.today().isoformat(), "device": device_name(args.device),
-            "versions": versions()}
-    records = []
-    shapes = [(1000, 128, 128), (1000, 1024, 128)] if not args.small else [(8, 32, 16)]
-    for shape in args.models:
-        folder = make_checkpoint(shape, workdir, args.small, args.device)
-        for enforce_eager in (True, False) if args.device == "cuda" else (True,):  # eager, then graphs
-            decode = decode_batch1(folder, args.device, bandwidth, 32 if args.small else 128,
-                                   16 if args.small else 256, enforce_eager)
-            records.append(base | {"model": shape} | decode)
-            print(json.dumps(records[-1]), flush=True)
-        for num, inp, out in shapes:
-            records.append(base | {"model": shape} | offline(folder, args.device, num, inp, out,
-                                                             args.skip_hf))
-            print(json.dumps(records[-1]), flush=True)
-    append_results(records, Path(args.results))
+            "versions": versions(), "model": args.model + ("-small" if args.small else "")}
+    {"decode": run_decode, "offline": run_offline, "serve": run_serve}[args.benchmark](args, folder, base)
 
 
 if __name__ == "__main__":

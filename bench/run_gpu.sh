@@ -1,31 +1,56 @@
 #!/usr/bin/env bash
-# One command on a bare GPU machine (torch, triton, transformers; no internet): first the GPU
-# correctness tests (tests/gpu: Triton kernels and whole models in bf16, CUDA graphs), then the
-# suite in bench/gpu_bench.py on random-weight checkpoints of Llama-3.1-8B and Qwen3-0.6B shape.
-# Records append to bench/results.json; with $OUT set (the device tool) a copy and the test log
-# land there. The exit status is the tests' (the benchmark runs whatever they say).
-#   bash bench/run_gpu.sh                      # both models
-#   bash bench/run_gpu.sh --models qwen3-0.6b  # arguments go to gpu_bench.py
+# The GPU run in parts, each one device call of well under 10 minutes, issued back to back (an idle
+# machine is given back after 30 s; a bare one rebuilds the checkpoints under $TMPDIR):
+#   1  tests/gpu (Triton kernels and whole models in bf16, CUDA graphs), 300 s per test at most
+#   2  Llama-3.1-8B shape: batch-1 decode, eager and CUDA graphs, against the measured HBM roofline
+#   3  Llama-3.1-8B shape: offline 1000 x 128/128 beside transformers' generate_batch
+#   4  Qwen3-0.6B shape: batch-1 decode; offline 128/128 and 1024/128 beside transformers
+#   5  Llama-3.1-8B shape: serving at concurrency 1, 16, 64 through `shardserve launch`
+# Records append to bench/results.json as each is measured; with $OUT set (the device tool) a copy,
+# the test log and the server log land there. Arguments after the part go to gpu_bench.py.
+#   bash bench/run_gpu.sh --part 2
+#   PYTHON=.venv/bin/python bash bench/run_gpu.sh --part 4 --small --device cpu   # smoke run on a CPU
 set -euo pipefail
 cd "$(dirname "$0")/.."
-
-# shardserve without pip install: a namespace folder whose subpackages are this checkout's
-shim=$(mktemp -d)
-mkdir -p "$shim/shardserve"
-for part in planner runtime launch; do ln -s "$PWD/$part" "$shim/shardserve/$part"; done
-if compgen -G ".whl/*.whl" > /dev/null; then  # wheels carried for packages the image lacks
-  python3 -m pip install -q --no-index --no-deps --no-compile --target "$shim" .whl/*.whl
+if [ "${1:-}" != "--part" ] || [ -z "${2:-}" ]; then
+  sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
+  exit 2
 fi
-export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+part=$2
+shift 2
+case "$part" in 1|2|3|4|5) ;; *) echo "unknown part $part: use 1 to 5" >&2; exit 2 ;; esac
+py=${PYTHON:-python3}
 
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-tests_status=0
-if python3 -c "import pytest" 2> /dev/null; then
-  log="${OUT:-$(mktemp -d)}/gpu_tests.log"
-  python3 -m pytest -q -rs -p no:cacheprovider tests/gpu 2>&1 | tee "$log" || tests_status=$?
-else
-  echo "pytest is not installed here: tests/gpu not run (carry its wheel in .whl)"
+if ! "$py" -c "import shardserve.runtime" 2> /dev/null; then
+  # shardserve without pip install: a namespace folder whose subpackages are this checkout's
+  shim=$(mktemp -d)
+  mkdir -p "$shim/shardserve"
+  for pkg in planner runtime launch; do ln -s "$PWD/$pkg" "$shim/shardserve/$pkg"; done
+  if compgen -G ".whl/*.whl" > /dev/null; then  # wheels carried for packages the image lacks
+    "$py" -m pip install -q --no-index --no-deps --no-compile --target "$shim" .whl/*.whl
+  fi
+  export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}"
 fi
-python3 bench/gpu_bench.py "$@"
-if [ -n "${OUT:-}" ]; then cp bench/results.json "$OUT/"; fi
-exit "$tests_status"
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+
+bench() { "$py" bench/gpu_bench.py "$@"; }
+status=0
+case "$part" in
+  1)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+    timeout_flag=()
+    if "$py" -c "import pytest_timeout" 2> /dev/null; then timeout_flag=(--timeout=300); fi
+    log="${OUT:-$(mktemp -d)}/gpu_tests.log"
+    "$py" -m pytest -q -rs -p no:cacheprovider "${timeout_flag[@]}" tests/gpu 2>&1 | tee "$log" \
+      || status=$?
+    ;;
+  2) bench decode --model llama-3.1-8b "$@" ;;
+  3) bench offline --model llama-3.1-8b --shapes 128/128 "$@" ;;
+  4)
+    bench decode --model qwen3-0.6b "$@"
+    bench offline --model qwen3-0.6b --shapes 128/128 1024/128 "$@"
+    ;;
+  5) bench serve --model llama-3.1-8b "$@" ;;
+esac
+if [ -n "${OUT:-}" ] && [ -f bench/results.json ]; then cp bench/results.json "$OUT/"; fi
+exit "$status"

@@ -70,6 +70,12 @@ async def run_level(client, model: str, prompts: list[list[int]], output_len: in
     return summarize(timings, elapsed, concurrency)
 
 
+def random_prompts(vocab_size: int, num: int, length: int, seed: int) -> list[list[int]]:
+    """Token ids drawn from [10, vocab_size): clear of the special ids at the bottom."""
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab_size) for _ in range(length)] for _ in range(num)]
+
+
 def _pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -105,9 +111,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print JSON records")
     args = parser.parse_args()
-    rng = random.Random(args.seed)
-    prompts = [[rng.randrange(10, args.vocab_size) for _ in range(args.input_len)]
-               for _ in range(args.num_prompts)]
+    prompts = random_prompts(args.vocab_size, args.num_prompts, args.input_len, args.seed)
 
     async def all_levels():
         client = openai.AsyncOpenAI(base_url=f"{args.base_url}/v1", api_key=args.api_key,

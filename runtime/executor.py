@@ -69,6 +69,9 @@ class InProcessExecutor(Executor):
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute(output)
 
+    def shutdown(self) -> None:
+        self.worker.release()
+
 
 def resolve_backend(parallel: ParallelConfig, num_local_devices: int | None) -> str:
     """The planner's rule: one rank runs in-process; ranks that fit this machine use "mp"; more than

@@ -35,8 +35,8 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
 
 
 def load_weights(model: nn.Module, folder: str) -> None:
-    """Each checkpoint tensor goes to the parameter the model names for it, through that
-    parameter's weight_loader (which reads only this rank's shard)."""
+    """Each checkpoint tensor goes to the parameter the model names for it, through the weight_loader
+    of the module that owns the parameter (which reads only this rank's shard)."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     start, end = model.layer_range
@@ -55,7 +55,8 @@ def load_weights(model: nn.Module, folder: str) -> None:
                              f"(looked for {target.param_name!r})")
         if target.transpose:
             tensor = tensor.transposed()
-        weight_loader = getattr(param, "weight_loader", default_weight_loader)
+        owner = model.get_submodule(target.param_name.rpartition(".")[0])
+        weight_loader = getattr(owner, "weight_loader", default_weight_loader)
         if target.shard_id is None:
             weight_loader(param, tensor)
         else:

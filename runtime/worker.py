@@ -118,6 +118,17 @@ class Worker:
                                              device=self.device)
         self.cuda_graphs.capture()
 
+    def release(self) -> None:
+        """Drop the model, the KV pool (and the layers' views of it) and the graphs, then hand cached
+        device memory back, so the next engine in this process starts from an empty device."""
+        for attention in self.attention_layers:
+            attention.kv_cache = None
+        self.attention_layers = []
+        self.states.clear()
+        self.kv_cache = self.cuda_graphs = self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Every rank runs every step; only the output rank returns a result (the others None)."""

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.runtime.checkpoint import CheckpointTensor
-from shardserve.runtime.layers.weights import copy_into, default_weight_loader
+from shardserve.runtime.layers.weights import copy_into
 from shardserve.runtime.parallel_state import (get_parallel_state, tensor_parallel_all_gather,
                                                tensor_parallel_all_reduce)
 
@@ -32,7 +32,6 @@ class VocabParallelEmbedding(nn.Module):
         self.rows_per_rank = self.num_padded // self.tp_size
         self.vocab_start = self.tp_rank * self.rows_per_rank
         self.weight = nn.Parameter(torch.zeros(self.rows_per_rank, embedding_dim, dtype=dtype), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor) -> None:
         if loaded.shape[0] != self.num_embeddings:
@@ -69,7 +68,6 @@ class ReplicatedEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype), requires_grad=False)
-        self.weight.weight_loader = default_weight_loader
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)

@@ -1,7 +1,9 @@
 """Megatron-style tensor-parallel linear layers.
 
-Each parameter carries a weight_loader that copies its own shard of a checkpoint tensor, so the
-loader never needs to know how a layer is split."""
+Each layer's weight_loader(param, loaded, ...) copies its own shard of a checkpoint tensor into one of
+its parameters, so the loader never needs to know how a layer is split. NOTE: the loader finds the
+method on the parameter's module; a bound method stored on the parameter would make a
+module-parameter cycle that outlives `del` and keeps device memory until the garbage collector runs."""
 
 from __future__ import annotations
 
@@ -23,10 +25,8 @@ class LinearBase(nn.Module):
         state = get_parallel_state()
         self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
 

@@ -24,8 +24,6 @@ class FusedMoE(nn.Module):
         self.intermediate = shard_range(intermediate_size, 0, self.tp_size)[1]
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate), requires_grad=False)
-        self.w13.weight_loader = self.weight_loader
-        self.w2.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard: tuple[int, str]) -> None:
         expert, kind = shard

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardserve.runtime.layers.weights import default_weight_loader
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -32,7 +31,6 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
-        self.weight.weight_loader = default_weight_loader
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if x.is_cuda:
@@ -52,4 +50,3 @@ class LayerNorm(nn.LayerNorm):
         super().__init__(hidden_size, eps=eps, bias=bias, dtype=dtype)
         for param in self.parameters():
             param.requires_grad_(False)
-            param.weight_loader = default_weight_loader

@@ -47,7 +47,7 @@ def test_qkv_shards_with_kv_head_replication(tensors, tp_size):
     for rank in range(tp_size):
         layer = on_rank(rank, tp_size, lambda: QKVParallelLinear(32, 8, num_heads=4, num_kv_heads=2, bias=False))
         for shard in "qkv":
-            layer.weight.weight_loader(layer.weight, lazy[shard], shard)
+            layer.weight_loader(layer.weight, lazy[shard], shard)
         q_rows = 32 // tp_size
         kv = [h * 8 + i for h in KV_HEADS_OF_RANK[tp_size][rank] for i in range(8)]  # head_dim 8
         expected = torch.cat([data["q"][rank * q_rows:(rank + 1) * q_rows], data["k"][kv], data["v"][kv]])
@@ -59,7 +59,7 @@ def test_fused_transposed_qkv_matches_separate_loading(tensors):
     full = data["conv1d_attn"].t()  # [96, 32] = q | k | v, each 32 rows (GPT-2: no GQA)
     for rank in range(2):
         layer = on_rank(rank, 2, lambda: QKVParallelLinear(32, 8, num_heads=4, num_kv_heads=4, bias=False))
-        layer.weight.weight_loader(layer.weight, lazy["conv1d_attn"].transposed())
+        layer.weight_loader(layer.weight, lazy["conv1d_attn"].transposed())
         parts = [full[i * 32 + rank * 16: i * 32 + (rank + 1) * 16] for i in range(3)]
         assert torch.equal(layer.weight, torch.cat(parts))
 
@@ -72,10 +72,10 @@ def test_column_then_row_shards_sum_to_the_full_product(tensors):
     partial_sums = torch.zeros_like(full)
     for rank in range(2):
         merged = on_rank(rank, 2, lambda: MergedColumnParallelLinear(32, [48, 48], bias=False))
-        merged.weight.weight_loader(merged.weight, lazy["gate"], 0)
-        merged.weight.weight_loader(merged.weight, lazy["up"], 1)
+        merged.weight_loader(merged.weight, lazy["gate"], 0)
+        merged.weight_loader(merged.weight, lazy["up"], 1)
         row = on_rank(rank, 2, lambda: RowParallelLinear(48, 32, bias=False))
-        row.weight.weight_loader(row.weight, lazy["down"])
+        row.weight_loader(row.weight, lazy["down"])
         gate, up = F.linear(x, merged.weight).chunk(2, dim=-1)
         partial_sums += F.linear(gate * up, row.weight)  # what the all-reduce adds up
     torch.testing.assert_close(partial_sums, full, atol=1e-4, rtol=1e-4)  # summation order differs
@@ -85,7 +85,7 @@ def test_column_parallel_bias_is_sharded(tensors):
     data, lazy = tensors
     for rank in range(2):
         layer = on_rank(rank, 2, lambda: ColumnParallelLinear(32, 64, bias=True))
-        layer.bias.weight_loader(layer.bias, lazy["qkv_bias"])
+        layer.weight_loader(layer.bias, lazy["qkv_bias"])
         assert torch.equal(layer.bias, data["qkv_bias"][rank * 32:(rank + 1) * 32])
 
 
@@ -94,7 +94,7 @@ def test_vocab_is_padded_and_split(tensors):
     rows = []
     for rank in range(2):
         embed = on_rank(rank, 2, lambda: VocabParallelEmbedding(100, 32))
-        embed.weight.weight_loader(embed.weight, lazy["embed"])
+        embed.weight_loader(embed.weight, lazy["embed"])
         assert embed.num_padded == 128 and embed.weight.shape == (64, 32)
         rows.append(embed.weight)
     assert torch.equal(torch.cat(rows)[:100], data["embed"])

@@ -1,0 +1,69 @@
+"""Each part of bench/run_gpu.sh runs end to end on this CPU at tiny sizes (--small), so a lent GPU's
+short calls are not lost to a broken script: records land in the results file as they are measured."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[2]
+SMOKE = ["--small", "--device", "cpu", "--num-prompts", "4", "--shapes", "16/8",
+         "--concurrency", "1", "2", "--input-len", "16", "--output-len", "8"]
+
+
+def run_part(part: int, workdir: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    env.pop("OUT", None)
+    args = [] if part == 1 else [*SMOKE, "--workdir", str(workdir), "--results", str(workdir / "results.json")]
+    return subprocess.run(["bash", str(ROOT / "bench" / "run_gpu.sh"), "--part", str(part), *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("gpu_parts")
+
+
+def records(workdir: Path) -> list[dict]:
+    return json.loads((workdir / "results.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("part, benchmarks", [
+    (2, ["decode_batch1"]),
+    (3, ["offline_throughput"]),
+    (4, ["decode_batch1", "offline_throughput"]),
+    (5, ["serving", "serving"]),
+])
+def test_each_part_appends_its_records(workdir, part, benchmarks):
+    before = len(records(workdir)) if (workdir / "results.json").exists() else 0
+    done = run_part(part, workdir)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    new = records(workdir)[before:]
+    assert [r["benchmark"] for r in new] == benchmarks
+    for record in new:
+        assert record["device"] and record["versions"]["torch"] and "plan_estimate" in record
+    measured = [r.get("shardserve_tok_s") or r.get("output_tok_s") for r in new]
+    assert all(value > 0 for value in measured), new
+    if part == 3:  # the transformers peer ran beside us, or its failure is on the record
+        settings = new[0]["settings"]
+        assert new[0]["hf_tok_s"] or settings["hf_error"]
+
+
+@pytest.mark.slow
+def test_part_1_runs_tests_gpu_and_says_why_they_skip_here():
+    done = run_part(1, Path("."))
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "skipped" in done.stdout and "need a CUDA GPU" in done.stdout
+
+
+def test_an_unknown_part_is_refused_with_the_list():
+    done = subprocess.run(["bash", str(ROOT / "bench" / "run_gpu.sh")], capture_output=True, text=True)
+    assert done.returncode == 2 and "Llama-3.1-8B shape: batch-1 decode" in done.stdout
+    done = subprocess.run(["bash", str(ROOT / "bench" / "run_gpu.sh"), "--part", "9"], capture_output=True, text=True)
+    assert done.returncode == 2 and "use 1 to 5" in done.stderr
