@@ -168,7 +168,7 @@ def decode_batch1(folder: Path, device: str, bandwidth: float, prompt_len: int,
         has_graphs = llm.engine.executor.worker.cuda_graphs is not None
     finally:
         llm.shutdown()
-        del llm
+        llm = None  # the closure above holds it too
         free_device_memory(device)
     tok_s = (output_len - 1) / decode_s
     info = load_model(str(folder))

@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 
 from shardserve.launch import __version__
+from shardserve.launch.cli_options import launch_command_settings, plan_command_settings, setting_options
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode="rich",
                   help="Plan and launch multi-GPU LLM serving.")
@@ -23,11 +24,6 @@ class Format(str, enum.Enum):
     table = "table"
     json = "json"
     yaml = "yaml"
-
-
-class Backend(str, enum.Enum):
-    mp = "mp"
-    ray = "ray"
 
 
 def _version(value: bool) -> None:
@@ -44,114 +40,69 @@ def root(version: Annotated[bool, typer.Option("--version", callback=_version,
 
 
 @app.command()
+@setting_options(plan_command_settings())
 def plan(
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Hugging Face folder, "
-                     "an id in the local HF cache, or a catalog id.")] = None,
     profile: Annotated[Optional[str], typer.Option(
         help="A profile name (shardserve profiles list) or YAML file; flags override it.")]
     = None,
-    hardware: Annotated[Optional[str], typer.Option(
-        help="Declared hardware: [NODESx]GPUSxNAME (8xH100-80GB, 2x8xH100, 3xL4), 'cpu', or "
-             "a YAML file. Default: detect local GPUs (NVML), or the Ray cluster.")] = None,
     ray_address: Annotated[Optional[str], typer.Option(
         envvar="RAY_ADDRESS", help="Read nodes and GPUs from this Ray cluster.")] = None,
-    max_model_len: Annotated[Optional[int], typer.Option(help="Default: the model's.")] = None,
-    dtype: Annotated[Optional[str], typer.Option(
-        help="auto (default): bf16 where the GPU has it, else fp16.")] = None,
-    kv_cache_dtype: Annotated[Optional[str], typer.Option(help="auto or fp8.")] = None,
-    gpu_memory_utilization: Annotated[Optional[float], typer.Option(help="Default 0.9.")]
-    = None,
-    block_size: Annotated[Optional[int], typer.Option(help="Default 16.")] = None,
-    max_num_seqs: Annotated[Optional[int], typer.Option(help="Default 256.")] = None,
-    max_num_batched_tokens: Annotated[Optional[int], typer.Option(help="Default 8192.")]
-    = None,
-    tensor_parallel_size: Annotated[Optional[int], typer.Option(
-        "--tensor-parallel-size", "-tp", help="Pin tensor parallel.")] = None,
-    pipeline_parallel_size: Annotated[Optional[int], typer.Option(
-        "--pipeline-parallel-size", "-pp", help="Pin pipeline parallel.")] = None,
-    data_parallel_size: Annotated[Optional[int], typer.Option(
-        "--data-parallel-size", "-dp", help="Pin the number of replicas.")] = None,
-    distributed_executor_backend: Annotated[Optional[Backend], typer.Option(
-        help="mp (local processes) or ray. Default: the planner's rule.")] = None,
-    target_concurrency: Annotated[Optional[int], typer.Option(
-        help="KV room for this many requests of max_model_len (default 1).")] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o",
                                                    help="Write the plan YAML here.")] = None,
     format: Annotated[Format, typer.Option("--format", help="table, json or yaml on stdout.")]
     = Format.table,
+    **settings,
 ) -> None:
     """Choose tensor/pipeline/replica sizes, predict memory, KV cache and speed, and say why."""
-    flags = {k: v for k, v in locals().items() if k not in ("profile", "ray_address", "output",
-                                                             "format")}
-    if distributed_executor_backend is not None:
-        flags["distributed_executor_backend"] = distributed_executor_backend.value
     with _user_errors():
         from shardserve.launch.plan_view import make_plan_from, render_plan, write_plan
         if ray_address:
             from shardserve.launch.cluster import resolve_address, use_cluster_auth
             ray_address = resolve_address(ray_address)
             use_cluster_auth()
-        result = make_plan_from(flags, profile, ray_address)
-        data = result.to_dict()
+        record = make_plan_from(settings, profile, ray_address).record()
         if output is not None:
-            write_plan(data, output)
+            write_plan(record, output)
     if format is Format.json:
-        print(json.dumps(data, indent=2))
+        print(json.dumps(record.to_dict(), indent=2))
     elif format is Format.yaml:
         import yaml
-        print(yaml.safe_dump(data, sort_keys=False), end="")
+        print(yaml.safe_dump(record.to_dict(), sort_keys=False), end="")
     else:
-        render_plan(data, Console())
+        render_plan(record, Console())
         if output is not None:
             Console().print(f"plan written to [bold]{output}[/]")
 
 
 @app.command()
+@setting_options(launch_command_settings())
 def launch(
     plan_file: Annotated[Optional[Path], typer.Argument(
         metavar="[PLAN.yaml]", help="A plan from `shardserve plan -o`. Without one, plan now.")]
     = None,
     profile: Annotated[Optional[str], typer.Option(help="A profile name or YAML file.")] = None,
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model folder or id "
-                     "(default: the bundled demo model).")] = None,
     set_: Annotated[Optional[list[str]], typer.Option(
         "--set", help="key=value for any setting, e.g. --set max_num_seqs=64.")] = None,
-    tensor_parallel_size: Annotated[Optional[int], typer.Option(
-        "--tensor-parallel-size", "-tp")] = None,
-    pipeline_parallel_size: Annotated[Optional[int], typer.Option(
-        "--pipeline-parallel-size", "-pp")] = None,
-    distributed_executor_backend: Annotated[Optional[Backend], typer.Option()] = None,
     ray_address: Annotated[Optional[str], typer.Option(envvar="RAY_ADDRESS")] = None,
-    max_model_len: Annotated[Optional[int], typer.Option()] = None,
-    dtype: Annotated[Optional[str], typer.Option()] = None,
-    host: Annotated[Optional[str], typer.Option(help="Default 127.0.0.1 (this machine only).")]
-    = None,
-    port: Annotated[Optional[int], typer.Option(help="Default 8000.")] = None,
     api_key: Annotated[Optional[str], typer.Option(
         help="Require 'Authorization: Bearer KEY' (or set SHARDSERVE_API_KEY).")] = None,
-    served_model_name: Annotated[Optional[str], typer.Option(
-        help="The model name clients use (default: --model).")] = None,
     env: Annotated[Optional[list[str]], typer.Option(
         "--env", help="NAME=VALUE set for the engine and every rank, on every node; "
                       "NCCL_*, GLOO_*, CUDA_*, TORCH_*, HF_* travel without it.")] = None,
     restart: Annotated[int, typer.Option(
         "--restart", min=0, help="When a rank or node is lost, start the whole gang again up "
                                  "to this many times (default 0: exit 1).")] = 0,
+    **settings,
 ) -> None:
     """Serve a plan, a profile or a model over an OpenAI-compatible API."""
     import logging
 
     from shardserve.launch.deploy_config import parse_env, parse_set
-    from shardserve.launch.launcher import api_key_from_env, serve, settle
+    from shardserve.launch.launcher import api_key_from_env, serve, setting, settle
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s", datefmt="%H:%M:%S")
-    flags = {"model": model, "tensor_parallel_size": tensor_parallel_size,
-             "pipeline_parallel_size": pipeline_parallel_size,
-             "distributed_executor_backend": (distributed_executor_backend.value
-                                              if distributed_executor_backend else None),
-             "max_model_len": max_model_len, "dtype": dtype, "host": host, "port": port,
-             "served_model_name": served_model_name}
+    flags = dict(settings)
     if ray_address:
         from shardserve.launch.cluster import resolve_address, use_cluster_auth
         ray_address = resolve_address(ray_address)
@@ -164,8 +115,7 @@ def launch(
                               ray_address)
     try:
         with _user_errors():
-            code = serve(config, plan, config.host or "127.0.0.1",
-                         8000 if config.port is None else config.port,
+            code = serve(config, plan, setting(config, "host"), setting(config, "port"),
                          api_key_from_env(api_key), config.served_model_name, restart)
     except ValueError as e:  # the runtime refusing a setting (max_model_len too long, ...)
         err.print(f"[bold red]error:[/] {e}", highlight=False)
@@ -187,10 +137,10 @@ def doctor(
     from shardserve.launch.cluster import (read_record, resolve_address, state_dir,
                                            use_cluster_auth)
     from shardserve.launch.doctor import run_checks
-    from shardserve.launch.launcher import plan_file_values
+    from shardserve.launch.launcher import read_plan_file
 
     with _user_errors():
-        plan = plan_file_values(str(plan_file))[1] if plan_file else None
+        plan = read_plan_file(str(plan_file)) if plan_file else None
         record = read_record(state_dir())
         address = resolve_address(ray_address) or (record.address if record else None)
         if address:

@@ -6,47 +6,33 @@ from pathlib import Path
 from typing import Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from shardserve.planner import PlanError
+from shardserve.planner.settings import SETTINGS, Setting
 from shardserve.planner.yaml_file import read_yaml
 
 
-class DeployConfig(BaseModel):
-    """Every key a profile may set. Names are vLLM's; all optional (a profile is partial)."""
-
+class _DeployConfigBase(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
-
-    model: Optional[str] = None
-    hardware: Optional[str] = None
-    device: Optional[Literal["auto", "cuda", "cpu"]] = None
-    tensor_parallel_size: Optional[int] = Field(None, ge=1)
-    pipeline_parallel_size: Optional[int] = Field(None, ge=1)
-    data_parallel_size: Optional[int] = Field(None, ge=1)
-    distributed_executor_backend: Optional[Literal["mp", "ray"]] = None
-    max_model_len: Optional[int] = Field(None, ge=1)
-    dtype: Optional[str] = None  # auto, bfloat16/bf16, float16/fp16/half, float32/fp32
-    kv_cache_dtype: Optional[Literal["auto", "fp8"]] = None
-    gpu_memory_utilization: Optional[float] = Field(None, gt=0, le=1)
-    kv_cache_memory_bytes: Optional[int] = Field(None, ge=1)
-    block_size: Optional[Literal[1, 8, 16, 32, 64, 128]] = None
-    max_num_seqs: Optional[int] = Field(None, ge=1)
-    max_num_batched_tokens: Optional[int] = Field(None, ge=1)
-    enable_prefix_caching: Optional[bool] = None
-    enforce_eager: Optional[bool] = None  # true: no CUDA graphs for decode
-    target_concurrency: Optional[int] = Field(None, ge=1)
-    host: Optional[str] = None
-    port: Optional[int] = Field(None, ge=0, le=65535)
-    served_model_name: Optional[str] = None
-    # requests in flight before the server answers 503 (SGLang's name); default 4 x
-    # max_num_seqs per replica
-    max_queued_requests: Optional[int] = Field(None, ge=1)
-    # variables set for the engine and every rank, on every node (Ray included)
-    env: Optional[dict[str, str]] = None
-    description: Optional[str] = None
 
     def set_values(self) -> dict:
         return self.model_dump(exclude_none=True)
+
+
+def _pydantic_field(setting: Setting) -> tuple:
+    """A setting as an optional pydantic field (a profile is partial) with the table's checks."""
+    kind = {tuple: list[int], dict: dict[str, str]}.get(setting.type, setting.type)
+    if setting.choices is not None:
+        kind = Literal[setting.choices]
+    bounds = {"ge": setting.minimum, "le": setting.maximum, "gt": setting.above}
+    return Optional[kind], Field(None, description=setting.help,
+                                 **{k: v for k, v in bounds.items() if v is not None})
+
+
+# Every key a profile, a plan or a flag may set: the settings table's, all optional.
+DeployConfig = create_model("DeployConfig", __base__=_DeployConfigBase,
+                            **{s.name: _pydantic_field(s) for s in SETTINGS if s.in_profile})
 
 
 def merge(*layers: dict) -> dict:

@@ -11,6 +11,7 @@ from shardserve.launch.node_facts import IFNAME_VARS, interface_problem, version
 from shardserve.planner import PlanError
 from shardserve.planner.detect import detect_local
 from shardserve.planner.hardware import GIB
+from shardserve.planner.plan_file import PlanFile
 
 MIN_SHM_BYTES = GIB  # NCCL and the mp executor keep buffers in /dev/shm
 
@@ -26,7 +27,7 @@ class Check:
         return asdict(self)
 
 
-def run_checks(plan: dict | None = None, nvml=None, shm_path: str = "/dev/shm",
+def run_checks(plan: PlanFile | None = None, nvml=None, shm_path: str = "/dev/shm",
                cluster_address: str | None = None) -> list[Check]:
     hardware = detect_local(nvml)
     checks = [check_gpus(hardware, plan), check_nvlink(hardware, plan), check_shm(shm_path),
@@ -38,10 +39,10 @@ def run_checks(plan: dict | None = None, nvml=None, shm_path: str = "/dev/shm",
     return checks
 
 
-def check_nccl_transport(hardware, plan: dict | None, probe=None) -> Check:
+def check_nccl_transport(hardware, plan: PlanFile | None, probe=None) -> Check:
     """All-reduce over this machine's share of the plan's tensor-parallel ranks, NCCL_DEBUG=INFO,
     and judge the transport NCCL reports. `probe(world_size) -> log text` runs it."""
-    tp = plan["parallel"]["tensor_parallel_size"] if plan else 2
+    tp = plan.parallel.tensor_parallel_size if plan else 2
     if hardware.is_cpu or hardware.total_gpus < 2 or tp < 2:
         return Check("nccl_transport", "skip", "needs two or more GPUs here and a plan with "
                      "tensor parallel (on CPU, gloo carries the collectives)")
@@ -56,7 +57,7 @@ def check_nccl_transport(hardware, plan: dict | None, probe=None) -> Check:
     return Check("nccl_transport", status, f"all-reduce over {world} GPUs: {detail}", fix)
 
 
-def check_cluster(address: str | None, plan: dict | None) -> list[Check]:
+def check_cluster(address: str | None, plan: PlanFile | None) -> list[Check]:
     """Each Ray node: alive, its IP on one of its interfaces, versions, NCCL/gloo variables and
     the plan's model files as on this host."""
     if not address:
@@ -64,7 +65,7 @@ def check_cluster(address: str | None, plan: dict | None) -> list[Check]:
                       "RAY_ADDRESS): node IPs, versions and model files across nodes unchecked")]
     from shardserve.launch.node_facts import env_differences, node_facts
     from shardserve.launch.ray_nodes import list_nodes, node_problems
-    model = plan["model"].get("path") if plan else None
+    model = plan.model.path if plan else None
     try:
         nodes = list_nodes(model, address)
     except PlanError as e:
@@ -115,31 +116,31 @@ def check_nccl_between_nodes(address: str, nodes: list[dict], probe=None) -> Che
                  fix)
 
 
-def check_gpus(hardware, plan: dict | None) -> Check:
+def check_gpus(hardware, plan: PlanFile | None) -> Check:
     if hardware.is_cpu:
-        if plan and plan["runtime"]["device"] == "cuda":
+        if plan and plan.runtime.device == "cuda":
             return Check("gpus", "fail", "NVML sees no GPU but the plan needs "
-                         f"{_plan_gpus(plan)} ({plan['hardware']['gpu']['name']})",
+                         f"{plan.parallel.num_gpus} ({plan.hardware.gpu.name})",
                          "run on the planned machine, or check the driver (nvidia-smi) and "
                          "CUDA_VISIBLE_DEVICES")
         return Check("gpus", "skip", "no GPU visible through NVML: GPU checks skipped")
     found = f"{hardware.total_gpus}x {hardware.gpu.name} ({hardware.gpu.memory_bytes / GIB:.1f} GiB)"
-    if plan and plan["runtime"]["device"] == "cuda":
-        need, want = _plan_gpus(plan), plan["hardware"]["gpu"]
+    if plan and plan.runtime.device == "cuda":
+        need, want = plan.parallel.num_gpus, plan.hardware.gpu
         if hardware.total_gpus < need:
             return Check("gpus", "fail", f"found {found}; the plan needs {need}",
                          "add GPUs, or plan again here: shardserve plan -o plan.yaml")
-        if hardware.gpu.memory_bytes < 0.98 * want["memory_bytes"]:
+        if hardware.gpu.memory_bytes < 0.98 * want.memory_bytes:
             return Check("gpus", "fail", f"found {found}; the plan assumed "
-                         f"{want['memory_bytes'] / GIB:.1f} GiB per GPU",
+                         f"{want.memory_bytes / GIB:.1f} GiB per GPU",
                          "plan again on this machine")
     return Check("gpus", "pass", f"found {found}")
 
 
-def check_nvlink(hardware, plan: dict | None) -> Check:
+def check_nvlink(hardware, plan: PlanFile | None) -> Check:
     if hardware.is_cpu or hardware.total_gpus < 2:
         return Check("nvlink", "skip", "fewer than two GPUs")
-    tp = plan["parallel"]["tensor_parallel_size"] if plan else 1
+    tp = plan.parallel.tensor_parallel_size if plan else 1
     if hardware.interconnect == "nvlink":
         return Check("nvlink", "pass", "NVLink joins every GPU pair")
     notes = "; ".join(hardware.notes) or "no NVLink between the GPUs (PCIe)"
@@ -181,10 +182,10 @@ def check_versions() -> Check:
     return Check("versions", "pass", ", ".join(f"{k} {v}" for k, v in versions().items()))
 
 
-def check_model(plan: dict) -> Check:
-    path = plan["model"].get("path")
+def check_model(plan: PlanFile) -> Check:
+    path = plan.model.path
     if not path:
-        return Check("model", "warn", f"{plan['model']['id']} is a catalog entry: there are no "
+        return Check("model", "warn", f"{plan.model.id} is a catalog entry: there are no "
                      "weights to check", "plan from the model folder the launch will use")
     folder = Path(path)
     files = sorted(folder.glob("*.safetensors"))
@@ -216,8 +217,3 @@ def _safetensors_complete(path: Path) -> bool:
     end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
               default=0)
     return path.stat().st_size >= 8 + size + end
-
-
-def _plan_gpus(plan: dict) -> int:
-    p = plan["parallel"]
-    return p["tensor_parallel_size"] * p["pipeline_parallel_size"] * p["data_parallel_size"]

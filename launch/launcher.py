@@ -8,76 +8,59 @@ import ipaddress
 import logging
 import os
 import signal
+from dataclasses import asdict
 from pathlib import Path
 
 from shardserve.launch.deploy_config import DeployConfig, merge, validate
-from shardserve.launch.plan_view import resolve_hardware, resolve_model
+from shardserve.launch.plan_view import build_plan, resolve_hardware, resolve_model
 from shardserve.launch.profiles import load_profile
-from shardserve.planner import PlanError, PlanOptions, load_model, make_plan
+from shardserve.planner import PlanError, load_model
 from shardserve.planner.hardware import Hardware
-from shardserve.planner.schema import SCHEMA_VERSION
+from shardserve.planner.plan_file import PlanFile
+from shardserve.planner.settings import BY_NAME, ENGINE, for_layer
 from shardserve.planner.yaml_file import read_yaml
 
 logger = logging.getLogger("shardserve.launch")
 
 DEFAULT_MODEL = "shardserve-demo"
 GRACE_SECONDS = 10
-# Engine options the launcher passes through from the settled config.
-_ENGINE_KEYS = ("dtype", "device", "max_model_len", "gpu_memory_utilization",
-                "kv_cache_memory_bytes", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                "enable_prefix_caching", "enforce_eager", "tensor_parallel_size",
-                "pipeline_parallel_size", "distributed_executor_backend")
 
 
-def plan_settings(plan: dict) -> dict:
-    """The settings a plan fixes, under the names profiles and flags use."""
-    try:
-        rt, par = plan["runtime"], plan["parallel"]
-        return {"model": plan["model"]["path"] or plan["model"]["id"],
-                **{k: rt[k] for k in ("device", "dtype", "max_model_len",
-                                      "gpu_memory_utilization", "max_num_seqs",
-                                      "max_num_batched_tokens", "block_size",
-                                      "enable_prefix_caching", "kv_cache_memory_bytes")},
-                **{k: par[k] for k in ("tensor_parallel_size", "pipeline_parallel_size",
-                                       "data_parallel_size", "distributed_executor_backend")}}
-    except (KeyError, TypeError) as e:
-        raise PlanError(f"the plan lacks {e}: make it again with `shardserve plan`") from None
+def plan_settings(plan: PlanFile) -> dict:
+    """The settings a plan fixes: its runtime and parallel sections are named as settings."""
+    return {"model": plan.model_source, **asdict(plan.runtime), **asdict(plan.parallel)}
 
 
-def plan_file_values(path: str) -> tuple[dict, dict]:
-    """A plan YAML -> (settings it fixes, the plan itself)."""
-    plan, _ = read_yaml(path, "plan")
-    if not isinstance(plan, dict) or plan.get("version") != SCHEMA_VERSION:
-        raise PlanError(f"{path} is not a shardserve plan (version {SCHEMA_VERSION}): make one "
-                        "with `shardserve plan -o plan.yaml`")
-    return plan_settings(plan), plan
+def read_plan_file(path: str) -> PlanFile:
+    """A plan YAML, every key and type checked; errors name the file and the key."""
+    data, _ = read_yaml(path, "plan")
+    return PlanFile.from_dict(data, path)
 
 
-def check_plan_fits(plan: dict, hardware: Hardware) -> None:
+def check_plan_fits(plan: PlanFile, hardware: Hardware) -> None:
     """Fail fast, before loading anything, when this machine lacks what the plan assumed."""
-    par, want = plan["parallel"], plan["hardware"]["gpu"]
-    needed = (par["tensor_parallel_size"] * par["pipeline_parallel_size"]
-              * par["data_parallel_size"])
-    if plan["runtime"]["device"] == "cpu":
+    needed, want = plan.parallel.num_gpus, plan.hardware.gpu
+    if plan.runtime.device == "cpu":
         return
     if hardware.is_cpu:
-        raise PlanError(f"the plan needs {needed} GPU(s) ({want['name']}); this machine has "
+        raise PlanError(f"the plan needs {needed} GPU(s) ({want.name}); this machine has "
                         "none that NVML can see: launch on the planned hardware, or make a "
                         "CPU plan (--hardware cpu)")
     if hardware.total_gpus < needed:
         raise PlanError(f"the plan needs {needed} GPUs; this machine has "
                         f"{hardware.total_gpus} ({hardware.describe()})")
-    if hardware.gpu.memory_bytes < want["memory_bytes"] * 0.98:
-        raise PlanError(f"the plan assumed {want['memory_bytes'] / 2**30:.1f} GiB per GPU "
-                        f"({want['name']}); this machine's GPUs have "
+    if hardware.gpu.memory_bytes < want.memory_bytes * 0.98:
+        raise PlanError(f"the plan assumed {want.memory_bytes / 2**30:.1f} GiB per GPU "
+                        f"({want.name}); this machine's GPUs have "
                         f"{hardware.gpu.memory_bytes / 2**30:.1f} GiB: plan again here")
 
 
 def settle(plan_path: str | None, profile: str | None, flags: dict,
-           ray_address: str | None) -> tuple[DeployConfig, dict]:
+           ray_address: str | None) -> tuple[DeployConfig, PlanFile]:
     """profile < plan < flags; without a plan file, plan now on the hardware found here."""
     base = load_profile(profile).set_values() if profile else {}
-    planned, plan = plan_file_values(plan_path) if plan_path else ({}, None)
+    plan = read_plan_file(plan_path) if plan_path else None
+    planned = plan_settings(plan) if plan else {}
     config = validate(merge(base, planned, flags), "launch settings")
     hardware = resolve_hardware(None, ray_address)
     if hardware.is_cpu and config.hardware:
@@ -87,15 +70,11 @@ def settle(plan_path: str | None, profile: str | None, flags: dict,
     if plan is not None:
         check_plan_fits(plan, hardware)
         _require_weights(load_model(resolve_model(config.model)).path, config.model)
-    else:
-        model = config.model or DEFAULT_MODEL
-        keys = set(PlanOptions.__dataclass_fields__)
-        options = PlanOptions(**{k: v for k, v in config.set_values().items() if k in keys})
-        info = load_model(resolve_model(model))
-        _require_weights(info.path, model)
-        plan = make_plan(info, hardware, options).to_dict()
-        config = validate(merge(plan_settings(plan), config.set_values(), {"model": model}),
-                          "launch settings")
+        return config, plan
+    model = config.model or DEFAULT_MODEL
+    _require_weights(load_model(resolve_model(model)).path, model)
+    plan = build_plan(validate(merge(config.set_values(), {"model": model}), "launch settings"), hardware).record()
+    config = validate(merge(plan_settings(plan), config.set_values(), {"model": model}), "launch settings")
     return config, plan
 
 
@@ -107,11 +86,18 @@ def _require_weights(path: str | None, model: str) -> None:
 
 
 def engine_kwargs(config: DeployConfig) -> dict:
-    values = config.set_values()
-    kwargs = {k: values[k] for k in _ENGINE_KEYS if k in values}
+    """Every setting of the engine layer, as settled (the model goes separately)."""
+    kwargs = for_layer(config.set_values(), ENGINE)
+    kwargs.pop("model", None)
     if kwargs.get("tensor_parallel_size", 1) * kwargs.get("pipeline_parallel_size", 1) == 1:
         kwargs.pop("distributed_executor_backend", None)  # one rank runs in-process
     return kwargs
+
+
+def setting(config: DeployConfig, name: str):
+    """A settled value, or the table's default where nothing set it."""
+    value = getattr(config, name)
+    return BY_NAME[name].default if value is None else value
 
 
 def replica_kwargs(kwargs: dict, replica: int) -> dict:
@@ -122,21 +108,20 @@ def replica_kwargs(kwargs: dict, replica: int) -> dict:
     return kwargs | {"device": f"cuda:{replica * ranks}"}
 
 
-def log_plan(plan: dict) -> None:
-    par, mem = plan["parallel"], plan["memory"]
+def log_plan(plan: PlanFile) -> None:
+    par = plan.parallel
     logger.info("plan: %s on %s: tensor_parallel_size=%d pipeline_parallel_size=%d "
-                "data_parallel_size=%d (%s)", plan["model"]["id"],
-                plan["hardware"]["gpu"]["name"], par["tensor_parallel_size"],
-                par["pipeline_parallel_size"], par["data_parallel_size"],
-                par["distributed_executor_backend"])
-    for line in plan.get("rationale", []):
+                "data_parallel_size=%d layer_split=%s (%s)", plan.model.id, plan.hardware.gpu.name,
+                par.tensor_parallel_size, par.pipeline_parallel_size, par.data_parallel_size,
+                list(par.layer_split), par.distributed_executor_backend)
+    for line in plan.rationale:
         logger.info("plan: %s", line)
-    logger.info("plan predicts a KV cache of %d tokens, %.2fx concurrency", mem["kv_cache_tokens"],
-                mem["max_concurrency"])
+    logger.info("plan predicts a KV cache of %d tokens, %.2fx concurrency", plan.memory.kv_cache_tokens,
+                plan.memory.max_concurrency)
 
 
-def compare_kv(plan: dict, measured_tokens: int, max_model_len: int) -> None:
-    predicted = plan["memory"]["kv_cache_tokens"]
+def compare_kv(plan: PlanFile, measured_tokens: int, max_model_len: int) -> None:
+    predicted = plan.memory.kv_cache_tokens
     logger.info("KV cache measured: %d tokens, %.2fx concurrency for %d tokens per request "
                 "(plan predicted %d tokens)", measured_tokens, measured_tokens / max_model_len,
                 max_model_len, predicted)
@@ -155,7 +140,7 @@ def warn_exposure(host: str, api_key: str | None) -> None:
                        "use the server; set --api-key or SHARDSERVE_API_KEY", host)
 
 
-def serve(config: DeployConfig, plan: dict, host: str, port: int, api_key: str | None,
+def serve(config: DeployConfig, plan: PlanFile, host: str, port: int, api_key: str | None,
           served_model_name: str | None, restarts: int = 0) -> int:
     """Serve; when the engine dies (a rank or a node lost), start the whole gang again, up to
     `restarts` times. Returns the process exit code."""
@@ -196,7 +181,7 @@ def model_folder(model: str) -> str:
     return str(Path(path).resolve()) if Path(path).is_dir() else path
 
 
-def serve_once(config: DeployConfig, plan: dict, host: str, port: int, api_key: str | None,
+def serve_once(config: DeployConfig, plan: PlanFile, host: str, port: int, api_key: str | None,
                served_model_name: str | None) -> tuple[int, bool]:
     """Start the replicas and the server; (exit code, whether the engine died)."""
     import uvicorn
@@ -226,7 +211,7 @@ def serve_once(config: DeployConfig, plan: dict, host: str, port: int, api_key: 
     replicas = ReplicaSet(engines)
     metrics = ServerMetrics(name, replicas.stats)
     replicas.metrics = metrics
-    limit = config.max_queued_requests or 4 * (config.max_num_seqs or 256) * len(engines)
+    limit = config.max_queued_requests or 4 * setting(config, "max_num_seqs") * len(engines)
     app = build_app(replicas, OpenAIServing(replicas, name), metrics, api_key, limit)
     warn_exposure(host, api_key)
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level="info",

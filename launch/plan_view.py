@@ -13,6 +13,7 @@ from rich.table import Table
 from shardserve.planner import PlanError, parse_declared
 from shardserve.planner.detect import detect_local, detect_ray
 from shardserve.planner.hardware import Hardware
+from shardserve.planner.plan_file import PlanFile
 
 
 def resolve_hardware(declared: str | None, ray_address: str | None) -> Hardware:
@@ -24,20 +25,25 @@ def resolve_hardware(declared: str | None, ray_address: str | None) -> Hardware:
     return detect_local()
 
 
+def build_plan(config, hardware: Hardware):
+    """The one way `plan` and `launch` make a plan: the settled config's plan-layer settings, its model."""
+    from shardserve.planner import PlanOptions, load_model, make_plan
+    from shardserve.planner.settings import PLAN, for_layer
+
+    if not config.model:
+        raise PlanError("no model: pass --model, or a --profile that sets one")
+    options = PlanOptions(**for_layer(config.set_values(), PLAN))
+    return make_plan(load_model(resolve_model(config.model)), hardware, options)
+
+
 def make_plan_from(flags: dict, profile: str | None, ray_address: str | None):
     """Plan from a profile overridden by flags (None means 'not given')."""
     from shardserve.launch.deploy_config import merge, validate
     from shardserve.launch.profiles import load_profile
-    from shardserve.planner import PlanOptions, load_model, make_plan
 
     base = load_profile(profile).set_values() if profile else {}
     config = validate(merge(base, flags), "options")
-    if not config.model:
-        raise PlanError("no model: pass --model, or a --profile that sets one")
-    keys = set(PlanOptions.__dataclass_fields__)
-    options = PlanOptions(**{k: v for k, v in config.set_values().items() if k in keys})
-    hardware = resolve_hardware(config.hardware, ray_address)
-    return make_plan(load_model(resolve_model(config.model)), hardware, options)
+    return build_plan(config, resolve_hardware(config.hardware, ray_address))
 
 
 def resolve_model(model: str) -> str:
@@ -46,7 +52,7 @@ def resolve_model(model: str) -> str:
     return str(DEMO_MODEL_DIR) if model == DEMO_MODEL_NAME else model
 
 
-def write_plan(data: dict, path: Path) -> None:
+def write_plan(plan: PlanFile, path: Path) -> None:
     """Write atomically: a reader never sees half a plan, a failure leaves no file."""
     path = path.expanduser()
     if not path.parent.exists():
@@ -54,7 +60,7 @@ def write_plan(data: dict, path: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
-            yaml.safe_dump(data, f, sort_keys=False)
+            yaml.safe_dump(plan.to_dict(), f, sort_keys=False)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
@@ -65,49 +71,48 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
-def render_plan(d: dict, console: Console) -> None:
-    m, hw, par, mem, rt, est = (d["model"], d["hardware"], d["parallel"], d["memory"],
-                                d["runtime"], d["estimates"])
-    nodes = f"{hw['nodes']}x" if hw["nodes"] > 1 else ""
-    console.print(f"[bold]{m['id']}[/] ({m['architecture']}, {m['num_params'] / 1e9:.2f}B "
-                  f"params, {_gib(m['weight_bytes'])} in {m['dtype']}) on "
-                  f"[bold]{nodes}{hw['gpus_per_node']}x{hw['gpu']['name']}[/] "
-                  f"({hw['source']}, {hw['interconnect']})", highlight=False)
+def render_plan(plan: PlanFile, console: Console) -> None:
+    m, hw, par, mem, rt, est = plan.model, plan.hardware, plan.parallel, plan.memory, plan.runtime, plan.estimates
+    nodes = f"{hw.nodes}x" if hw.nodes > 1 else ""
+    console.print(f"[bold]{m.id}[/] ({m.architecture}, {m.num_params / 1e9:.2f}B "
+                  f"params, {_gib(m.weight_bytes)} in {m.dtype}) on "
+                  f"[bold]{nodes}{hw.gpus_per_node}x{hw.gpu.name}[/] "
+                  f"({hw.source}, {hw.interconnect})", highlight=False)
     layout = Table(title="Layout", show_header=False, title_justify="left")
     for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
                 "layer_split", "distributed_executor_backend"):
-        layout.add_row(key, str(par[key]))
-    layout.add_row("max_model_len", str(rt["max_model_len"]))
-    layout.add_row("dtype / kv_cache_dtype", f"{rt['dtype']} / {rt['kv_cache_dtype']}")
+        value = getattr(par, key)
+        layout.add_row(key, str(list(value) if isinstance(value, tuple) else value))
+    layout.add_row("max_model_len", str(rt.max_model_len))
+    layout.add_row("dtype / kv_cache_dtype", f"{rt.dtype} / {rt.kv_cache_dtype}")
     console.print(layout)
 
     memory = Table(title="Memory per GPU", title_justify="left")
     for col in ("stage", "total", "weights", "activations", "overhead", "KV cache"):
         memory.add_column(col, justify="right")
-    for i, s in enumerate(mem["per_stage"]):
-        memory.add_row(str(i), _gib(s["total_bytes"]), _gib(s["weights_bytes"]),
-                       _gib(s["activation_bytes"]), _gib(s["overhead_bytes"]),
-                       _gib(s["kv_cache_bytes"]))
+    for i, stage in enumerate(mem.per_stage):
+        memory.add_row(str(i), _gib(stage.total_bytes), _gib(stage.weights_bytes),
+                       _gib(stage.activation_bytes), _gib(stage.overhead_bytes), _gib(stage.kv_cache_bytes))
     console.print(memory)
-    console.print(f"KV cache: [bold]{mem['kv_cache_tokens']:,}[/] tokens per replica "
-                  f"({mem['num_blocks']:,} blocks of {mem['block_size']}); maximum concurrency "
-                  f"for {rt['max_model_len']:,} tokens per request: "
-                  f"[bold]{mem['max_concurrency']:.2f}x[/]", highlight=False)
-    console.print(f"Estimates ({est['note']}): batch-1 decode "
-                  f"[bold]{est['decode_tokens_per_s_batch1']:,.0f}[/] tok/s, throughput "
-                  f"[bold]{est['throughput_tokens_per_s']:,.0f}[/] tok/s, TTFT for a "
-                  f"{rt['max_model_len']:,}-token prompt [bold]{est['ttft_ms']:,.0f}[/] ms",
+    console.print(f"KV cache: [bold]{mem.kv_cache_tokens:,}[/] tokens per replica "
+                  f"({mem.num_blocks:,} blocks of {mem.block_size}); maximum concurrency "
+                  f"for {rt.max_model_len:,} tokens per request: "
+                  f"[bold]{mem.max_concurrency:.2f}x[/]", highlight=False)
+    console.print(f"Estimates ({est.note}): batch-1 decode "
+                  f"[bold]{est.decode_tokens_per_s_batch1:,.0f}[/] tok/s, throughput "
+                  f"[bold]{est.throughput_tokens_per_s:,.0f}[/] tok/s, TTFT for a "
+                  f"{rt.max_model_len:,}-token prompt [bold]{est.ttft_ms:,.0f}[/] ms",
                   highlight=False)
     console.print("[bold]Why[/]")
-    for line in d["rationale"]:
+    for line in plan.rationale:
         console.print(f"  - {line}", highlight=False)
-    for line in d["warnings"]:
+    for line in plan.warnings:
         console.print(f"  [yellow]warning:[/] {line}", highlight=False)
-    if d["alternatives"]:
+    if plan.alternatives:
         alt = Table(title="Other layouts", title_justify="left")
         for col in ("tp", "pp", "dp", "tok/s", "batch-1 tok/s", "KV tokens", "why not"):
             alt.add_column(col)
-        for a in d["alternatives"]:
+        for a in plan.alternatives:
             alt.add_row(str(a["tensor_parallel_size"]), str(a["pipeline_parallel_size"]),
                         str(a["data_parallel_size"]), f"{a['throughput_tokens_per_s']:,.0f}",
                         f"{a['decode_tokens_per_s_batch1']:,.0f}", f"{a['kv_cache_tokens']:,}",

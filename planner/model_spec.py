@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardserve.planner.errors import PlanError
+from shardserve.planner.settings import SettingError
 
 # architectures entry in config.json -> family name used across shardserve.
 SUPPORTED_ARCHITECTURES = {
@@ -29,7 +30,7 @@ def canonical_dtype(name: str) -> str:
     try:
         return _DTYPE_ALIASES[str(name).lower().removeprefix("torch.")]
     except KeyError:
-        raise PlanError(f"unknown dtype {name!r}: use auto, bfloat16, float16 or float32") from None
+        raise SettingError(f"dtype {name!r}: use auto, bfloat16, float16 or float32") from None
 
 
 @dataclass(frozen=True)

@@ -5,48 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardserve.planner.errors import PlanError
-from shardserve.planner.hardware import GIB, GpuSpec
+from shardserve.planner.hardware import GpuSpec
 from shardserve.planner.model_spec import DTYPE_BYTES, ModelSpec, canonical_dtype
+from shardserve.planner.settings import (DEFAULT_CPU_KV_CACHE_BYTES, PLAN, resolved_max_num_batched_tokens,
+                                         settings_dataclass)
 
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-DEFAULT_CPU_KV_CACHE_BYTES = 2 * GIB  # the runtime's default pool on CPU
 
-
-@dataclass(frozen=True)
-class PlanOptions:
-    max_model_len: int | None = None
-    dtype: str = "auto"
-    kv_cache_dtype: str = "auto"
-    gpu_memory_utilization: float = 0.9
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    tensor_parallel_size: int | None = None
-    pipeline_parallel_size: int | None = None
-    data_parallel_size: int | None = None
-    distributed_executor_backend: str | None = None
-    target_concurrency: int = 1
-    enable_prefix_caching: bool = True
-    kv_cache_memory_bytes: int | None = None  # CPU only: the KV pool per rank
-
-    def validate(self) -> None:
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise PlanError(f"gpu_memory_utilization {self.gpu_memory_utilization} must be in "
-                            "(0, 1]; 0.9 leaves 10% for other processes")
-        if self.block_size not in (1, 8, 16, 32, 64, 128):
-            raise PlanError(f"block_size {self.block_size} must be one of 1, 8, 16, 32, 64, 128")
-        for name in ("max_model_len", "max_num_batched_tokens", "tensor_parallel_size",
-                     "pipeline_parallel_size", "data_parallel_size", "kv_cache_memory_bytes"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise PlanError(f"{name} must be at least 1 (got {value})")
-        if self.max_num_seqs < 1 or self.target_concurrency < 1:
-            raise PlanError("max_num_seqs and target_concurrency must be at least 1")
-        if self.kv_cache_dtype not in ("auto", "fp8"):
-            raise PlanError(f"kv_cache_dtype {self.kv_cache_dtype!r}: use auto or fp8")
-        if self.distributed_executor_backend not in (None, "mp", "ray"):
-            raise PlanError(f"distributed_executor_backend {self.distributed_executor_backend!r}:"
-                            " use mp or ray")
+class PlanOptions(settings_dataclass(PLAN, "PlanOptionsFields")):
+    """The planner's options: the settings table's "plan" layer (planner/settings.py), each value
+    checked against the table when made."""
 
 
 @dataclass(frozen=True)
@@ -80,11 +47,7 @@ def resolve_settings(options: PlanOptions, spec: ModelSpec, gpu: GpuSpec) -> Run
     if max_len > spec.max_position_embeddings:
         raise PlanError(f"max_model_len {max_len} is beyond the model's "
                         f"{spec.max_position_embeddings} positions: lower --max-model-len")
-    batched = options.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                                                    options.max_num_seqs)
-    if batched < options.max_num_seqs:
-        raise PlanError(f"max_num_batched_tokens {batched} is below max_num_seqs "
-                        f"{options.max_num_seqs}: raise it or lower --max-num-seqs")
+    batched = resolved_max_num_batched_tokens(options.max_num_batched_tokens, options.max_num_seqs)
     kv_pool = options.kv_cache_memory_bytes
     if gpu.is_cpu and kv_pool is None:
         kv_pool = DEFAULT_CPU_KV_CACHE_BYTES

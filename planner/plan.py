@@ -10,7 +10,8 @@ from shardserve.planner.model_source import ModelInfo
 from shardserve.planner.options import PlanOptions, RuntimeSettings, resolve_settings
 from shardserve.planner.rationale import alternatives, rationale, warnings
 from shardserve.planner.rules import Layout, nodes_used
-from shardserve.planner.schema import plan_to_dict
+from shardserve.planner.plan_file import PlanFile
+from shardserve.planner.schema import plan_record
 from shardserve.planner.search import Candidate, candidate_layouts, choose, evaluate
 from shardserve.planner.sharding import total_weight_bytes
 
@@ -27,12 +28,14 @@ class Plan:
     alternatives: tuple[dict, ...]
     weight_bytes: int  # the whole model, in the runtime dtype
 
+    def record(self) -> PlanFile:
+        return plan_record(self)
+
     def to_dict(self) -> dict:
-        return plan_to_dict(self)
+        return plan_record(self).to_dict()
 
 
 def make_plan(model: ModelInfo, hardware: Hardware, options: PlanOptions) -> Plan:
-    options.validate()
     settings = resolve_settings(options, model.spec, hardware.gpu)
     candidates = _search(model, hardware, options, settings)
     pinned = _pinned_problem(candidates, options)
@@ -73,6 +76,10 @@ def _pinned_problem(candidates: list[Candidate], options: PlanOptions) -> str | 
 def choose_executor(layout: Layout, hardware: Hardware, options: PlanOptions) -> str:
     """Rule 6: mp on one node, ray across nodes or inside a Ray cluster; the flag overrides."""
     spans = nodes_used(layout, hardware)
+    ranks = layout.tensor_parallel_size * layout.pipeline_parallel_size
+    if options.distributed_executor_backend == "uni" and ranks > 1:
+        raise PlanError(f"distributed_executor_backend uni runs one rank in-process; {layout} has "
+                        f"{ranks}: use mp or ray")
     if options.distributed_executor_backend == "mp" and spans > 1:
         raise PlanError(f"distributed_executor_backend mp runs on one node; {layout} spans "
                         f"{spans} nodes: use ray")

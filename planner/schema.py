@@ -1,28 +1,28 @@
-"""The plan file, version 1: what `shardserve plan -o` writes and `shardserve launch` reads."""
+"""A Plan (the planner's working objects) -> the PlanFile record that `plan -o` writes."""
 
 from __future__ import annotations
 
 from shardserve.planner.model_spec import DTYPE_BYTES
+from shardserve.planner.plan_file import (SCHEMA_VERSION, EstimatesSection, GpuSection, HardwareSection,
+                                          MemorySection, ModelSection, ParallelSection, PlanFile, RuntimeSection,
+                                          StageMemory)
 
-SCHEMA_VERSION = 1
 
-
-def plan_to_dict(plan) -> dict:
+def plan_record(plan) -> PlanFile:
     spec, hw, s, chosen = plan.model.spec, plan.hardware, plan.settings, plan.chosen
     gpu, mem, est, layout = hw.gpu, chosen.memory, chosen.estimates, chosen.layout
     tightest = mem.tightest
     kv_bytes = 1 if s.kv_cache_dtype == "fp8" else DTYPE_BYTES[s.dtype]
     q = spec.quantization
 
-    def per_gpu(stage) -> dict:
-        return {"total_bytes": stage.total_bytes, "weights_bytes": stage.weights_bytes,
-                "activation_bytes": stage.activation_bytes,
-                "overhead_bytes": stage.overhead_bytes,
-                "kv_cache_bytes": mem.kv_cache_bytes(stage)}
+    def per_gpu(stage) -> StageMemory:
+        return StageMemory(total_bytes=stage.total_bytes, weights_bytes=stage.weights_bytes,
+                           activation_bytes=stage.activation_bytes, overhead_bytes=stage.overhead_bytes,
+                           kv_cache_bytes=mem.kv_cache_bytes(stage))
 
-    return {
-        "version": SCHEMA_VERSION,
-        "model": {
+    return PlanFile(
+        version=SCHEMA_VERSION,
+        model=ModelSection(**{
             "id": spec.id, "path": plan.model.path, "architecture": spec.architecture,
             "num_layers": spec.num_layers, "num_attention_heads": spec.num_attention_heads,
             "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
@@ -33,30 +33,29 @@ def plan_to_dict(plan) -> dict:
             "quantization": ({"method": q.method, "bits": q.bits, "group_size": q.group_size}
                              if q else None),
             "kv_bytes_per_token": spec.kv_bytes_per_token(kv_bytes),
-        },
-        "hardware": {
+        }),
+        hardware=HardwareSection(**{
             "source": hw.source, "nodes": hw.num_nodes, "gpus_per_node": hw.gpus_per_node,
-            "gpu": {"name": gpu.name, "memory_bytes": gpu.memory_bytes,
-                    "hbm_bandwidth_bytes_per_s": gpu.hbm_bytes_per_s,
-                    "bf16_flops": gpu.bf16_flops, "fp16_flops": gpu.fp16_flops,
-                    "fp8": gpu.has_fp8, "is_cpu": gpu.is_cpu},
-            "interconnect": hw.interconnect, "node_ips": hw.node_ips,
-        },
-        "parallel": {
+            "gpu": GpuSection(name=gpu.name, memory_bytes=gpu.memory_bytes,
+                              hbm_bandwidth_bytes_per_s=gpu.hbm_bytes_per_s, bf16_flops=gpu.bf16_flops,
+                              fp16_flops=gpu.fp16_flops, fp8=gpu.has_fp8, is_cpu=gpu.is_cpu),
+            "interconnect": hw.interconnect, "node_ips": tuple(hw.node_ips),
+        }),
+        parallel=ParallelSection(**{
             "tensor_parallel_size": layout.tensor_parallel_size,
             "pipeline_parallel_size": layout.pipeline_parallel_size,
             "data_parallel_size": layout.data_parallel_size,
-            "layer_split": list(chosen.split),
+            "layer_split": tuple(chosen.split),
             "distributed_executor_backend": plan.executor,
-        },
-        "memory": {
+        }),
+        memory=MemorySection(**{
             "per_gpu": per_gpu(tightest),
-            "per_stage": [per_gpu(stage) for stage in mem.stages],
+            "per_stage": tuple(per_gpu(stage) for stage in mem.stages),
             "block_size": mem.block_size, "num_blocks": mem.num_blocks,
             "kv_cache_tokens": mem.kv_cache_tokens,
             "max_concurrency": round(mem.max_concurrency(s.max_model_len), 2),
-        },
-        "runtime": {
+        }),
+        runtime=RuntimeSection(**{
             "device": "cpu" if gpu.is_cpu else "cuda",
             "dtype": s.dtype, "kv_cache_dtype": "fp8" if s.kv_cache_dtype == "fp8" else "auto",
             "max_model_len": s.max_model_len,
@@ -64,15 +63,14 @@ def plan_to_dict(plan) -> dict:
             "max_num_seqs": s.max_num_seqs, "max_num_batched_tokens": s.max_num_batched_tokens,
             "block_size": s.block_size, "enable_prefix_caching": s.enable_prefix_caching,
             "kv_cache_memory_bytes": s.kv_cache_memory_bytes,
-        },
-        "estimates": {
+        }),
+        estimates=EstimatesSection(**{
             "decode_tokens_per_s_batch1": round(est.decode_tokens_per_s_batch1, 1),
             "throughput_tokens_per_s": round(est.throughput_tokens_per_s, 1),
             "ttft_ms": round(est.ttft_ms, 1),
             "note": "roofline estimate: 80% of HBM bandwidth, 60% of dense FLOP/s",
-        },
-        "rationale": list(plan.rationale),
-        "warnings": list(plan.warnings),
-        "alternatives": list(plan.alternatives),
-    }
+        }),
+        rationale=tuple(plan.rationale), warnings=tuple(plan.warnings),
+        alternatives=tuple(plan.alternatives),
+    )
 

@@ -28,7 +28,7 @@ class AsyncEngine:
     never touched by two threads at once."""
 
     def __init__(self, model: str, **engine_kwargs):
-        self.engine_args = EngineArgs(model=model, **engine_kwargs)
+        self.engine_args = EngineArgs.from_kwargs(model, engine_kwargs, "AsyncEngine(...)")
         self.engine = LLMEngine(self.engine_args.create_engine_config())
         self._streams: dict[str, asyncio.Queue] = {}
         self._pending_adds: list[_PendingAdd] = []

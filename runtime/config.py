@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 
+from shardserve.planner.model_spec import canonical_dtype
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
 
 
 @dataclass(frozen=True)
@@ -84,42 +85,32 @@ def _resolve_dtype(dtype: str | torch.dtype, hf_config) -> torch.dtype:
         if isinstance(saved, torch.dtype):
             return saved
         return _DTYPES.get(str(saved), torch.float32)
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[dtype]
+    return _DTYPES[canonical_dtype(dtype)]  # bf16, half, fp32 ... as the planner reads them
 
 
+# NOTE: the configs below are resolved values: names, defaults and checks live in the settings
+# table (planner/settings.py), applied by EngineArgs before any of them is made.
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory_bytes: int | None = None
-    enable_prefix_caching: bool = True
-
-    def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be positive, got {self.block_size}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
-            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+    block_size: int
+    gpu_memory_utilization: float
+    kv_cache_memory_bytes: int | None
+    enable_prefix_caching: bool
+    kv_cache_dtype: str  # "auto": the model's dtype
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-
-    def __post_init__(self) -> None:
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+    max_num_seqs: int
+    max_num_batched_tokens: int
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
     distributed_executor_backend: str | None = None
+    layer_split: tuple[int, ...] | None = None  # layers per stage (a plan's); None: the planner's rule
 
     @property
     def world_size(self) -> int:

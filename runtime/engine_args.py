@@ -1,48 +1,44 @@
-"""The user-facing engine options (vLLM's names), shared by LLM, AsyncEngine and the launcher."""
+"""The runtime's options: the settings table's "engine" layer, shared by LLM, AsyncEngine and launch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from shardserve.planner.settings import ENGINE, SettingError, check_names, resolved_max_num_batched_tokens, settings_dataclass
 from shardserve.runtime.config import (CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, load_model_config,
                                        resolve_device)
 
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
+class EngineArgs(settings_dataclass(ENGINE, "EngineArgsFields")):
+    """Every field, default and check comes from planner/settings.py; tensor and pipeline parallel
+    sizes left unset mean one rank each."""
 
-@dataclass(frozen=True)
-class EngineArgs:
-    model: str
-    dtype: str = "auto"
-    device: str = "auto"
-    max_model_len: int | None = None
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory_bytes: int | None = None
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    skip_tokenizer_init: bool = False
-    enforce_eager: bool = False  # on CUDA, False captures decode steps in CUDA graphs
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    distributed_executor_backend: str | None = None
+    @classmethod
+    def from_kwargs(cls, model: str, kwargs: dict, where: str) -> EngineArgs:
+        """`where`(model, **kwargs) as a user wrote it: a name the engine does not act on is refused
+        with the setting's name (and the layers that do use it)."""
+        check_names(kwargs, ENGINE, where)
+        return cls(model=model, **kwargs)
 
     def create_engine_config(self) -> EngineConfig:
+        if not self.model:
+            raise SettingError("model: give a local folder with config.json and safetensors")
+        if self.kv_cache_dtype != "auto":
+            raise SettingError(f"kv_cache_dtype={self.kv_cache_dtype}: this runtime stores the KV cache only in "
+                               "the model's dtype so far; use kv_cache_dtype auto (and plan with it)")
         model = load_model_config(self.model, self.dtype, self.max_model_len, self.skip_tokenizer_init,
                                   self.enforce_eager)
         return EngineConfig(
             model=model,
             cache=CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
                               kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-                              enable_prefix_caching=self.enable_prefix_caching),
+                              enable_prefix_caching=self.enable_prefix_caching,
+                              kv_cache_dtype=self.kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
-                                      max_num_batched_tokens=self.max_num_batched_tokens
-                                      or DEFAULT_MAX_NUM_BATCHED_TOKENS),
-            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
-                                    pipeline_parallel_size=self.pipeline_parallel_size,
-                                    distributed_executor_backend=self.distributed_executor_backend),
+                                      max_num_batched_tokens=resolved_max_num_batched_tokens(
+                                          self.max_num_batched_tokens, self.max_num_seqs)),
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size or 1,
+                                    pipeline_parallel_size=self.pipeline_parallel_size or 1,
+                                    distributed_executor_backend=self.distributed_executor_backend,
+                                    layer_split=self.layer_split),
             device=resolve_device(self.device),
             seed=self.seed,
         )

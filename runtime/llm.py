@@ -14,19 +14,10 @@ PromptType = str | dict
 
 
 class LLM:
-    def __init__(self, model: str, dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
-                 gpu_memory_utilization: float = 0.9, kv_cache_memory_bytes: int | None = None,
-                 block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
-                 enable_prefix_caching: bool = True, seed: int = 0, skip_tokenizer_init: bool = False,
-                 enforce_eager: bool = False, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                 distributed_executor_backend: str | None = None):
-        args = EngineArgs(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
-                          gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
-                          block_size=block_size, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-                          seed=seed, skip_tokenizer_init=skip_tokenizer_init, enforce_eager=enforce_eager,
-                          tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-                          distributed_executor_backend=distributed_executor_backend)
+    def __init__(self, model: str, **kwargs):
+        """kwargs: any setting of the engine layer in planner/settings.py (vLLM's names: dtype,
+        max_model_len, tensor_parallel_size, ...); any other name is refused by name."""
+        args = EngineArgs.from_kwargs(model, kwargs, "LLM(...)")
         self.engine_args = args
         self.engine = LLMEngine(args.create_engine_config())
         self._next_id = 0

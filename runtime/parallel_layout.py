@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from shardserve.planner.settings import BY_NAME
 from shardserve.runtime.config import ModelConfig, ParallelConfig
 
-BACKENDS = (None, "uni", "mp", "ray")
 
 
 def _ffn_size(hf_config) -> int | None:
@@ -25,9 +25,7 @@ def check_parallel_layout(model: ModelConfig, parallel: ParallelConfig, num_devi
     kv_heads = model.num_kv_heads
     if tp < 1 or pp < 1:
         raise ValueError(f"tensor_parallel_size={tp} and pipeline_parallel_size={pp} must be at least 1")
-    if parallel.distributed_executor_backend not in BACKENDS:
-        raise ValueError(f"distributed_executor_backend must be one of {BACKENDS}, "
-                         f"got {parallel.distributed_executor_backend!r}")
+    BY_NAME["distributed_executor_backend"].check(parallel.distributed_executor_backend)
     if heads % tp:
         raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {heads} attention heads")
     if max(kv_heads, tp) % min(kv_heads, tp):
@@ -39,6 +37,10 @@ def check_parallel_layout(model: ModelConfig, parallel: ParallelConfig, num_devi
     if pp > model.num_layers:
         raise ValueError(f"pipeline_parallel_size={pp} is more stages than the model's {model.num_layers} layers "
                          "(each stage needs at least one layer)")
+    if parallel.layer_split is not None and (len(parallel.layer_split) != pp or min(parallel.layer_split) < 1
+                                             or sum(parallel.layer_split) != model.num_layers):
+        raise ValueError(f"layer_split={list(parallel.layer_split)} must give each of the {pp} pipeline stages at "
+                         f"least one layer and {model.num_layers} layers in all")
     if num_devices is not None and tp * pp > num_devices:
         raise ValueError(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} = {tp * pp} ranks, more than "
                          f"the {num_devices} devices available")

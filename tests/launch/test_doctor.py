@@ -1,5 +1,6 @@
 """`shardserve doctor` on this machine's real /dev/shm, interfaces and files; NVML by stand-in."""
 
+import dataclasses
 import json
 import shutil
 import socket
@@ -8,7 +9,7 @@ import sys
 
 from shardserve.launch.doctor import (check_gpus, check_interfaces, check_model, check_shm,
                                       interface_names, run_checks)
-from shardserve.launch.launcher import plan_file_values
+from shardserve.launch.launcher import read_plan_file
 from shardserve.planner.detect import detect_local
 
 from tests.planner.factories import FakeNvml, plan_for
@@ -31,7 +32,7 @@ def test_interface_variables_against_the_real_table():
 
 
 def test_gpu_count_and_memory_against_the_plan():
-    plan = plan_for("meta-llama/Llama-3.1-70B-Instruct", "8xH100-80GB").to_dict()
+    plan = plan_for("meta-llama/Llama-3.1-70B-Instruct", "8xH100-80GB").record()
     two = detect_local(FakeNvml(["NVIDIA H100 80GB HBM3"] * 2, total=81559 * 2**20))
     check = check_gpus(two, plan)
     assert check.status == "fail" and "the plan needs 8" in check.detail
@@ -46,13 +47,13 @@ def test_model_files_complete_and_truncated(tmp_path):
     r = subprocess.run([sys.executable, "-m", "shardserve.launch", "plan", "--profile", "demo",
                         "-o", str(tmp_path / "plan.yaml")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    plan = plan_file_values(str(tmp_path / "plan.yaml"))[1]
+    plan = read_plan_file(str(tmp_path / "plan.yaml"))
     assert check_model(plan).status == "pass"
     copy = tmp_path / "model"
-    shutil.copytree(plan["model"]["path"], copy)
+    shutil.copytree(plan.model.path, copy)
     weights = next(copy.glob("*.safetensors"))
     weights.write_bytes(weights.read_bytes()[:-1000])
-    plan["model"]["path"] = str(copy)
+    plan = dataclasses.replace(plan, model=dataclasses.replace(plan.model, path=str(copy)))
     broken = check_model(plan)
     assert broken.status == "fail" and weights.name in broken.detail
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shardserve.launch.launcher import check_plan_fits, plan_file_values, warn_exposure
+from shardserve.launch.launcher import check_plan_fits, read_plan_file, warn_exposure
 from shardserve.planner import PlanError, parse_declared
 
 from tests.launch.conftest import http, kill_if_running, start_server, stop_server
@@ -36,7 +36,7 @@ def test_gpu_plan_on_a_cpu_machine_fails_fast(tmp_path):
 
 
 def test_plan_checked_against_found_hardware():
-    plan = plan_for("meta-llama/Llama-3.1-70B-Instruct", "8xH100-80GB").to_dict()
+    plan = plan_for("meta-llama/Llama-3.1-70B-Instruct", "8xH100-80GB").record()
     with pytest.raises(PlanError, match="the plan needs 8 GPUs; this machine has 4"):
         check_plan_fits(plan, parse_declared("4xH100-80GB"))
     with pytest.raises(PlanError, match="the plan assumed 79.6 GiB per GPU"):
@@ -47,8 +47,8 @@ def test_plan_checked_against_found_hardware():
 def test_not_a_plan(tmp_path):
     bad = tmp_path / "x.yaml"
     bad.write_text("model: gpt2\n")
-    with pytest.raises(PlanError, match="is not a shardserve plan"):
-        plan_file_values(str(bad))
+    with pytest.raises(PlanError, match="not a shardserve plan"):
+        read_plan_file(str(bad))
 
 
 def test_catalog_id_without_weights_is_refused():

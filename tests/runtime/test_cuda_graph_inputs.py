@@ -43,8 +43,10 @@ def test_capture_sizes_cover_every_batch_up_to_max_num_seqs():
 def engine_config(device="cuda", enforce_eager=False, tensor_parallel_size=1):
     model = ModelConfig(model="m", hf_config=None, architecture="LlamaForCausalLM", dtype=torch.bfloat16,
                         max_model_len=128, enforce_eager=enforce_eager)
-    return EngineConfig(model=model, cache=CacheConfig(), scheduler=SchedulerConfig(),
-                        parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size), device=device)
+    cache = CacheConfig(block_size=16, gpu_memory_utilization=0.9, kv_cache_memory_bytes=None,
+                        enable_prefix_caching=True, kv_cache_dtype="auto")
+    return EngineConfig(model=model, cache=cache, scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192),
+                        parallel=ParallelConfig(tensor_parallel_size, 1), device=device)
 
 
 def test_graphs_only_where_they_can_be_captured():

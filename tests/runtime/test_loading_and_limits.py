@@ -115,7 +115,7 @@ def test_weights_and_cache_are_converted_to_the_requested_dtype(checkpoint_facto
         first_token = hf_model(torch.tensor([prompt])).logits[0, -1].argmax().item()
     (output,) = half.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=1))
     assert output.outputs[0].token_ids == [first_token]
-    with pytest.raises(ValueError, match="dtype must be 'auto' or one of"):
+    with pytest.raises(ValueError, match="dtype 'float8': use auto, bfloat16"):
         LLM(folder, device="cpu", dtype="float8")
 
 

@@ -1,0 +1,199 @@
+"""The plan as a typed record: frozen sections that `plan -o` writes and `launch` and `doctor` read.
+
+`PlanFile.from_dict(data, source)` checks the version, every key and every type, and its errors
+name the file and the key (`plan.yaml: parallel.layer_split: ...`); `to_dict()` gives the mapping
+written as YAML or JSON. Sections whose keys are settings (runtime, parallel) are also checked
+against the settings table, so a plan edited by hand meets the same rules as a flag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+
+from shardserve.planner.errors import PlanError
+from shardserve.planner.settings import BY_NAME, SettingError
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    id: str
+    path: str | None  # a local folder; None for a catalog entry (no weights)
+    architecture: str
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    num_params: int
+    weight_bytes: int
+    dtype: str
+    quantization: dict | None  # {"method", "bits", "group_size"}
+    kv_bytes_per_token: int
+
+
+@dataclass(frozen=True)
+class GpuSection:
+    name: str
+    memory_bytes: int
+    hbm_bandwidth_bytes_per_s: float
+    bf16_flops: float
+    fp16_flops: float
+    fp8: bool
+    is_cpu: bool
+
+
+@dataclass(frozen=True)
+class HardwareSection:
+    source: str
+    nodes: int
+    gpus_per_node: int
+    gpu: GpuSection
+    interconnect: str
+    node_ips: tuple[str, ...]
+
+    @property
+    def total_gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class ParallelSection:
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    data_parallel_size: int
+    layer_split: tuple[int, ...]  # layers per pipeline stage
+    distributed_executor_backend: str
+
+    @property
+    def num_gpus(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    total_bytes: int
+    weights_bytes: int
+    activation_bytes: int
+    overhead_bytes: int
+    kv_cache_bytes: int
+
+
+@dataclass(frozen=True)
+class MemorySection:
+    per_gpu: StageMemory  # the tightest stage
+    per_stage: tuple[StageMemory, ...]
+    block_size: int
+    num_blocks: int
+    kv_cache_tokens: int
+    max_concurrency: float
+
+
+@dataclass(frozen=True)
+class RuntimeSection:
+    device: str
+    dtype: str
+    kv_cache_dtype: str
+    max_model_len: int
+    gpu_memory_utilization: float
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    enable_prefix_caching: bool
+    kv_cache_memory_bytes: int | None
+
+
+@dataclass(frozen=True)
+class EstimatesSection:
+    decode_tokens_per_s_batch1: float
+    throughput_tokens_per_s: float
+    ttft_ms: float
+    note: str
+
+
+@dataclass(frozen=True)
+class PlanFile:
+    version: int
+    model: ModelSection
+    hardware: HardwareSection
+    parallel: ParallelSection
+    memory: MemorySection
+    runtime: RuntimeSection
+    estimates: EstimatesSection
+    rationale: tuple[str, ...]
+    warnings: tuple[str, ...]
+    alternatives: tuple[dict, ...]  # the layouts that lost, each with why_not
+
+    @property
+    def model_source(self) -> str:
+        return self.model.path or self.model.id
+
+    def to_dict(self) -> dict:
+        return _to_plain(self)
+
+    @classmethod
+    def from_dict(cls, data: object, source: str) -> PlanFile:
+        if not isinstance(data, dict) or data.get("version") != SCHEMA_VERSION:
+            found = data.get("version") if isinstance(data, dict) else None
+            raise PlanError(f"{source}: not a shardserve plan of version {SCHEMA_VERSION} (version: {found!r}); "
+                            "make one with `shardserve plan -o plan.yaml`")
+        return _from_plain(cls, data, source, "")
+
+
+_CHECKED_BY_TABLE = (RuntimeSection, ParallelSection)
+
+
+def _to_plain(value):
+    if dataclasses.is_dataclass(value):
+        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, tuple):
+        return [_to_plain(v) for v in value]
+    return value
+
+
+def _from_plain(cls, data: object, source: str, prefix: str):
+    if not isinstance(data, dict):
+        raise PlanError(f"{source}: {prefix.rstrip('.') or 'the plan'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise PlanError(f"{source}: {prefix}{unknown[0]}: unknown key (a {cls.__name__} has: {', '.join(names)})")
+    values = {}
+    for name in names:
+        key = prefix + name
+        if name not in data:
+            raise PlanError(f"{source}: {key}: missing; make the plan again with `shardserve plan`")
+        values[name] = _convert(hints[name], data[name], source, key)
+        if cls in _CHECKED_BY_TABLE and name in BY_NAME:
+            try:
+                BY_NAME[name].check(values[name])
+            except SettingError as e:
+                raise PlanError(f"{source}: {key}: {e}") from None
+    return cls(**values)
+
+
+def _convert(hint, value, source: str, key: str):
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (hint,) = [a for a in args if a is not type(None)]
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return _from_plain(hint, value, source, key + ".")
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise PlanError(f"{source}: {key}: expected a list, got {value!r}")
+        return tuple(_convert(args[0], v, source, f"{key}[{i}]") for i, v in enumerate(value))
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise PlanError(f"{source}: {key}: expected {hint.__name__}, got {value!r}")
+    return value

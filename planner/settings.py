@@ -1,0 +1,188 @@
+"""The one table of settings: each field's name (vLLM's), type, default, help and the layers using it.
+
+Everything else is derived from SETTINGS: the planner's PlanOptions, the runtime's EngineArgs and
+LLM(**kwargs), the profile schema, and the `plan` / `launch` command-line options. Layers:
+
+    input    what a plan is made from (the model, the hardware)
+    plan     the planner's options (PlanOptions)
+    engine   the runtime's options (EngineArgs, LLM(...), AsyncEngine(...))
+    server   the OpenAI server that `launch` runs
+    profile  a profile's own notes (no layer acts on them)
+
+A name given to a layer that does not list it is an error naming the setting, never dropped.
+Torch-free: the planner, the runtime and launch all import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, make_dataclass
+from typing import Any, Optional
+
+from shardserve.planner.errors import PlanError
+
+INPUT, PLAN, ENGINE, SERVER, PROFILE = "input", "plan", "engine", "server", "profile"
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # at least max_num_seqs (see resolved_max_num_batched_tokens)
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3  # the KV pool per rank on CPU when none is given
+
+
+class SettingError(PlanError, ValueError):
+    """A setting with a bad name or value; a ValueError for the Python API, exit 1 for the CLI."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    type: type  # int, float, bool, str, dict or tuple (of ints)
+    default: Any
+    help: str
+    layers: frozenset[str]
+    choices: tuple | None = None
+    minimum: float | None = None  # inclusive
+    maximum: float | None = None  # inclusive
+    above: float | None = None  # exclusive lower bound
+    short: str | None = None  # a short flag, such as -tp
+    in_profile: bool = True  # False: a Python-API-only setting (meaningless for a server)
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def check(self, value: Any) -> Any:
+        """The value, converted where lossless (an int for a float, a list for a tuple), or a
+        SettingError naming this setting."""
+        if value is None:
+            if self.default is not None:
+                raise SettingError(f"{self.name} cannot be empty (default {self.default!r})")
+            return None
+        value = self._check_type(value)
+        if self.choices is not None and value not in self.choices:
+            raise SettingError(f"{self.name}={value!r} must be one of {', '.join(map(str, self.choices))}")
+        if self.minimum is not None and value < self.minimum:
+            raise SettingError(f"{self.name}={value!r} must be at least {self.minimum:g}")
+        if self.maximum is not None and value > self.maximum:
+            raise SettingError(f"{self.name}={value!r} must be at most {self.maximum:g}")
+        if self.above is not None and value <= self.above:
+            raise SettingError(f"{self.name}={value!r} must be above {self.above:g}")
+        return value
+
+    def _check_type(self, value: Any) -> Any:
+        kind = self.type
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if kind is tuple and isinstance(value, (list, tuple)) and all(
+                isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return tuple(value)
+        if kind is dict and isinstance(value, dict):
+            return {str(k): str(v) for k, v in value.items()}
+        if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+            return value
+        wanted = {tuple: "a list of integers", dict: "a mapping"}.get(kind, kind.__name__)
+        raise SettingError(f"{self.name}={value!r} must be {wanted}")
+
+
+def _s(name, type_, default, help_, layers, **kw) -> Setting:
+    return Setting(name, type_, default, help_, frozenset(layers.split()), **kw)
+
+
+SETTINGS: tuple[Setting, ...] = (
+    _s("model", str, None, "Hugging Face folder, an id in the local Hugging Face cache, or a "
+       "catalog id (launch: the bundled demo model by default).", "input engine", short="-m"),
+    _s("hardware", str, None, "Declared hardware: [NODESx]GPUSxNAME (8xH100-80GB, 2x8xH100, 3xL4), "
+       "'cpu', or a YAML file. Default: the Ray cluster, else the GPUs NVML sees.", "input"),
+    _s("device", str, "auto", "auto, cpu, cuda or cuda:N (the first GPU of this engine's ranks).",
+       "engine"),
+    _s("tensor_parallel_size", int, None, "Ranks per stage; pins the planner's choice "
+       "(LLM(...): 1).", "plan engine", minimum=1, short="-tp"),
+    _s("pipeline_parallel_size", int, None, "Pipeline stages; pins the planner's choice "
+       "(LLM(...): 1).", "plan engine", minimum=1, short="-pp"),
+    _s("data_parallel_size", int, None, "Replicas behind the one server; pins the planner's "
+       "choice.", "plan server", minimum=1, short="-dp"),
+    _s("distributed_executor_backend", str, None, "mp (local processes), ray, or uni (one rank "
+       "in-process). Default: the planner's rule.", "plan engine", choices=("mp", "ray", "uni")),
+    _s("layer_split", tuple, None, "Layers per pipeline stage, such as [20, 12] (a plan's "
+       "choice; default: balanced by weight bytes).", "engine"),
+    _s("max_model_len", int, None, "Longest prompt plus output, in tokens. Default: the model's.",
+       "plan engine", minimum=1),
+    _s("dtype", str, "auto", "auto (bf16 where the GPU has it, else fp16; the checkpoint's "
+       "dtype, float32 on CPU), bfloat16, float16 or float32.", "plan engine"),
+    _s("kv_cache_dtype", str, "auto", "auto (the model's dtype) or fp8.", "plan engine",
+       choices=("auto", "fp8")),
+    _s("gpu_memory_utilization", float, 0.9, "Fraction of each GPU's memory for weights, "
+       "activations and the KV cache.", "plan engine", above=0.0, maximum=1.0),
+    _s("kv_cache_memory_bytes", int, None, "The KV pool per rank in bytes (default on CPU: "
+       f"{DEFAULT_CPU_KV_CACHE_BYTES >> 30} GiB; on GPU: what gpu_memory_utilization leaves).",
+       "plan engine", minimum=1),
+    _s("block_size", int, 16, "Tokens per KV cache block.", "plan engine",
+       choices=(1, 2, 4, 8, 16, 32, 64, 128)),
+    _s("max_num_seqs", int, 256, "Most requests in one batch.", "plan engine server", minimum=1),
+    _s("max_num_batched_tokens", int, None, "Most tokens in one step (default: "
+       f"{DEFAULT_MAX_NUM_BATCHED_TOKENS}, or max_num_seqs if larger).", "plan engine", minimum=1),
+    _s("enable_prefix_caching", bool, True, "Reuse the KV blocks of shared prompt prefixes.",
+       "plan engine"),
+    _s("enforce_eager", bool, False, "No CUDA graphs: every decode step runs eagerly.", "engine"),
+    _s("seed", int, 0, "Seed for requests that bring none.", "engine"),
+    _s("skip_tokenizer_init", bool, False, "No tokenizer: prompts are token ids, outputs carry "
+       "no text.", "engine", in_profile=False),
+    _s("target_concurrency", int, 1, "KV room for this many requests of max_model_len.", "plan",
+       minimum=1),
+    _s("host", str, "127.0.0.1", "Address to listen on (default: this machine only).", "server"),
+    _s("port", int, 8000, "Port to listen on.", "server", minimum=0, maximum=65535),
+    _s("served_model_name", str, None, "The model name clients use (default: --model).", "server"),
+    _s("max_queued_requests", int, None, "Requests in flight before the server answers 503 "
+       "(default: 4 x max_num_seqs per replica).", "server", minimum=1),
+    _s("env", dict, None, "Variables set for the engine and every rank, on every node.", "server"),
+    _s("description", str, None, "What the profile is for.", "profile"),
+)
+BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
+
+
+def names(layer: str) -> tuple[str, ...]:
+    return tuple(s.name for s in SETTINGS if layer in s.layers)
+
+
+def profile_names() -> tuple[str, ...]:
+    return tuple(s.name for s in SETTINGS if s.in_profile)
+
+
+def check_names(values: dict, layer: str, where: str) -> None:
+    """Refuse names the table lacks, and names it has that `layer` does not act on."""
+    for name in values:
+        setting = BY_NAME.get(name)
+        if setting is None:
+            raise SettingError(f"{where}: unknown setting {name!r}")
+        if layer not in setting.layers:
+            users = ", ".join(sorted(setting.layers))
+            raise SettingError(f"{where}: {name} is not used here (it is a setting of: {users})")
+
+
+def check_fields(record) -> None:
+    """Check every field of a settings dataclass against the table (for its __post_init__);
+    fields the table converts (an int for a float, a list for a tuple) are written back."""
+    for f in fields(record):
+        value = getattr(record, f.name)
+        checked = BY_NAME[f.name].check(value)
+        if checked is not value:
+            object.__setattr__(record, f.name, checked)
+
+
+def settings_dataclass(layer: str, cls_name: str) -> type:
+    """A frozen dataclass with one field per setting of `layer`, in table order, its defaults the
+    table's; construction checks every value (subclass it to add methods)."""
+    spec = [(s.name, Optional[s.type] if s.default is None else s.type, field(default=s.default))
+            for s in SETTINGS if layer in s.layers]
+    return make_dataclass(cls_name, spec, frozen=True, namespace={"__post_init__": check_fields})
+
+
+def for_layer(values: dict, layer: str) -> dict:
+    """The entries of `values` (setting names) that `layer` acts on."""
+    return {k: v for k, v in values.items() if k in BY_NAME and layer in BY_NAME[k].layers}
+
+
+def resolved_max_num_batched_tokens(max_num_batched_tokens: int | None, max_num_seqs: int) -> int:
+    """The step's token budget: as given, else the default raised to max_num_seqs."""
+    if max_num_batched_tokens is None:
+        return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_num_seqs)
+    if max_num_batched_tokens < max_num_seqs:
+        raise SettingError(f"max_num_batched_tokens {max_num_batched_tokens} is below max_num_seqs "
+                           f"{max_num_seqs}: raise it or lower --max-num-seqs")
+    return max_num_batched_tokens
