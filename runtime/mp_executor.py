@@ -1,20 +1,25 @@
-"""The multiprocessing executor: one spawned process per rank on this machine, a pipe to each."""
+"""The multiprocessing executor: one process per rank on this machine, started from a module, a pipe to each."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
 import pickle
+import subprocess
+import sys
 import weakref
 
 from shardserve.runtime.distributed import Rendezvous
 from shardserve.runtime.distributed_executor import DistributedExecutor, WorkerHandle
-from shardserve.runtime.worker_process import run_worker
-from shardserve.runtime.worker_rpc import WorkerReply
+from shardserve.runtime.worker_rpc import RankStartup, WorkerReply
+
+RANK_MODULE = "shardserve.runtime.worker_process"
+KILL_WAIT_SECONDS = 1.0
+SAFE_PATH = ("-P",) if sys.version_info >= (3, 11) else ()  # the caller's working directory stays off the path
 
 
 class ProcessHandle(WorkerHandle):
-    def __init__(self, process: multiprocessing.process.BaseProcess, conn):
+    def __init__(self, process: subprocess.Popen, conn):
         self.process, self.conn = process, conn
 
     def send(self, payload: bytes) -> None:
@@ -29,20 +34,39 @@ class ProcessHandle(WorkerHandle):
         return None
 
     def is_alive(self) -> bool:
-        return self.process.is_alive()
+        return self.process.poll() is None
 
     def stop(self, grace: float) -> None:
         stop_process(self.process, grace)
+        self.conn.close()
 
 
-def stop_process(process, grace: float) -> None:
-    process.join(grace)
-    if process.is_alive():
-        process.terminate()
-        process.join(1.0)
-    if process.is_alive():
-        process.kill()
-        process.join(1.0)
+def stop_process(process: subprocess.Popen, grace: float) -> None:
+    """Wait up to `grace` seconds for an exit, then SIGTERM, then SIGKILL (signals go to its pid)."""
+    for stop, wait in ((None, grace), (process.terminate, KILL_WAIT_SECONDS), (process.kill, KILL_WAIT_SECONDS)):
+        if stop is not None:
+            stop()
+        try:
+            process.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def start_rank(startup: RankStartup) -> ProcessHandle:
+    """NOTE: a fresh interpreter runs the rank's module, never the caller's main (spawn imports it
+    again: a script on stdin, or one without a main guard, breaks or runs twice). It imports
+    shardserve as any fresh interpreter would: installed, or on PYTHONPATH."""
+    parent_end, child_end = multiprocessing.Pipe()
+    fd = child_end.fileno()
+    process = subprocess.Popen([sys.executable, *SAFE_PATH, "-m", RANK_MODULE, str(fd), str(os.getpid())],
+                               pass_fds=(fd,), stdin=subprocess.DEVNULL)
+    child_end.close()
+    try:
+        parent_end.send_bytes(pickle.dumps(startup))
+    except OSError:
+        pass  # the rank died at once: the executor's wait for it says so
+    return ProcessHandle(process, parent_end)
 
 
 class MultiprocExecutor(DistributedExecutor):
@@ -50,16 +74,11 @@ class MultiprocExecutor(DistributedExecutor):
         return "127.0.0.1"
 
     def start_workers(self, rendezvous: Rendezvous) -> list[WorkerHandle]:
-        context = multiprocessing.get_context("spawn")  # NOTE: fork would copy torch and CUDA state
         num_threads = max(1, (os.cpu_count() or 1) // len(self.states))
         handles = []
         for state in self.states:
-            parent_end, child_end = context.Pipe()
-            process = context.Process(target=run_worker, name=f"shardserve-rank{state.global_rank}", daemon=True,
-                                      args=(self.config, state, rendezvous, child_end, os.getpid(), num_threads))
-            process.start()
-            child_end.close()
-            handles.append(ProcessHandle(process, parent_end))
+            handle = start_rank(RankStartup(self.config, state, rendezvous, num_threads))
+            handles.append(handle)
             # if the executor is dropped without shutdown(), still stop the process (also at exit)
-            weakref.finalize(self, stop_process, process, 0.0)
+            weakref.finalize(self, stop_process, handle.process, 0.0)
         return handles

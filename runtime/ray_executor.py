@@ -10,8 +10,8 @@ import time
 
 from shardserve.runtime.distributed import Rendezvous
 from shardserve.runtime.distributed_executor import DistributedExecutor, WorkerHandle
-from shardserve.runtime.worker_process import ENV_PREFIXES
-from shardserve.runtime.worker_rpc import RankPlacement, WorkerReply
+from shardserve.runtime.rank import ENV_PREFIXES
+from shardserve.runtime.worker_rpc import RankPlacement, RankStartup, WorkerReply
 
 PLACEMENT_TIMEOUT_SECONDS = 300.0
 FORWARD_ENV = "SHARDSERVE_FORWARD_ENV"
@@ -21,45 +21,28 @@ NODE_OWN_ENV = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "CUDA_VISIBLE_DEVICE
 
 
 class RankActor:
-    """The body of one rank's actor (wrapped by ray.remote when Ray is imported)."""
+    """One rank as a Ray actor (wrapped by ray.remote when Ray is imported): a thin adapter over Rank."""
 
-    def __init__(self, config, state, rendezvous: Rendezvous, num_threads: int, env: dict[str, str]):
+    def __init__(self, startup: RankStartup, env: dict[str, str]):
         import ray
 
-        from shardserve.runtime.worker_process import setup_rank
+        from shardserve.runtime.rank import Rank
 
         apply_env(env)
-        self.state = state
         self.node_ip = ray.util.get_node_ip_address()
-        self.worker = setup_rank(config, state, rendezvous, num_threads)
+        self.rank = Rank(startup)
 
     def ready(self) -> bytes:
         """The ready reply names the rank's node and the per-node and chosen variables it got."""
         names = (*NODE_OWN_ENV, *chosen_env_names())
-        env = {k: os.environ[k] for k in names if k in os.environ}
-        return pickle.dumps(WorkerReply(self.state.global_rank, RankPlacement(self.node_ip, env)))
+        return self.rank.ready(RankPlacement(self.node_ip, {k: os.environ[k] for k in names if k in os.environ}))
 
     def ping(self) -> None:
         return None
 
     def call(self, payload: bytes) -> bytes | None:
         """A pickled WorkerCall in, a pickled WorkerReply out (None where the rank owes no reply)."""
-        import traceback
-
-        from shardserve.runtime.worker_rpc import WorkerMethod, call_worker
-
-        call = pickle.loads(payload)
-        if call.method is WorkerMethod.SHUTDOWN:
-            from shardserve.runtime.distributed import destroy_distributed
-            destroy_distributed()
-            return None
-        try:
-            value = call_worker(self.worker, call)
-        except Exception:
-            return pickle.dumps(WorkerReply(self.state.global_rank, error=traceback.format_exc()))
-        if call.method is WorkerMethod.EXECUTE_MODEL and not self.state.is_output_rank:
-            return None
-        return pickle.dumps(WorkerReply(self.state.global_rank, value))
+        return self.rank.handle(payload)
 
 
 class ActorHandle(WorkerHandle):
@@ -161,7 +144,7 @@ class RayExecutor(DistributedExecutor):
             strategy = PlacementGroupSchedulingStrategy(groups[state.pp_rank], state.tp_rank)
             actor = actor_class.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
                                         scheduling_strategy=strategy).remote(
-                self.config, state, rendezvous, 1, forwarded_env())
+                RankStartup(self.config, state, rendezvous, 1), forwarded_env())
             handles.append(ActorHandle(actor, state.global_rank))
         self.placement_groups = groups
         return handles

@@ -1,27 +1,23 @@
-"""The main function of one rank's process (mp executor): join the grid, build the Worker, serve calls.
+"""The main of one mp rank's process (`python -m shardserve.runtime.worker_process FD PARENT_PID`).
 
-A rank exits when told to, when its control pipe closes, when it fails (after reporting why) or
-when the engine process disappears (a watcher thread), so no rank outlives its engine."""
+FD is the rank's end of its control channel: a RankStartup arrives first, then WorkerCalls, each
+answered by Rank.handle. A rank exits when told to, when the channel closes, when it fails (after
+reporting why) or when the engine process disappears (a watcher thread), so no rank outlives its engine."""
 
 from __future__ import annotations
 
-import logging
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
-import traceback
+from multiprocessing.connection import Connection
 
-from shardserve.runtime.config import EngineConfig, first_device_index
-from shardserve.runtime.distributed import Rendezvous
-from shardserve.runtime.parallel_state import ParallelState
-from shardserve.runtime.worker_rpc import WorkerCall, WorkerMethod, WorkerReply, call_worker
-
-logger = logging.getLogger(__name__)
+from shardserve.runtime.rank import Rank, failure_reply
+from shardserve.runtime.worker_rpc import RankStartup
 
 PARENT_POLL_SECONDS = 0.5
-ENV_PREFIXES = ("NCCL_", "GLOO_", "CUDA_", "TORCH_", "HF_", "RAY_", "MASTER_", "OMP_")
 
 
 def watch_parent(parent_pid: int) -> None:
@@ -35,63 +31,41 @@ def watch_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def log_environment(rank: int) -> None:
-    values = {k: ("<set>" if "TOKEN" in k else v) for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
-    logger.debug("rank %d runs with %s", rank, values)
+def serve(startup: RankStartup, conn: Connection) -> None:
+    """Relay calls to the Rank until SHUTDOWN; a failure is reported, then the process exits."""
+    from shardserve.runtime.distributed import destroy_distributed
 
-
-def worker_device(config: EngineConfig, state: ParallelState):
-    import torch
-
-    if config.device.startswith("cuda"):  # 'cuda:N': this engine's ranks start at GPU N
-        first = first_device_index(config.device)
-        return torch.device("cuda", (first + state.global_rank) % torch.cuda.device_count())
-    return torch.device("cpu")
-
-
-def setup_rank(config: EngineConfig, state: ParallelState, rendezvous: Rendezvous, num_threads: int):
-    """Join the process grid and build this rank's Worker (it loads only its own shard)."""
-    import torch
-
-    from shardserve.runtime.distributed import init_distributed
-    from shardserve.runtime.worker import Worker
-
-    torch.set_num_threads(num_threads)
-    log_environment(state.global_rank)
-    device = worker_device(config, state)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    init_distributed(state, rendezvous, device)
-    return Worker(config, device)
-
-
-def run_worker(config: EngineConfig, state: ParallelState, rendezvous: Rendezvous, conn, parent_pid: int,
-               num_threads: int) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the engine, which stops us
-    watch_parent(parent_pid)
-    rank = state.global_rank
     try:
-        worker = setup_rank(config, state, rendezvous, num_threads)
-        conn.send_bytes(pickle.dumps(WorkerReply(rank)))  # ready
-        serve(worker, conn, state)
+        rank = Rank(startup)
+        conn.send_bytes(rank.ready())
+        while rank.is_serving:
+            reply = rank.handle(conn.recv_bytes())
+            if reply is not None:
+                conn.send_bytes(reply)
     except (EOFError, BrokenPipeError):
-        pass  # the engine went away
+        destroy_distributed()  # the engine went away
+        return
     except BaseException:
         try:
-            conn.send_bytes(pickle.dumps(WorkerReply(rank, error=traceback.format_exc())))
+            conn.send_bytes(failure_reply(startup.state.global_rank))
         except (OSError, ValueError):
             pass
         os._exit(1)
-    finally:
-        from shardserve.runtime.distributed import destroy_distributed
-        destroy_distributed()
+    if rank.has_failed:
+        os._exit(1)
 
 
-def serve(worker, conn, state: ParallelState) -> None:
-    while True:
-        call: WorkerCall = pickle.loads(conn.recv_bytes())
-        if call.method is WorkerMethod.SHUTDOWN:
-            return
-        value = call_worker(worker, call)
-        if call.method is not WorkerMethod.EXECUTE_MODEL or state.is_output_rank:
-            conn.send_bytes(pickle.dumps(WorkerReply(state.global_rank, value)))
+def main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the engine, which stops us
+    fd, parent_pid = (int(arg) for arg in sys.argv[1:3])
+    watch_parent(parent_pid)
+    conn = Connection(fd)
+    try:
+        startup: RankStartup = pickle.loads(conn.recv_bytes())
+    except EOFError:
+        return  # the engine went away before we started
+    serve(startup, conn)
+
+
+if __name__ == "__main__":
+    main()

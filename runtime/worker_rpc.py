@@ -7,6 +7,22 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shardserve.runtime.config import EngineConfig
+    from shardserve.runtime.distributed import Rendezvous
+    from shardserve.runtime.parallel_state import ParallelState
+
+
+@dataclass(frozen=True, slots=True)
+class RankStartup:
+    """What a rank needs to come up: the first record it receives, whatever starts it."""
+
+    config: EngineConfig
+    state: ParallelState
+    rendezvous: Rendezvous
+    num_threads: int  # torch's intra-op threads in this rank
 
 
 class WorkerMethod(enum.Enum):

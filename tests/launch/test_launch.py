@@ -112,10 +112,10 @@ def test_replicas_behind_one_server_share_the_load():
 
 
 def _ranks(pid: int) -> list[int]:
-    """The spawned rank processes of a server (not multiprocessing's resource tracker)."""
+    """The rank processes of a server (children running the rank module)."""
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()
-            if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+            if b"shardserve.runtime.worker_process" in Path(f"/proc/{p}/cmdline").read_bytes()]
 
 
 def _alive(pid: int) -> bool:

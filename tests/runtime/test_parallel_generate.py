@@ -3,11 +3,13 @@ transformers' on the same weights, and stages own the planner's layer split."""
 
 from __future__ import annotations
 
-import multiprocessing
+import os
+import subprocess
 
 import pytest
 
 from shardserve.runtime import LLM, SamplingParams
+from shardserve.runtime.mp_executor import RANK_MODULE
 from shardserve.runtime.pipeline import plan_layer_split
 from test_runtime_matches_transformers import random_prompts, reference, token_outputs
 
@@ -42,7 +44,13 @@ def test_parallel_greedy_matches_transformers(family, num_layers, tp, pp, checkp
         if pp > 1:
             abort_while_in_flight(llm)
     assert max(depths) == min(pp, 2)  # 4 requests over pp batches: stages do not wait for each other
-    assert not multiprocessing.active_children()
+    assert rank_pids() == []
+
+
+def rank_pids() -> list[int]:
+    """Processes this one started that run an mp rank (zombies included: a rank must be reaped)."""
+    out = subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", RANK_MODULE], capture_output=True, text=True)
+    return [int(pid) for pid in out.stdout.split()]
 
 
 def abort_while_in_flight(llm: LLM) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +11,7 @@ from shardserve.runtime import LLM
 from shardserve.runtime.config import ModelConfig, ParallelConfig
 from shardserve.runtime.executor import resolve_backend
 from shardserve.runtime.parallel_layout import check_parallel_layout
+from test_parallel_generate import rank_pids
 
 
 def model_config(heads=8, kv_heads=4, layers=4, intermediate=96) -> ModelConfig:
@@ -56,7 +56,7 @@ def test_engine_refuses_before_starting_workers(engine_kwargs, message, checkpoi
     folder, _ = checkpoint_factory("llama3")
     with pytest.raises(ValueError, match=message):
         LLM(folder, device="cpu", kv_cache_memory_bytes=2**22, **engine_kwargs)
-    assert not multiprocessing.active_children()
+    assert rank_pids() == []
 
 
 def test_device_names():
