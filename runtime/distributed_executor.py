@@ -68,8 +68,9 @@ class DistributedExecutor(Executor):
             self.shutdown()
             raise
         for state, placement in zip(self.states, self.placements):
-            logger.info("rank %d (tp %d/%d, pp %d/%d) runs on %s", state.global_rank, state.tp_rank,
-                        state.tp_size, state.pp_rank, state.pp_size,
+            first, count = sum(layer_split[:state.pp_rank]), layer_split[state.pp_rank]
+            logger.info("rank %d (tp %d/%d, pp %d/%d, layers %d-%d) runs on %s", state.global_rank, state.tp_rank,
+                        state.tp_size, state.pp_rank, state.pp_size, first, first + count - 1,
                         placement.describe() if placement else "this host")
 
     @abstractmethod
