@@ -33,6 +33,7 @@ import gpu_serve  # noqa: E402  (bench/gpu_serve.py: the serving benchmark's ser
 import throughput  # noqa: E402  (bench/throughput.py: shared prompt and timing helpers)
 
 from shardserve.planner.catalog import model_catalog  # noqa: E402
+from shardserve.planner.settings import BY_NAME  # noqa: E402
 
 SHAPES = {"llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct", "qwen3-0.6b": "Qwen/Qwen3-0.6B"}
 SMALL = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
@@ -184,12 +185,11 @@ def decode_batch1(folder: Path, device: str, bandwidth: float, prompt_len: int,
 
 def offline(folder: Path, device: str, num_prompts: int, input_len: int, output_len: int,
             skip_hf: bool) -> dict:
-    args = argparse.Namespace(dtype="auto", device=device, input_len=input_len,
-                              output_len=output_len, max_num_seqs=256,
-                              max_num_batched_tokens=None, kv_cache_memory_bytes=None,
-                              gpu_memory_utilization=0.9, seed=0, hf_batch_size=None,
-                              tensor_parallel_size=1, pipeline_parallel_size=1,
-                              distributed_executor_backend=None, enforce_eager=False)
+    defaults = {name: BY_NAME[name].default for name in (
+        "dtype", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes", "gpu_memory_utilization",
+        "seed", "distributed_executor_backend", "enforce_eager")}
+    args = argparse.Namespace(**defaults, device=device, input_len=input_len, output_len=output_len,
+                              hf_batch_size=None, tensor_parallel_size=1, pipeline_parallel_size=1)
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
     prompts = throughput.random_prompts(vocab, num_prompts, input_len, 0)
     ours = throughput.bench_runtime(args, str(folder), prompts)

@@ -28,12 +28,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
+    from shardserve.planner.settings import BY_NAME  # the one table of defaults
+
+    parser.add_argument("--dtype", default=BY_NAME["dtype"].default)
+    parser.add_argument("--device", default=BY_NAME["device"].default)
+    parser.add_argument("--max-num-seqs", type=int, default=BY_NAME["max_num_seqs"].default)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=BY_NAME["gpu_memory_utilization"].default)
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     parser.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None)

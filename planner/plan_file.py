@@ -77,7 +77,7 @@ class ParallelSection:
 
 
 @dataclass(frozen=True)
-class StageMemory:
+class StageSection:
     total_bytes: int
     weights_bytes: int
     activation_bytes: int
@@ -87,8 +87,8 @@ class StageMemory:
 
 @dataclass(frozen=True)
 class MemorySection:
-    per_gpu: StageMemory  # the tightest stage
-    per_stage: tuple[StageMemory, ...]
+    per_gpu: StageSection  # the tightest stage
+    per_stage: tuple[StageSection, ...]
     block_size: int
     num_blocks: int
     kv_cache_tokens: int

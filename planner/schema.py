@@ -5,7 +5,7 @@ from __future__ import annotations
 from shardserve.planner.model_spec import DTYPE_BYTES
 from shardserve.planner.plan_file import (SCHEMA_VERSION, EstimatesSection, GpuSection, HardwareSection,
                                           MemorySection, ModelSection, ParallelSection, PlanFile, RuntimeSection,
-                                          StageMemory)
+                                          StageSection)
 
 
 def plan_record(plan) -> PlanFile:
@@ -15,8 +15,8 @@ def plan_record(plan) -> PlanFile:
     kv_bytes = 1 if s.kv_cache_dtype == "fp8" else DTYPE_BYTES[s.dtype]
     q = spec.quantization
 
-    def per_gpu(stage) -> StageMemory:
-        return StageMemory(total_bytes=stage.total_bytes, weights_bytes=stage.weights_bytes,
+    def per_gpu(stage) -> StageSection:
+        return StageSection(total_bytes=stage.total_bytes, weights_bytes=stage.weights_bytes,
                            activation_bytes=stage.activation_bytes, overhead_bytes=stage.overhead_bytes,
                            kv_cache_bytes=mem.kv_cache_bytes(stage))
 
