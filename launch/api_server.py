@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shardserve.launch import __version__
 from shardserve.launch.metrics import ServerMetrics
-from shardserve.launch.openai_serving import OpenAIServing
+from shardserve.launch.openai_serving import OpenAIServing, PreparedRequest
 from shardserve.launch.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from shardserve.launch.replicas import ReplicaSet
 
@@ -102,18 +102,18 @@ def build_app(replicas: ReplicaSet, serving: OpenAIServing, metrics: ServerMetri
             "id": serving.served_model_name, "object": "model", "created": 0,
             "owned_by": "shardserve", "max_model_len": replicas.max_model_len}]}
 
-    async def respond(job, body, request: Request):
+    async def respond(prepared: PreparedRequest, body, request: Request):
         if body.stream:
-            return _streaming(serving.stream(job, body.include_usage), metrics)
-        return await _until_disconnect(serving.full_response(job), request, metrics)
+            return _streaming(serving.stream(prepared, body.include_usage), metrics)
+        return await _until_disconnect(serving.full_response(prepared), request, metrics)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        return await respond(serving.completion_job(body), body, request)
+        return await respond(serving.prepare_completion(body), body, request)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
-        return await respond(serving.chat_job(body), body, request)
+        return await respond(serving.prepare_chat(body), body, request)
 
     return app
 

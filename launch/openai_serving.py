@@ -1,31 +1,51 @@
-"""The OpenAI endpoints' logic: prompts in, engine outputs out as responses or SSE chunks."""
+"""OpenAI endpoints: an API request fans out to prompts; their deltas become responses or SSE."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from shardserve.launch.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from shardserve.launch.replicas import ReplicaSet
-from shardserve.launch.response_format import (chat_logprobs, completion_logprobs, sse,
-                                               usage)
-from shardserve.runtime.outputs import RequestOutput
+from shardserve.launch.response_format import chat_logprobs, completion_logprobs, sse, usage
+from shardserve.runtime.input_processor import InvalidPromptError, ProcessedPrompt
+from shardserve.runtime.outputs import PromptDelta, RequestOutputBuilder, SampleDelta
+from shardserve.runtime.sampling_params import SamplingParams
 
 
 @dataclass
-class _Job:
-    """One API request: its prompts (each a runtime request) and what the response needs."""
+class PreparedRequest:
+    """One API request, ready to run: its prompts as the runtime processed them, and what the
+    response needs."""
 
     kind: str                     # "completion" | "chat"
     request_id: str
     model: str
-    prompts: list[dict]           # {"prompt": text or None, "prompt_token_ids": [...]}
-    params: object                # SamplingParams
-    echo: bool = False
+    prompts: list[ProcessedPrompt]
+    params: SamplingParams
+    echo_texts: list[str] | None = None  # per prompt, when the completion echoes its prompt
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def prompt_id(self, prompt_index: int) -> str:
+        return f"{self.request_id}-{prompt_index}"
+
+    def choice_index(self, prompt_index: int, sample_index: int) -> int:
+        return prompt_index * self.params.n + sample_index
+
+
+@contextmanager
+def _as_api_error(prompt_param: str) -> Iterator[None]:
+    """The runtime's refusals as 400s; `prompt_param` names the prompt in this endpoint."""
+    try:
+        yield
+    except InvalidPromptError as e:
+        raise APIError(400, str(e), prompt_param if e.field == "prompt" else e.field) from None
+    except ValueError as e:  # SamplingParams' own checks
+        raise APIError(400, str(e)) from None
 
 
 class OpenAIServing:
@@ -33,7 +53,7 @@ class OpenAIServing:
         self.replicas = replicas
         self.served_model_name = served_model_name
 
-    # ---- request preparation -------------------------------------------------------------
+    # ---- API request -> prompts ------------------------------------------------------------
     def check_ready(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
             raise APIError(404, f"model {model!r} does not exist; this server serves "
@@ -43,87 +63,52 @@ class OpenAIServing:
             raise APIError(503, f"the engine is not running ({dead})",
                            error_type="service_unavailable")
 
-    def _tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> dict:
-        if isinstance(prompt, str):
-            tokenizer = self.replicas.tokenizer
-            if tokenizer is None:
-                raise APIError(400, "this server has no tokenizer: send token ids", "prompt")
-            ids = tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
-            return {"prompt": prompt, "prompt_token_ids": ids}
-        vocab = self.replicas.vocab_size
-        if not prompt or any(not 0 <= t < vocab for t in prompt):
-            raise APIError(400, f"prompt token ids must be non-empty and in [0, {vocab})",
-                           "prompt")
-        return {"prompt": None, "prompt_token_ids": list(prompt)}
-
-    def _max_tokens(self, requested: int | None, prompt_len: int, field_name: str) -> int:
-        limit = self.replicas.max_model_len
-        if prompt_len == 0:
-            raise APIError(400, "the prompt is empty", "prompt")
-        if requested is None:
-            if prompt_len >= limit:
-                raise APIError(400, f"the prompt has {prompt_len} tokens; this model's maximum "
-                               f"context length is {limit}", "messages")
-            return limit - prompt_len
-        if prompt_len + requested > limit:
-            raise APIError(400, f"this model's maximum context length is {limit} tokens, but "
-                           f"the request asks for {prompt_len + requested} ({prompt_len} in the "
-                           f"prompt, {requested} to generate): shorten the prompt or lower "
-                           f"{field_name}", field_name)
-        return requested
-
-    def completion_job(self, req: CompletionRequest) -> _Job:
-        self.check_ready(req.model)
-        if req.suffix:
+    def prepare_completion(self, body: CompletionRequest) -> PreparedRequest:
+        self.check_ready(body.model)
+        if body.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
-        if req.best_of not in (None, req.n):
+        if body.best_of not in (None, body.n):
             raise APIError(400, "best_of must equal n (or be left out)", "best_of")
-        if req.echo and req.logprobs is not None:
+        if body.echo and body.logprobs is not None:
             raise APIError(400, "echo with logprobs (prompt logprobs) is not supported",
                            "logprobs")
-        prompts = [self._tokenize(p) for p in req.prompts()]
-        longest = max(len(p["prompt_token_ids"]) for p in prompts)
-        max_tokens = self._max_tokens(req.max_tokens, longest, "max_tokens")
-        return _Job("completion", f"cmpl-{uuid.uuid4().hex}", self.served_model_name, prompts,
-                    req.sampling_params(max_tokens, req.logprobs), echo=req.echo)
+        processor = self.replicas.input_processor
+        with _as_api_error("prompt"):
+            params = body.sampling_params(body.max_tokens, body.logprobs)
+            prompts = [processor.process(p, params) for p in body.prompts()]
+        echo_texts = None
+        if body.echo:
+            echo_texts = [p.prompt if p.prompt is not None else processor.decode(p.prompt_token_ids)
+                          for p in prompts]
+        return PreparedRequest("completion", f"cmpl-{uuid.uuid4().hex}", self.served_model_name,
+                               prompts, params, echo_texts)
 
-    def chat_job(self, req: ChatCompletionRequest) -> _Job:
-        self.check_ready(req.model)
-        tokenizer = self.replicas.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise APIError(400, "this model has no chat template: use /v1/completions",
-                           "messages")
-        try:
-            text = tokenizer.apply_chat_template(
-                req.conversation(), tokenize=False,
-                add_generation_prompt=req.add_generation_prompt,
-                **(req.chat_template_kwargs or {}))
-        except Exception as e:  # jinja's errors (raise_exception in templates) are the client's
-            raise APIError(400, f"the chat template rejected the messages: {e}",
-                           "messages") from None
-        prompt = self._tokenize(text, add_special_tokens=False)
-        max_tokens = self._max_tokens(req.requested_max_tokens(),
-                                      len(prompt["prompt_token_ids"]), "max_tokens")
-        return _Job("chat", f"chatcmpl-{uuid.uuid4().hex}", self.served_model_name, [prompt],
-                    req.sampling_params(max_tokens, req.num_logprobs()))
+    def prepare_chat(self, body: ChatCompletionRequest) -> PreparedRequest:
+        self.check_ready(body.model)
+        with _as_api_error("messages"):
+            params = body.sampling_params(body.requested_max_tokens(), body.num_logprobs())
+            prompt = self.replicas.input_processor.process_chat(
+                body.conversation(), params, body.add_generation_prompt, body.chat_template_kwargs)
+        return PreparedRequest("chat", f"chatcmpl-{uuid.uuid4().hex}", self.served_model_name,
+                               [prompt], params)
 
     # ---- running ---------------------------------------------------------------------------
-    async def _outputs(self, job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Every prompt's cumulative outputs, interleaved as they come."""
+    async def _deltas(self, request: PreparedRequest) -> AsyncIterator[tuple[int, PromptDelta]]:
+        """Every prompt's deltas, tagged with the prompt's index, interleaved as they come."""
         queue: asyncio.Queue = asyncio.Queue()
         done = object()
 
-        async def pump(i: int, prompt: dict) -> None:
+        async def pump(prompt_index: int, prompt: ProcessedPrompt) -> None:
             try:
-                async for out in self.replicas.generate(prompt, job.params,
-                                                        f"{job.request_id}-{i}"):
-                    queue.put_nowait((i, out))
+                async for delta in self.replicas.generate(prompt, request.params,
+                                                          request.prompt_id(prompt_index)):
+                    queue.put_nowait((prompt_index, delta))
             except BaseException as e:  # noqa: BLE001 - handed to the consumer
                 queue.put_nowait(e)
             finally:
                 queue.put_nowait(done)
 
-        tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(job.prompts)]
+        tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(request.prompts)]
         try:
             remaining = len(tasks)
             while remaining:
@@ -138,78 +123,99 @@ class OpenAIServing:
             for t in tasks:
                 t.cancel()
 
-    async def full_response(self, job: _Job) -> dict:
-        final: dict[int, RequestOutput] = {}
-        async for i, out in self._outputs(job):
-            final[i] = out
-        results = [final[i] for i in range(len(job.prompts))]
-        choices = []
-        for i, res in enumerate(results):
-            for c in res.outputs:
-                index = i * job.params.n + c.index
-                choices.append(self._choice(job, res, c, index, c.text, c.token_ids,
-                                            c.logprobs or [], 0, c.finish_reason))
-        body = {"id": job.request_id, "object": "text_completion" if job.kind == "completion"
-                else "chat.completion", "created": job.created, "model": job.model,
+    async def full_response(self, request: PreparedRequest) -> dict:
+        """Accumulate every prompt's deltas, then answer once."""
+        builders = [RequestOutputBuilder(request.prompt_id(i), prompt, request.params)
+                    for i, prompt in enumerate(request.prompts)]
+        async for prompt_index, delta in self._deltas(request):
+            builders[prompt_index].add(delta)
+        choices, num_completion_tokens = [], 0
+        for prompt_index, output in enumerate(b.build() for b in builders):
+            echo = request.echo_texts[prompt_index] if request.echo_texts else ""
+            for c in output.outputs:
+                num_completion_tokens += len(c.token_ids)
+                choices.append(_choice(request, request.choice_index(prompt_index, c.index),
+                                       echo + c.text, c.token_ids, c.logprobs or [], 0,
+                                       c.finish_reason))
+        num_prompt_tokens = sum(p.num_prompt_tokens for p in request.prompts)
+        obj = "text_completion" if request.kind == "completion" else "chat.completion"
+        return {"id": request.request_id, "object": obj, "created": request.created,
+                "model": request.model,
                 "choices": sorted(choices, key=lambda ch: ch["index"]),
-                "usage": usage(results)}
-        return body
+                "usage": usage(num_prompt_tokens, num_completion_tokens)}
 
-    def _choice(self, job, res, c, index, text, token_ids, logprobs, offset, finish) -> dict:
-        tokenizer = self.replicas.tokenizer
-        if job.kind == "completion":
-            if job.echo and offset == 0:
-                text = _prompt_text(res, tokenizer) + text
-            lp = (completion_logprobs(token_ids, logprobs, job.params.logprobs, tokenizer,
-                                      offset) if job.params.logprobs is not None else None)
-            return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
-        lp = (chat_logprobs(token_ids, logprobs, job.params.logprobs, tokenizer)
-              if job.params.logprobs is not None else None)
-        return {"index": index, "message": {"role": "assistant", "content": text},
-                "logprobs": lp, "finish_reason": finish}
-
-    async def stream(self, job: _Job, include_usage: bool) -> AsyncIterator[str]:
-        """SSE events: a chunk per new text, a final usage chunk if asked, then [DONE]."""
-        obj = "text_completion" if job.kind == "completion" else "chat.completion.chunk"
-        head = {"id": job.request_id, "object": obj, "created": job.created, "model": job.model}
-        sent_text: dict[int, int] = {}
-        sent_tokens: dict[int, int] = {}
-        final: dict[int, RequestOutput] = {}
-        if job.kind == "chat":
-            for k in range(job.params.n):
+    async def stream(self, request: PreparedRequest, include_usage: bool) -> AsyncIterator[str]:
+        """SSE events: a chunk per delta with new text (or a finish), a final usage chunk if
+        asked, then [DONE]."""
+        obj = "text_completion" if request.kind == "completion" else "chat.completion.chunk"
+        head = {"id": request.request_id, "object": obj, "created": request.created,
+                "model": request.model}
+        chunks = _ChunkMapper(request)
+        if request.kind == "chat":
+            for k in range(request.params.n):
                 yield sse({**head, "choices": [{"index": k, "delta": {"role": "assistant",
                                                                       "content": ""},
                                                 "logprobs": None, "finish_reason": None}]})
         try:
-            async for i, res in self._outputs(job):
-                final[i] = res
-                for c in res.outputs:
-                    index = i * job.params.n + c.index
-                    t0, n0 = sent_text.get(index, 0), sent_tokens.get(index, 0)
-                    delta, new_ids = c.text[t0:], c.token_ids[n0:]
-                    if not delta and c.finish_reason is None:
-                        continue  # text held back (a stop string may be forming): wait
-                    sent_text[index], sent_tokens[index] = len(c.text), len(c.token_ids)
-                    choice = self._choice(job, res, c, index, delta, new_ids,
-                                          (c.logprobs or [])[n0:], t0 if n0 else 0,
-                                          c.finish_reason)
-                    if job.kind == "chat":
-                        choice["delta"] = {"content": delta} if delta else {}
-                        del choice["message"]
-                    yield sse({**head, "choices": [choice]})
+            async for prompt_index, delta in self._deltas(request):
+                for sample in delta.samples:
+                    choice = chunks.choice(prompt_index, sample)
+                    if choice is not None:
+                        yield sse({**head, "choices": [choice]})
         except APIError as e:
             yield sse(e.body())
         else:
             if include_usage:
-                results = [final[i] for i in sorted(final)]
-                yield sse({**head, "choices": [], "usage": usage(results)})
+                num_prompt_tokens = sum(p.num_prompt_tokens for p in request.prompts)
+                yield sse({**head, "choices": [],
+                           "usage": usage(num_prompt_tokens, chunks.num_completion_tokens)})
         yield "data: [DONE]\n\n"
 
 
-def _prompt_text(res: RequestOutput, tokenizer) -> str:
-    if res.prompt is not None:
-        return res.prompt
-    return tokenizer.decode(res.prompt_token_ids) if tokenizer is not None else ""
+class _ChunkMapper:
+    """Sample deltas -> streamed choices. Tokens whose text is held back (a stop string may be
+    forming) wait, with their logprobs, for the next chunk that carries text."""
+
+    def __init__(self, request: PreparedRequest):
+        self.request = request
+        self.num_completion_tokens = 0
+        self.text_offsets: dict[int, int] = {}  # choice index -> text_offset of its next token
+        self.waiting: dict[int, tuple[list[int], list[dict]]] = {}  # index -> tokens, logprobs
+
+    def choice(self, prompt_index: int, sample: SampleDelta) -> dict | None:
+        request = self.request
+        self.num_completion_tokens += len(sample.new_token_ids)
+        index = request.choice_index(prompt_index, sample.sample_index)
+        token_ids, logprobs = self.waiting.setdefault(index, ([], []))
+        token_ids.extend(sample.new_token_ids)
+        logprobs.extend(sample.new_logprobs or ())
+        if not sample.new_text and sample.finish_reason is None:
+            return None
+        del self.waiting[index]
+        text = sample.new_text
+        if request.echo_texts and index not in self.text_offsets:
+            text = request.echo_texts[prompt_index] + text
+        offset = self.text_offsets.get(index, 0)
+        choice = _choice(request, index, text, token_ids, logprobs, offset, sample.finish_reason)
+        lp = choice["logprobs"]
+        if request.kind == "completion" and lp and lp["tokens"]:
+            offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
+        self.text_offsets[index] = offset
+        if request.kind == "chat":
+            choice["delta"] = {"content": text} if text else {}
+            del choice["message"]
+        return choice
+
+
+def _choice(request: PreparedRequest, index: int, text: str, token_ids, logprobs,
+            text_offset: int, finish: str | None) -> dict:
+    k = request.params.logprobs
+    if request.kind == "completion":
+        lp = completion_logprobs(token_ids, logprobs, k, text_offset) if k is not None else None
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+    lp = chat_logprobs(token_ids, logprobs, k) if k is not None else None
+    return {"index": index, "message": {"role": "assistant", "content": text},
+            "logprobs": lp, "finish_reason": finish}
 
 
 def _engine_error(error: BaseException) -> Exception:

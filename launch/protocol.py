@@ -65,7 +65,8 @@ class _SamplingFields(BaseModel):
             raise ValueError("logit_bias is not supported")
         return value
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """max_tokens None: up to max_model_len."""
         return SamplingParams(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k,

@@ -1,21 +1,21 @@
-"""Engine replicas behind one server: least-loaded routing, liveness and per-request metrics."""
+"""Engine replicas behind one server: least-loaded routing, liveness and per-prompt metrics."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import AsyncIterator
 
 from shardserve.launch.metrics import ServerMetrics
-from shardserve.runtime.outputs import RequestOutput
+from shardserve.runtime.input_processor import InputProcessor, ProcessedPrompt
+from shardserve.runtime.outputs import PromptDelta
 from shardserve.runtime.sampling_params import SamplingParams
 
 
 class Replica:
     def __init__(self, index: int, engine):
         self.index, self.engine = index, engine
-        self.num_active = 0  # requests this server has given the replica and not seen end
+        self.num_active = 0  # prompts this server has given the replica and not seen end
 
     def stats(self) -> dict:
         return dataclasses.asdict(self.engine.engine.get_stats())
@@ -30,23 +30,14 @@ class ReplicaSet:
         self.replicas = [Replica(i, e) for i, e in enumerate(engines)]
         self.metrics = metrics
 
-    @functools.cached_property
-    def tokenizer(self):
-        """The server's own tokenizer: fast tokenizers are not safe to share with the engine's
-        step thread, which detokenizes while the event loop tokenizes new prompts."""
-        engine = self.replicas[0].engine.engine
-        if engine.tokenizer is None:
-            return None
-        from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(engine.config.model.model)
+    @property
+    def input_processor(self) -> InputProcessor:
+        """Every replica serves the same model, so the first one's processor serves them all."""
+        return self.replicas[0].engine.input_processor
 
     @property
     def max_model_len(self) -> int:
         return self.replicas[0].engine.engine.config.model.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.replicas[0].engine.engine.config.model.vocab_size
 
     def stats(self) -> list[dict]:
         return [r.stats() for r in self.replicas]
@@ -61,27 +52,27 @@ class ReplicaSet:
     def pick(self) -> Replica:
         return min(self.replicas, key=lambda r: (r.num_active, r.index))
 
-    async def generate(self, prompt: dict, params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
-        """The request's cumulative outputs from the least-loaded replica, timed for metrics."""
+    async def generate(self, prompt: ProcessedPrompt, params: SamplingParams,
+                       prompt_id: str) -> AsyncIterator[PromptDelta]:
+        """The prompt's deltas from the least-loaded replica, timed for metrics."""
         replica = self.pick()
         replica.num_active += 1
         labels = (self.metrics.model, str(replica.index)) if self.metrics else None
         start = last = time.monotonic()
         num_tokens = 0
         try:
-            async for output in replica.engine.generate(prompt, params, request_id):
+            async for delta in replica.engine.generate(prompt, params, prompt_id):
                 now = time.monotonic()
-                produced = sum(len(c.token_ids) for c in output.outputs)
-                if labels and produced > num_tokens:
+                num_new = sum(len(sample.new_token_ids) for sample in delta.samples)
+                if labels and num_new:
                     first = num_tokens == 0
                     (self.metrics.ttft if first else self.metrics.itl).labels(*labels).observe(
                         now - (start if first else last))
-                    self.metrics.generation_tokens.labels(*labels).inc(produced - num_tokens)
-                    num_tokens, last = produced, now
-                yield output
+                    self.metrics.generation_tokens.labels(*labels).inc(num_new)
+                    num_tokens, last = num_tokens + num_new, now
+                yield delta
             if labels:
-                self.metrics.prompt_tokens.labels(*labels).inc(len(prompt["prompt_token_ids"]))
+                self.metrics.prompt_tokens.labels(*labels).inc(prompt.num_prompt_tokens)
                 self.metrics.e2e.labels(*labels).observe(time.monotonic() - start)
         finally:
             replica.num_active -= 1

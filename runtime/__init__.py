@@ -1,7 +1,8 @@
 """The bundled inference runtime: paged KV cache, continuous batching, sharded models."""
 
 from shardserve.runtime.errors import EngineDeadError
-from shardserve.runtime.outputs import CompletionOutput, Logprob, RequestOutput
+from shardserve.runtime.input_processor import InvalidPromptError, ProcessedPrompt
+from shardserve.runtime.outputs import CompletionOutput, Logprob, PromptDelta, RequestOutput, SampleDelta
 from shardserve.runtime.sampling_params import SamplingParams
 
 
@@ -20,4 +21,4 @@ def __getattr__(name):
 
 
 __all__ = ["LLM", "AsyncEngine", "EngineArgs", "EngineDeadError", "SamplingParams", "RequestOutput",
-           "CompletionOutput", "Logprob"]
+           "CompletionOutput", "Logprob", "PromptDelta", "SampleDelta", "ProcessedPrompt", "InvalidPromptError"]

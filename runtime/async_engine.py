@@ -8,28 +8,33 @@ from dataclasses import dataclass
 
 from shardserve.runtime.engine import LLMEngine
 from shardserve.runtime.engine_args import EngineArgs
-from shardserve.runtime.outputs import RequestOutput
+from shardserve.runtime.input_processor import InputProcessor, ProcessedPrompt, PromptType
+from shardserve.runtime.outputs import PromptDelta
 from shardserve.runtime.sampling_params import SamplingParams
+from shardserve.runtime.tokenizer import load_tokenizer
 
-_END = object()  # ends a stream whose request was aborted
+_END = object()  # ends a stream whose prompt was aborted
 HEALTH_CHECK_SECONDS = 0.5  # while idle, how often the workers are checked for life
 
 
 @dataclass(slots=True)
 class _PendingAdd:
-    request_id: str
-    prompt: str | dict
+    prompt_id: str
+    prompt: ProcessedPrompt
     params: SamplingParams
 
 
 class AsyncEngine:
     """NOTE: engine.step() runs in a worker thread so the event loop stays responsive, and every
-    other engine call (add, abort, tokenize) runs on the loop between steps: the engine itself is
-    never touched by two threads at once."""
+    other engine call (add, abort) runs on the loop between steps: the engine itself is never
+    touched by two threads at once. Prompts are processed on the loop at once, while a step may be
+    detokenizing, so the input processor has a tokenizer of its own (fast tokenizers are not safe
+    to share between threads)."""
 
     def __init__(self, model: str, **engine_kwargs):
         self.engine_args = EngineArgs.from_kwargs(model, engine_kwargs, "AsyncEngine(...)")
         self.engine = LLMEngine(self.engine_args.create_engine_config())
+        self.input_processor = InputProcessor(self.engine.config.model, load_tokenizer(self.engine.config.model))
         self._streams: dict[str, asyncio.Queue] = {}
         self._pending_adds: list[_PendingAdd] = []
         self._pending_aborts: list[tuple[str, asyncio.Future]] = []
@@ -41,16 +46,19 @@ class AsyncEngine:
     def kv_cache_info(self):
         return self.engine.kv_cache_info
 
-    async def generate(self, prompt: str | dict, sampling_params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
-        """Yield the request's cumulative output after every step that changed it, last one finished."""
+    async def generate(self, prompt: PromptType | ProcessedPrompt, sampling_params: SamplingParams,
+                       prompt_id: str) -> AsyncIterator[PromptDelta]:
+        """Yield the prompt's delta after every step that advanced it; the last one is finished.
+        A prompt not yet processed is processed here, so a bad one raises before anything is queued."""
         if self.error is not None:
             raise RuntimeError(f"the engine stopped after an error: {self.error!r}")
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        if prompt_id in self._streams:
+            raise ValueError(f"prompt id {prompt_id!r} is already in use")
+        if not isinstance(prompt, ProcessedPrompt):
+            prompt = self.input_processor.process(prompt, sampling_params)
         stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = stream
-        self._pending_adds.append(_PendingAdd(request_id, prompt, sampling_params))
+        self._streams[prompt_id] = stream
+        self._pending_adds.append(_PendingAdd(prompt_id, prompt, sampling_params))
         self._ensure_loop()
         finished = False
         try:
@@ -67,21 +75,21 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:  # the consumer went away: free the request's blocks
-                self._pending_aborts.append((request_id, asyncio.get_running_loop().create_future()))
+            self._streams.pop(prompt_id, None)
+            if not finished:  # the consumer went away: free the requests' blocks
+                self._pending_aborts.append((prompt_id, asyncio.get_running_loop().create_future()))
                 self._wake.set()
 
-    async def abort(self, request_id: str) -> None:
-        """Free everything the request holds; returns once that is done. Its stream ends."""
+    async def abort(self, prompt_id: str) -> None:
+        """Free everything the prompt's requests hold; returns once that is done. Its stream ends."""
         done = asyncio.get_running_loop().create_future()
-        self._pending_aborts.append((request_id, done))
+        self._pending_aborts.append((prompt_id, done))
         self._ensure_loop()
         await done
 
     def start(self) -> None:
         """Start the step loop now (inside the running event loop), so that the workers are watched
-        before the first request arrives; otherwise the first request starts it."""
+        before the first prompt arrives; otherwise the first prompt starts it."""
         self._ensure_loop()
 
     def _ensure_loop(self) -> None:
@@ -101,14 +109,14 @@ class AsyncEngine:
                     await self._idle()
                 continue
             try:
-                outputs = await asyncio.to_thread(self.engine.step)
+                deltas = await asyncio.to_thread(self.engine.step)
             except Exception as error:
                 self._fail(error)
                 raise
-            for output in outputs:
-                stream = self._streams.get(output.request_id)
+            for delta in deltas:
+                stream = self._streams.get(delta.prompt_id)
                 if stream is not None:
-                    stream.put_nowait(output)
+                    stream.put_nowait(delta)
 
     async def _idle(self) -> None:
         """Wait for work; meanwhile notice a worker rank dying, so the engine is known dead at once."""
@@ -131,27 +139,19 @@ class AsyncEngine:
         adds, self._pending_adds = self._pending_adds, []
         for add in adds:
             try:
-                text, token_ids = self._resolve(add.prompt)
-                self.engine.add_request(add.request_id, token_ids, add.params, prompt=text)
-            except Exception as error:  # bad input fails its own stream only
-                stream = self._streams.get(add.request_id)
+                self.engine.add_request(add.prompt_id, add.prompt, add.params)
+            except Exception as error:  # a prompt the pool cannot hold fails its own stream only
+                stream = self._streams.get(add.prompt_id)
                 if stream is not None:
                     stream.put_nowait(error)
         aborts, self._pending_aborts = self._pending_aborts, []
-        for request_id, done in aborts:
-            self.engine.abort_request(request_id)
-            stream = self._streams.get(request_id)
+        for prompt_id, done in aborts:
+            self.engine.abort_request(prompt_id)
+            stream = self._streams.get(prompt_id)
             if stream is not None:
                 stream.put_nowait(_END)
             if not done.done():
                 done.set_result(None)
-
-    def _resolve(self, prompt: str | dict) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.engine.tokenize(prompt)
-        if "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        return prompt["prompt"], self.engine.tokenize(prompt["prompt"])
 
     async def shutdown(self) -> None:
         if self._loop_task is not None:

@@ -10,10 +10,11 @@ from shardserve.runtime.block_manager import BlockManager
 from shardserve.runtime.config import EngineConfig
 from shardserve.runtime.errors import EngineDeadError
 from shardserve.runtime.executor import make_executor
+from shardserve.runtime.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from shardserve.runtime.kv_sizing import size_kv_cache
 from shardserve.runtime.messages import ModelRunnerOutput, SchedulerOutput
 from shardserve.runtime.output_processor import OutputProcessor
-from shardserve.runtime.outputs import RequestOutput
+from shardserve.runtime.outputs import PromptDelta
 from shardserve.runtime.request import Request, RequestStatus
 from shardserve.runtime.sampling_params import SamplingParams
 from shardserve.runtime.scheduler import Scheduler
@@ -42,43 +43,34 @@ class LLMEngine:
         self.block_manager = BlockManager(self.kv_cache_info.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, config.model.max_model_len)
+        self.input_processor = InputProcessor(config.model, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self._seeds = random.Random(config.seed)  # seeds for requests that bring none
+        self._seeds = random.Random(config.seed)  # seeds for prompts that bring none
         self.in_flight: deque[SchedulerOutput] = deque()  # submitted batches, oldest first
 
-    def tokenize(self, prompt: str) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError("this engine was started with skip_tokenizer_init=True; "
-                             "give prompts as {'prompt_token_ids': [...]}")
-        return self.tokenizer(prompt).input_ids
-
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None) -> None:
-        """Queue a request; n > 1 becomes n scheduler requests that share the prompt's cached blocks."""
-        if self.tokenizer is None and params.stop:
-            raise ValueError("stop strings need a tokenizer; use stop_token_ids with skip_tokenizer_init=True")
-        vocab = self.config.model.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"request {request_id!r}: prompt token ids must lie in [0, {vocab})")
+    def add_request(self, prompt_id: str, prompt: PromptType | ProcessedPrompt, params: SamplingParams) -> None:
+        """Queue a prompt: it fans out to n requests, one per sample, that share its cached blocks.
+        A ProcessedPrompt was checked with these params already; anything else is checked here."""
+        if self.output_processor.has_prompt(prompt_id):
+            raise ValueError(f"prompt id {prompt_id!r} is already in use")
+        if not isinstance(prompt, ProcessedPrompt):
+            prompt = self.input_processor.process(prompt, params)
         base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(62)
-        sample_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
-        requests = [Request(sample_id, prompt_token_ids, params, base_seed + i, self.eos_token_ids)
-                    for i, sample_id in enumerate(sample_ids)]
-        for request in requests:
-            self.scheduler.check_can_ever_fit(request)
-        for request in requests:
-            self.scheduler.add_request(request)
-        self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, sample_ids)
+        request_ids = [prompt_id] if params.n == 1 else [f"{prompt_id}#{i}" for i in range(params.n)]
+        for sample_index, request_id in enumerate(request_ids):  # the first refusal comes before any is queued
+            self.scheduler.add_request(Request(request_id, list(prompt.prompt_token_ids), params,
+                                               base_seed + sample_index, self.eos_token_ids))
+        self.output_processor.add_prompt(prompt_id, params, request_ids)
 
-    def abort_request(self, request_id: str) -> None:
-        """Free everything the request holds, wherever it is."""
-        self.scheduler.finish_requests(self.output_processor.sample_ids(request_id), RequestStatus.FINISHED_ABORTED)
-        self.output_processor.abort(request_id)
+    def abort_request(self, prompt_id: str) -> None:
+        """Free everything the prompt's requests hold, wherever they are."""
+        self.scheduler.finish_requests(self.output_processor.request_ids(prompt_id), RequestStatus.FINISHED_ABORTED)
+        self.output_processor.abort(prompt_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests or bool(self.in_flight)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[PromptDelta]:
         """Schedule, execute, update. With pipeline stages, up to max_concurrent_batches batches are
         submitted before the oldest is collected, so no stage idles while another computes."""
         if self.executor.is_dead:
@@ -103,11 +95,11 @@ class LLMEngine:
         scheduler_output = self.in_flight.popleft()
         return self._update(scheduler_output, self.executor.collect_batch())
 
-    def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
+    def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[PromptDelta]:
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
-        outputs, stopped = self.output_processor.process(updates)
+        deltas, stopped = self.output_processor.process(updates)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        return outputs
+        return deltas
 
     def get_stats(self) -> EngineStats:
         scheduler, pool = self.scheduler, self.block_manager

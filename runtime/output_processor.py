@@ -1,119 +1,125 @@
-"""Turn per-step token updates into user outputs: detokenize, apply stop strings, group n samples."""
+"""Per-step token updates -> per-prompt deltas: detokenize, apply stop strings, group a prompt's samples."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from shardserve.runtime.detokenizer import IncrementalDetokenizer
 from shardserve.runtime.messages import RequestUpdate, TokenLogprobs
-from shardserve.runtime.outputs import CompletionOutput, Logprob, RequestOutput
+from shardserve.runtime.outputs import Logprob, PromptDelta, SampleDelta
 from shardserve.runtime.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
 class _Sample:
-    """One of the n samples of a request (one scheduler request)."""
+    """One sample of a prompt (one scheduler request): only what the next step needs."""
 
-    completion: CompletionOutput  # what users see; its text may lag `text` (see _apply)
+    prompt_id: str
+    sample_index: int
     detokenizer: IncrementalDetokenizer | None
-    text: str = ""  # everything detokenized so far
+    num_tokens: int = 0
+    held_text: str = ""  # detokenized, not yet emitted: it may begin a stop string
+    is_finished: bool = False
 
 
 @dataclass(slots=True)
-class _Parent:
-    output: RequestOutput
+class _Prompt:
     params: SamplingParams
-    samples: dict[str, _Sample] = field(default_factory=dict)  # scheduler request id -> sample
+    request_ids: list[str]  # one scheduler request per sample
+    num_unfinished: int
 
 
 class OutputProcessor:
+    """NOTE: nothing here keeps a sample's text or tokens so far: each step costs the same at the
+    end of a long generation as at its start (the caller accumulates deltas if it wants them)."""
+
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self._parents: dict[str, _Parent] = {}
-        self._parent_of: dict[str, str] = {}  # scheduler request id -> user request id
+        self._prompts: dict[str, _Prompt] = {}
+        self._samples: dict[str, _Sample] = {}  # scheduler request id -> sample
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, sample_ids: list[str]) -> None:
-        parent = _Parent(RequestOutput(request_id, prompt, list(prompt_token_ids)), params)
-        for index, sample_id in enumerate(sample_ids):
-            completion = CompletionOutput(index=index, text="", token_ids=[], finish_reason=None,
-                                          logprobs=[] if params.logprobs is not None else None)
+    def add_prompt(self, prompt_id: str, params: SamplingParams, request_ids: list[str]) -> None:
+        self._prompts[prompt_id] = _Prompt(params, list(request_ids), len(request_ids))
+        for index, request_id in enumerate(request_ids):
             detokenizer = None
             if self.tokenizer is not None:
                 detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-            parent.samples[sample_id] = _Sample(completion, detokenizer)
-            parent.output.outputs.append(completion)
-            self._parent_of[sample_id] = request_id
-        self._parents[request_id] = parent
+            self._samples[request_id] = _Sample(prompt_id, index, detokenizer)
 
-    def sample_ids(self, request_id: str) -> list[str]:
-        parent = self._parents.get(request_id)
-        return list(parent.samples) if parent else []
+    def has_prompt(self, prompt_id: str) -> bool:
+        return prompt_id in self._prompts
 
-    def abort(self, request_id: str) -> None:
-        parent = self._parents.pop(request_id, None)
-        for sample_id in parent.samples if parent else ():
-            self._parent_of.pop(sample_id, None)
+    def request_ids(self, prompt_id: str) -> list[str]:
+        prompt = self._prompts.get(prompt_id)
+        return list(prompt.request_ids) if prompt else []
 
-    def process(self, updates: list[RequestUpdate]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the outputs of requests that changed, and the scheduler requests a stop string
-        ended (the scheduler must finish those)."""
-        touched: dict[str, _Parent] = {}
+    def abort(self, prompt_id: str) -> None:
+        prompt = self._prompts.pop(prompt_id, None)
+        for request_id in prompt.request_ids if prompt else ():
+            self._samples.pop(request_id, None)
+
+    def process(self, updates: list[RequestUpdate]) -> tuple[list[PromptDelta], list[str]]:
+        """Returns a delta per prompt that advanced, and the scheduler requests a stop string ended
+        (the scheduler must finish those)."""
+        grouped: dict[str, list[SampleDelta]] = {}
         stopped = []
         for update in updates:
-            parent_id = self._parent_of.get(update.request_id)
-            if parent_id is None:
+            sample = self._samples.get(update.request_id)
+            if sample is None or sample.is_finished:
                 continue
-            parent = self._parents[parent_id]
-            if self._apply(parent, parent.samples[update.request_id], update):
-                stopped.append(update.request_id)
-            touched[parent_id] = parent
-        results = []
-        for parent_id, parent in touched.items():
-            parent.output.finished = all(s.completion.is_finished for s in parent.samples.values())
-            if parent.output.finished:
-                self.abort(parent_id)  # forget it
-            results.append(_snapshot(parent.output))
-        return results, stopped
+            prompt = self._prompts[sample.prompt_id]
+            delta = self._sample_delta(sample, prompt.params, update)
+            if delta.finish_reason is not None:
+                prompt.num_unfinished -= 1
+                if update.finish_reason is None:
+                    stopped.append(update.request_id)
+            grouped.setdefault(sample.prompt_id, []).append(delta)
+        deltas = []
+        for prompt_id, samples in grouped.items():
+            finished = self._prompts[prompt_id].num_unfinished == 0
+            if finished:
+                self.abort(prompt_id)  # forget it
+            deltas.append(PromptDelta(prompt_id, tuple(samples), finished))
+        return deltas, stopped
 
-    def _apply(self, parent: _Parent, sample: _Sample, update: RequestUpdate) -> bool:
-        """Append one update to a sample; True if a stop string ended it here.
-        NOTE: while a request with stop strings runs, its visible text holds back the last
-        (longest stop - 1) characters, so streamed text never shows a stop string's beginning
-        that is later cut off."""
-        completion, params = sample.completion, parent.params
-        completion.token_ids.extend(update.new_token_ids)
-        if completion.logprobs is not None:
-            completion.logprobs.extend(self._logprob_dicts(update.new_logprobs))
-        if update.finish_reason is not None:
-            completion.finish_reason, completion.stop_reason = update.finish_reason, update.stop_reason
-        if sample.detokenizer is None:
-            return False
-        old_length = len(sample.text)
-        sample.text += "".join(sample.detokenizer.push(token) for token in update.new_token_ids)
-        if update.finish_reason is not None:
-            sample.text += sample.detokenizer.flush()
-        stopped = False
-        if params.stop and len(completion.token_ids) >= params.min_tokens:
-            stopped = self._apply_stop_strings(sample, params, old_length)
-        hold = max(len(s) for s in params.stop) - 1 if params.stop and not completion.is_finished else 0
-        completion.text = sample.text[: len(sample.text) - hold]
-        return stopped and update.finish_reason is None
+    def _sample_delta(self, sample: _Sample, params: SamplingParams, update: RequestUpdate) -> SampleDelta:
+        sample.num_tokens += len(update.new_token_ids)
+        finish_reason, stop_reason = update.finish_reason, update.stop_reason
+        text, stop = self._new_text(sample, params, update.new_token_ids, finish_reason is not None)
+        if stop is not None:
+            finish_reason, stop_reason = "stop", stop
+        sample.is_finished = finish_reason is not None
+        logprobs = None if params.logprobs is None else self._logprob_dicts(update.new_logprobs)
+        return SampleDelta(sample.sample_index, update.new_token_ids, text, logprobs, finish_reason, stop_reason)
 
     @staticmethod
-    def _apply_stop_strings(sample: _Sample, params: SamplingParams, old_length: int) -> bool:
-        longest = max(len(s) for s in params.stop)
-        search_from = max(0, old_length - longest + 1)
-        found = [(sample.text.find(s, search_from), s) for s in params.stop]
-        found = [(i, s) for i, s in found if i >= 0]
-        if not found:
-            return False
-        index, stop = min(found)
-        sample.text = sample.text[: index + (len(stop) if params.include_stop_str_in_output else 0)]
-        sample.completion.finish_reason, sample.completion.stop_reason = "stop", stop
-        return True
+    def _new_text(sample: _Sample, params: SamplingParams, token_ids: tuple[int, ...],
+                  is_last: bool) -> tuple[str, str | None]:
+        """The text to emit now, and the stop string that ended the sample here, if any.
+        NOTE: while a sample with stop strings runs, its last (longest stop - 1) characters are held
+        back, so streamed text never shows a stop string's beginning that is later cut off. A stop
+        string found now must end in the new text, so it lies within held + new text: the search
+        never looks further back."""
+        if sample.detokenizer is None:
+            return "", None
+        pieces = [sample.detokenizer.push(token) for token in token_ids]
+        if is_last:
+            pieces.append(sample.detokenizer.flush())
+        text, sample.held_text = sample.held_text + "".join(pieces), ""
+        if not params.stop:
+            return text, None
+        if sample.num_tokens >= params.min_tokens:
+            found = min(((text.find(s), s) for s in params.stop if s in text), default=None)
+            if found is not None:
+                index, stop = found
+                return text[: index + (len(stop) if params.include_stop_str_in_output else 0)], stop
+        if is_last:
+            return text, None
+        num_held = min(len(text), max(len(s) for s in params.stop) - 1)
+        sample.held_text = text[len(text) - num_held:]
+        return text[: len(text) - num_held], None
 
-    def _logprob_dicts(self, entries: tuple[TokenLogprobs, ...]) -> list[dict[int, Logprob]]:
+    def _logprob_dicts(self, entries: tuple[TokenLogprobs, ...]) -> tuple[dict[int, Logprob], ...]:
         """{token: Logprob}: the top-k by rank, plus the sampled token (with its own rank) if not among them."""
         result = []
         for entry in entries:
@@ -123,15 +129,7 @@ class OutputProcessor:
             if sampled not in ranked:
                 ranked[sampled] = Logprob(entry.logprobs[0], entry.sampled_rank, self._token_text(sampled))
             result.append(ranked)
-        return result
+        return tuple(result)
 
     def _token_text(self, token: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token])
-
-
-def _snapshot(output: RequestOutput) -> RequestOutput:
-    """A copy the caller may keep while the live one keeps growing."""
-    completions = [CompletionOutput(c.index, c.text, list(c.token_ids), c.finish_reason,
-                                    None if c.logprobs is None else list(c.logprobs), c.stop_reason)
-                   for c in output.outputs]
-    return RequestOutput(output.request_id, output.prompt, output.prompt_token_ids, completions, output.finished)

@@ -1,8 +1,13 @@
-"""What users get back from generate: one RequestOutput per prompt, one CompletionOutput per sample."""
+"""What the engine gives back: per-step deltas of each prompt's samples, and the complete outputs built from them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shardserve.runtime.input_processor import ProcessedPrompt
+    from shardserve.runtime.sampling_params import SamplingParams
 
 
 @dataclass(slots=True, frozen=True)
@@ -12,14 +17,36 @@ class Logprob:
     decoded_token: str | None = None
 
 
+@dataclass(slots=True, frozen=True)
+class SampleDelta:
+    """What one sample gained in one step; its size does not grow with the generation."""
+
+    sample_index: int  # 0 .. n-1 within its prompt
+    new_token_ids: tuple[int, ...]
+    new_text: str  # may be "" while text is held back (an unfinished character, a possible stop string)
+    new_logprobs: tuple[dict[int, Logprob], ...] | None  # one per new token, when logprobs were asked
+    finish_reason: str | None = None  # "stop" or "length" on the sample's last delta
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+
+
+@dataclass(slots=True, frozen=True)
+class PromptDelta:
+    """The samples of one prompt that advanced in one step."""
+
+    prompt_id: str
+    samples: tuple[SampleDelta, ...]
+    finished: bool  # every sample has finished: the prompt's last delta
+
+
 @dataclass(slots=True)
 class CompletionOutput:
-    index: int
+    index: int  # the sample index
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", "abort" or None while running
     logprobs: list[dict[int, Logprob]] | None = None  # per output token, when requested
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    cumulative_logprob: float | None = None  # sum over the sampled tokens, when logprobs were asked
 
     @property
     def is_finished(self) -> bool:
@@ -28,10 +55,39 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """Cumulative: each output of a request repeats everything produced so far."""
+    """One prompt, complete: one CompletionOutput per sample (vLLM's shape; request_id is the prompt's id)."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+
+
+class RequestOutputBuilder:
+    """Folds one prompt's deltas into its RequestOutput (LLM.generate, non-streamed responses)."""
+
+    def __init__(self, prompt_id: str, prompt: ProcessedPrompt, params: SamplingParams):
+        completions = [CompletionOutput(i, "", [], None, [] if params.logprobs is not None else None)
+                       for i in range(params.n)]
+        self.output = RequestOutput(prompt_id, prompt.prompt, list(prompt.prompt_token_ids), completions)
+        self._texts: list[list[str]] = [[] for _ in range(params.n)]  # joined once, in build()
+
+    def add(self, delta: PromptDelta) -> None:
+        for sample in delta.samples:
+            completion = self.output.outputs[sample.sample_index]
+            completion.token_ids.extend(sample.new_token_ids)
+            self._texts[sample.sample_index].append(sample.new_text)
+            if completion.logprobs is not None and sample.new_logprobs:
+                completion.logprobs.extend(sample.new_logprobs)
+                completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + sum(
+                    entries[token].logprob for token, entries in zip(sample.new_token_ids, sample.new_logprobs))
+            if sample.finish_reason is not None:
+                completion.finish_reason, completion.stop_reason = sample.finish_reason, sample.stop_reason
+        self.output.finished = delta.finished
+
+    def build(self) -> RequestOutput:
+        for completion, pieces in zip(self.output.outputs, self._texts):
+            completion.text += "".join(pieces)
+            pieces.clear()
+        return self.output

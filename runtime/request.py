@@ -1,4 +1,4 @@
-"""One request as the scheduler sees it: its tokens, progress and status."""
+"""One request as the scheduler sees it (one sample of a prompt): its tokens, progress and status."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ class RequestStatus(enum.Enum):
 
 
 class Request:
-    """Token state of one request. Invariant: num_computed_tokens <= num_tokens, and a running
-    request always has at least one token not yet computed (its prompt tail or its last sample)."""
+    """Token state of one request. Invariants: the prompt is not empty (the input processor checked
+    it), num_computed_tokens <= num_tokens, and a running request always has at least one token not
+    yet computed (its prompt tail or its last sampled token)."""
 
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling_params", "seed",
                  "eos_token_ids", "status", "stop_reason", "num_computed_tokens", "num_synced_tokens", "num_synced_blocks",
@@ -30,8 +31,6 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  seed: int, eos_token_ids: frozenset[int] = frozenset()) -> None:
-        if not prompt_token_ids:
-            raise ValueError(f"request {request_id!r} has an empty prompt")
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []

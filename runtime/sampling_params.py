@@ -1,4 +1,4 @@
-"""How one request is sampled and when it stops (vLLM's field names)."""
+"""How a prompt's samples are drawn and when each stops (vLLM's field names)."""
 
 from __future__ import annotations
 

@@ -44,13 +44,8 @@ class Scheduler:
         self.waiting.append(request)
 
     def check_can_ever_fit(self, request: Request) -> None:
-        """Reject up front what could never finish, rather than leave it waiting forever."""
-        max_tokens = request.sampling_params.max_tokens
-        total = request.max_total_tokens or request.num_prompt_tokens + 1  # room for one output at least
-        if total > self.max_model_len:
-            raise ValueError(f"request {request.request_id!r}: prompt ({request.num_prompt_tokens} tokens) + "
-                             f"max_tokens ({max_tokens}) exceeds max_model_len={self.max_model_len}; "
-                             "shorten the prompt or lower max_tokens")
+        """Reject up front what this pool could never hold, rather than leave it waiting forever
+        (the prompt itself was checked against max_model_len by the input processor)."""
         pool = self.block_manager
         needed = pool.blocks_needed(request.max_total_tokens or self.max_model_len)
         if needed > pool.num_blocks:

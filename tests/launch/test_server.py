@@ -151,6 +151,11 @@ def test_min_tokens_and_ignore_eos(client):
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user",
                                                             "content": "hi"}],
                               "max_completion_tokens": 2000}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user",
+                                                            "content": "hi " * 3000}]},
+     400, "messages"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "min_tokens": 5},
+     400, None),
 ])
 def test_bad_input_is_openai_shaped_and_server_stays_healthy(server, path, body, status,
                                                              param):
@@ -189,6 +194,19 @@ def test_stop_string_streaming_sends_no_empty_chunks(client):
     streamed = "".join(c.choices[0].text for c in chunks)
     assert chunks[-1].choices[0].finish_reason == "stop" and stop not in streamed
     assert base.startswith(streamed)
+
+
+def test_streamed_logprobs_cover_held_back_tokens(client):
+    kwargs = dict(model=MODEL, prompt="The function returns", max_tokens=24, temperature=0,
+                  logprobs=2)
+    stop = client.completions.create(**kwargs).choices[0].text.strip().split()[-1]
+    full = client.completions.create(**kwargs, stop=[stop]).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**kwargs, stop=[stop], stream=True)
+              if c.choices]
+    assert "".join(c.text for c in chunks) == full.text
+    for name in ("tokens", "token_logprobs", "text_offset"):
+        assert [x for c in chunks for x in getattr(c.logprobs, name)] == \
+            getattr(full.logprobs, name), name
 
 
 def test_unknown_fields_are_accepted(server):

@@ -34,12 +34,12 @@ def build_tokenizer(folder: str):
     return fast
 
 
-def family_config(family: str, num_layers: int = 2):
+def family_config(family: str, num_layers: int = 2, max_position_embeddings: int = 256):
     import transformers as tf
 
     common = dict(vocab_size=VOCAB_SIZE, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)
     llama_like = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=num_layers, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=256, **common)
+                      num_key_value_heads=2, max_position_embeddings=max_position_embeddings, **common)
     if family == "llama3":
         rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
@@ -71,12 +71,13 @@ FAMILIES = ["llama3", "llama2-linear-tied", "mistral", "qwen2", "qwen3", "mixtra
 
 
 def save_checkpoint(folder: str, family: str, with_tokenizer: bool = True, seed: int = 0,
-                    max_shard_size: str | None = None, num_layers: int = 2):
+                    max_shard_size: str | None = None, num_layers: int = 2, max_position_embeddings: int = 256):
     """Write a random model of `family` to `folder`; returns the transformers model (eval, float32)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(family_config(family, num_layers), dtype=torch.float32)
+    config = family_config(family, num_layers, max_position_embeddings)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     std = 0.3 if family.startswith("opt") else 0.15
     with torch.no_grad():  # larger weights than the default init make logits less flat, so argmax is robust
         for name, param in model.named_parameters():

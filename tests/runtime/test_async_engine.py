@@ -1,4 +1,4 @@
-"""The asynchronous engine: concurrent streams, incremental outputs, and abort freeing everything."""
+"""The asynchronous engine: concurrent streams of deltas, and abort freeing everything."""
 
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ def make_engine(folder):
     return AsyncEngine(folder, device="cpu", kv_cache_memory_bytes=2**22, block_size=4)
 
 
-async def collect(engine, prompt, params, request_id):
-    outputs = []
-    async for output in engine.generate(prompt, params, request_id):
-        outputs.append(output)
-    return outputs
+async def collect(engine, prompt, params, prompt_id):
+    deltas = []
+    async for delta in engine.generate(prompt, params, prompt_id):
+        deltas.append(delta)
+    return deltas
 
 
 def test_concurrent_streams_match_offline_generate(folder):
@@ -41,11 +41,11 @@ def test_concurrent_streams_match_offline_generate(folder):
 
     streams = asyncio.run(main())
     for stream, expected in zip(streams, offline):
-        lengths = [len(o.outputs[0].token_ids) for o in stream]
-        assert lengths == list(range(1, 9))  # one new token per step, cumulative
-        assert [o.finished for o in stream] == [False] * 7 + [True]
-        assert stream[-1].outputs[0].token_ids == expected.outputs[0].token_ids
-        assert stream[-1].outputs[0].text == expected.outputs[0].text
+        samples = [delta.samples[0] for delta in stream]
+        assert [len(s.new_token_ids) for s in samples] == [1] * 8  # one new token per step, nothing repeated
+        assert [d.finished for d in stream] == [False] * 7 + [True]
+        assert [t for s in samples for t in s.new_token_ids] == expected.outputs[0].token_ids
+        assert "".join(s.new_text for s in samples) == expected.outputs[0].text
 
 
 def test_abort_frees_every_block_and_ends_the_stream(folder):
@@ -83,8 +83,10 @@ def test_consumer_leaving_early_aborts_the_request(folder):
         engine = make_engine(folder)
         long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
         async with aclosing(engine.generate(PROMPTS[1], long, "leaver")) as stream:
-            async for output in stream:
-                if len(output.outputs[0].token_ids) == 2:
+            num_tokens = 0
+            async for delta in stream:
+                num_tokens += len(delta.samples[0].new_token_ids)
+                if num_tokens == 2:
                     break
         await collect(engine, PROMPTS[0], GREEDY, "after")  # lets the loop apply the abort
         scheduler = engine.engine.scheduler

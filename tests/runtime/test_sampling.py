@@ -242,9 +242,11 @@ def test_streamed_text_never_shows_a_stop_string_that_gets_cut(llm):
     stop = text[clean[0]: clean[0] + 3]
     engine = llm.engine
     engine.add_request("stream", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=stop))
-    seen = []
+    seen, text_so_far = [], ""
     while engine.has_unfinished_requests():
-        seen += [o.outputs[0].text for o in engine.step()]
+        for delta in engine.step():
+            text_so_far += delta.samples[0].new_text
+            seen.append(text_so_far)
     final = text[: text.find(stop)]
     assert seen[-1] == final
     assert all(final.startswith(partial) for partial in seen)  # text only ever grows toward the final one

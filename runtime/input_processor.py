@@ -1,0 +1,105 @@
+"""Text in: apply the chat template, tokenize and check each prompt once, for LLM and the server alike."""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Union
+
+from shardserve.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from shardserve.runtime.config import ModelConfig
+
+# text, token ids, {"prompt": text} or {"prompt_token_ids": [...], "prompt": optional text}
+PromptType = Union[str, list[int], dict]
+
+
+class InvalidPromptError(ValueError):
+    """A prompt the engine cannot take. `field` names what to change: "prompt", "max_tokens" or "stop"."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessedPrompt:
+    """A prompt checked against the model and its SamplingParams: token ids in the vocabulary,
+    room for max_tokens within max_model_len. Only InputProcessor makes these."""
+
+    prompt: str | None  # the text (after the chat template), or None when given as token ids
+    prompt_token_ids: tuple[int, ...]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+class InputProcessor:
+    """NOTE: every check of a prompt against the model happens here and only here (the scheduler
+    adds the one check that depends on its pool: enough KV blocks); the engine trusts a ProcessedPrompt."""
+
+    def __init__(self, model_config: ModelConfig, tokenizer):
+        self.tokenizer = tokenizer  # None with skip_tokenizer_init
+        self.vocab_size = model_config.vocab_size
+        self.max_model_len = model_config.max_model_len
+
+    def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
+        if isinstance(prompt, str):
+            return self._check(prompt, self._tokenize(prompt, add_special_tokens=True), params)
+        if isinstance(prompt, list):
+            return self._check(None, prompt, params)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return self._check(prompt.get("prompt"), prompt["prompt_token_ids"], params)
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            return self.process(prompt["prompt"], params)
+        raise InvalidPromptError("a prompt is a str, a list of token ids, {'prompt': str} or "
+                                 f"{{'prompt_token_ids': [int, ...]}}; got {type(prompt).__name__}", "prompt")
+
+    def process_chat(self, conversation: list[dict], params: SamplingParams, add_generation_prompt: bool = True,
+                     chat_template_kwargs: dict[str, Any] | None = None) -> ProcessedPrompt:
+        """One conversation (OpenAI messages: role and text content) through the chat template."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidPromptError("this model's tokenizer has no chat_template: give plain prompts, "
+                                     "not messages", "prompt")
+        try:
+            text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      **(chat_template_kwargs or {}))
+        except Exception as error:  # jinja's errors (raise_exception in templates) are the caller's
+            raise InvalidPromptError(f"the chat template rejected the messages: {error}", "prompt") from None
+        return self._check(text, self._tokenize(text, add_special_tokens=False), params)
+
+    def decode(self, token_ids: tuple[int, ...] | list[int]) -> str:
+        """A prompt's text from its token ids (for echo), or "" without a tokenizer."""
+        return "" if self.tokenizer is None else self.tokenizer.decode(list(token_ids))
+
+    def _tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidPromptError("this engine was started with skip_tokenizer_init=True; "
+                                     "give prompts as {'prompt_token_ids': [...]}", "prompt")
+        return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+
+    def _check(self, text: str | None, token_ids: list[int], params: SamplingParams) -> ProcessedPrompt:
+        if params.stop and self.tokenizer is None:
+            raise InvalidPromptError("stop strings need a tokenizer; use stop_token_ids with "
+                                     "skip_tokenizer_init=True", "stop")
+        vocab, limit = self.vocab_size, self.max_model_len
+        try:
+            ids = tuple(operator.index(t) for t in token_ids)
+        except TypeError:
+            ids = None
+        if ids is None or not all(0 <= t < vocab for t in ids):
+            raise InvalidPromptError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+        num_tokens = len(ids)
+        if num_tokens == 0:
+            raise InvalidPromptError("the prompt is empty", "prompt")
+        if params.max_tokens is None and num_tokens >= limit:
+            raise InvalidPromptError(f"the prompt has {num_tokens} tokens, which leaves no room to generate "
+                                     f"within max_model_len={limit}; shorten the prompt", "prompt")
+        if params.max_tokens is not None and num_tokens + params.max_tokens > limit:
+            raise InvalidPromptError(f"prompt ({num_tokens} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                                     f"max_model_len={limit}; shorten the prompt or lower max_tokens",
+                                     "max_tokens")
+        return ProcessedPrompt(text, ids)
