@@ -9,11 +9,9 @@ from shardserve.planner.plan_file import (SCHEMA_VERSION, EstimatesSection, GpuS
 
 
 def plan_record(plan) -> PlanFile:
-    spec, hw, s, chosen = plan.model.spec, plan.hardware, plan.settings, plan.chosen
-    gpu, mem, est, layout = hw.gpu, chosen.memory, chosen.estimates, chosen.layout
+    hw, s, chosen = plan.hardware, plan.settings, plan.chosen
+    mem, est, layout = chosen.memory, chosen.estimates, chosen.layout
     tightest = mem.tightest
-    kv_bytes = 1 if s.kv_cache_dtype == "fp8" else DTYPE_BYTES[s.dtype]
-    q = spec.quantization
 
     def per_gpu(stage) -> StageSection:
         return StageSection(total_bytes=stage.total_bytes, weights_bytes=stage.weights_bytes,
@@ -22,25 +20,8 @@ def plan_record(plan) -> PlanFile:
 
     return PlanFile(
         version=SCHEMA_VERSION,
-        model=ModelSection(**{
-            "id": spec.id, "path": plan.model.path, "architecture": spec.architecture,
-            "num_layers": spec.num_layers, "num_attention_heads": spec.num_attention_heads,
-            "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
-            "hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
-            "vocab_size": spec.vocab_size, "num_params": plan.model.num_params,
-            "weight_bytes": plan.weight_bytes,
-            "dtype": s.dtype,
-            "quantization": ({"method": q.method, "bits": q.bits, "group_size": q.group_size}
-                             if q else None),
-            "kv_bytes_per_token": spec.kv_bytes_per_token(kv_bytes),
-        }),
-        hardware=HardwareSection(**{
-            "source": hw.source, "nodes": hw.num_nodes, "gpus_per_node": hw.gpus_per_node,
-            "gpu": GpuSection(name=gpu.name, memory_bytes=gpu.memory_bytes,
-                              hbm_bandwidth_bytes_per_s=gpu.hbm_bytes_per_s, bf16_flops=gpu.bf16_flops,
-                              fp16_flops=gpu.fp16_flops, fp8=gpu.has_fp8, is_cpu=gpu.is_cpu),
-            "interconnect": hw.interconnect, "node_ips": tuple(hw.node_ips),
-        }),
+        model=_model_section(plan),
+        hardware=_hardware_section(hw),
         parallel=ParallelSection(**{
             "tensor_parallel_size": layout.tensor_parallel_size,
             "pipeline_parallel_size": layout.pipeline_parallel_size,
@@ -56,7 +37,7 @@ def plan_record(plan) -> PlanFile:
             "max_concurrency": round(mem.max_concurrency(s.max_model_len), 2),
         }),
         runtime=RuntimeSection(**{
-            "device": "cpu" if gpu.is_cpu else "cuda",
+            "device": "cpu" if hw.gpu.is_cpu else "cuda",
             "dtype": s.dtype, "kv_cache_dtype": "fp8" if s.kv_cache_dtype == "fp8" else "auto",
             "max_model_len": s.max_model_len,
             "gpu_memory_utilization": s.gpu_memory_utilization,
@@ -74,3 +55,24 @@ def plan_record(plan) -> PlanFile:
         alternatives=tuple(plan.alternatives),
     )
 
+
+
+def _model_section(plan) -> ModelSection:
+    spec, s, q = plan.model.spec, plan.settings, plan.model.spec.quantization
+    kv_bytes = 1 if s.kv_cache_dtype == "fp8" else DTYPE_BYTES[s.dtype]
+    return ModelSection(
+        id=spec.id, path=plan.model.path, architecture=spec.architecture, num_layers=spec.num_layers,
+        num_attention_heads=spec.num_attention_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+        hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size, vocab_size=spec.vocab_size,
+        num_params=plan.model.num_params, weight_bytes=plan.weight_bytes, dtype=s.dtype,
+        quantization={"method": q.method, "bits": q.bits, "group_size": q.group_size} if q else None,
+        kv_bytes_per_token=spec.kv_bytes_per_token(kv_bytes))
+
+
+def _hardware_section(hw) -> HardwareSection:
+    gpu = hw.gpu
+    return HardwareSection(
+        source=hw.source, nodes=hw.num_nodes, gpus_per_node=hw.gpus_per_node,
+        gpu=GpuSection(name=gpu.name, memory_bytes=gpu.memory_bytes, hbm_bandwidth_bytes_per_s=gpu.hbm_bytes_per_s,
+                       bf16_flops=gpu.bf16_flops, fp16_flops=gpu.fp16_flops, fp8=gpu.has_fp8, is_cpu=gpu.is_cpu),
+        interconnect=hw.interconnect, node_ips=tuple(hw.node_ips))
