@@ -33,6 +33,14 @@ def canonical_dtype(name: str) -> str:
         raise SettingError(f"dtype {name!r}: use auto, bfloat16, float16 or float32") from None
 
 
+# quantization_config.quant_method values (vLLM's --quantization names) the runtime serves
+SERVED_QUANTIZATION = ("awq", "gptq", "fp8", "compressed-tensors")
+
+
+def refuse_quantization(method: str, where: str = "quantization_config.quant_method") -> PlanError:
+    return PlanError(f"{where} {method!r} is not served; served formats: {', '.join(SERVED_QUANTIZATION)}")
+
+
 @dataclass(frozen=True)
 class QuantSpec:
     method: str  # fp8 | gptq | awq
@@ -41,8 +49,9 @@ class QuantSpec:
     block_shape: tuple[int, int] | None = None  # fp8 block quantization [out, in]
 
     @staticmethod
-    def from_config(qc: dict) -> "QuantSpec":
-        method = str(qc.get("quant_method", "")).lower()
+    def from_config(qc: dict, method: str | None = None) -> "QuantSpec":
+        """`method`: --quantization, overriding quantization_config.quant_method."""
+        method = (method or str(qc.get("quant_method", ""))).lower()
         if method == "fp8":
             block = qc.get("weight_block_size")
             return QuantSpec("fp8", 8, None, tuple(block) if block else None)
@@ -50,8 +59,30 @@ class QuantSpec:
             bits = int(qc.get("bits", qc.get("w_bit", 4)))
             group = int(qc.get("group_size", qc.get("q_group_size", 128)))
             return QuantSpec(method, bits, group if group > 0 else None)
-        raise PlanError(f"quantization_config.quant_method {method!r} is not supported: "
-                        "use fp8, gptq or awq")
+        if method == "compressed-tensors":
+            return _compressed_tensors_spec(qc)
+        raise refuse_quantization(method)
+
+
+def compressed_tensors_weights(qc: dict) -> dict:
+    """The weight scheme of a compressed-tensors config: only fp8 float weights are served."""
+    groups = list((qc.get("config_groups") or {}).values())
+    weights = [g.get("weights") or {} for g in groups]
+    if not weights or any(w != weights[0] for w in weights):
+        raise PlanError("compressed-tensors quantization_config: need one weight scheme in config_groups")
+    w = weights[0]
+    if w.get("type") != "float" or int(w.get("num_bits", 0)) != 8:
+        raise PlanError(f"compressed-tensors weights of type {w.get('type')!r} with {w.get('num_bits')} bits "
+                        "are not served: only 8-bit float (fp8) weights")
+    if w.get("strategy") not in ("tensor", "channel", "block"):
+        raise PlanError(f"compressed-tensors fp8 strategy {w.get('strategy')!r}: served are tensor, channel, block")
+    return w
+
+
+def _compressed_tensors_spec(qc: dict) -> QuantSpec:
+    w = compressed_tensors_weights(qc)
+    block = w.get("block_structure") if w.get("strategy") == "block" else None
+    return QuantSpec("fp8", 8, None, tuple(block) if block else None)
 
 
 @dataclass(frozen=True)

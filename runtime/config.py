@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from shardserve.planner.model_spec import canonical_dtype
+from shardserve.runtime.layers.quantization.config import QuantConfig
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -24,6 +25,7 @@ class ModelConfig:
     max_model_len: int
     skip_tokenizer_init: bool = False
     enforce_eager: bool = False  # True: no CUDA graphs, every step runs eagerly
+    quantization: QuantConfig | None = None  # the checkpoint's weight format; None: float weights
 
     @property
     def num_layers(self) -> int:
@@ -45,7 +47,8 @@ class ModelConfig:
 
 
 def load_model_config(model: str, dtype: str = "auto", max_model_len: int | None = None,
-                      skip_tokenizer_init: bool = False, enforce_eager: bool = False) -> ModelConfig:
+                      skip_tokenizer_init: bool = False, enforce_eager: bool = False,
+                      quantization: str | None = None) -> ModelConfig:
     from transformers import AutoConfig
 
     config_path = os.path.join(model, "config.json")
@@ -66,7 +69,9 @@ def load_model_config(model: str, dtype: str = "auto", max_model_len: int | None
         raise ValueError(f"max_model_len must be positive, got {max_model_len}")
     return ModelConfig(model=model, hf_config=hf_config, architecture=architectures[0],
                        dtype=_resolve_dtype(dtype, hf_config), max_model_len=max_model_len,
-                       skip_tokenizer_init=skip_tokenizer_init, enforce_eager=enforce_eager)
+                       skip_tokenizer_init=skip_tokenizer_init, enforce_eager=enforce_eager,
+                       quantization=QuantConfig.from_dict(getattr(hf_config, "quantization_config", None),
+                                                          quantization))
 
 
 def _max_positions(hf_config) -> int:

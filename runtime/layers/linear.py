@@ -3,7 +3,11 @@
 Each layer's weight_loader(param, loaded, ...) copies its own shard of a checkpoint tensor into one of
 its parameters, so the loader never needs to know how a layer is split. NOTE: the loader finds the
 method on the parameter's module; a bound method stored on the parameter would make a
-module-parameter cycle that outlives `del` and keeps device memory until the garbage collector runs."""
+module-parameter cycle that outlives `del` and keeps device memory until the garbage collector runs.
+
+A layer built inside `quantized_layers(config)` holds its weight in the checkpoint's packed form
+(a quant method makes the parameters and the matmul); `packed_dims` says, per parameter, where its
+output and input features lie, so the same slicing serves float and packed weights."""
 
 from __future__ import annotations
 
@@ -12,26 +16,48 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.runtime.checkpoint import CheckpointTensor
-from shardserve.runtime.layers.weights import copy_into, default_weight_loader, shard_range
+from shardserve.runtime.layers.quantization.config import current_linear_method
+from shardserve.runtime.layers.weights import (COLUMN_BIAS, FLOAT_WEIGHT, WHOLE, PackedDims, load_features,
+                                               shard_range)
 from shardserve.runtime.parallel_state import (get_parallel_state, tensor_parallel_all_gather,
                                                tensor_parallel_all_reduce)
 
 
 class LinearBase(nn.Module):
-    """y = x W^T + b with W of shape [output_size_per_rank, input_size_per_rank]."""
+    """y = x W^T + b with W of shape [output_size_per_rank, input_size_per_rank] (or its packed form)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype | None = None):
+    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype | None = None,
+                 full_input_size: int | None = None):
         super().__init__()
         state = get_parallel_state()
         self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
-        self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
+        self.quant_method = current_linear_method()  # None: float weights
+        self.packed_dims: dict[str, PackedDims] = {}
+        if self.quant_method is None:
+            self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
+            self.packed_dims["weight"] = FLOAT_WEIGHT
+        else:
+            self.quant_method.create_weights(self, input_size, output_size, full_input_size or input_size)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False)
+            self.packed_dims["bias"] = COLUMN_BIAS
         else:
             self.register_parameter("bias", None)
 
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T without the bias."""
+        return F.linear(x, self.weight) if self.quant_method is None else self.quant_method.apply(self, x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.quant_method is None:
+            return F.linear(x, self.weight, self.bias)
+        y = self.quant_method.apply(self, x)
+        return y if self.bias is None else y + self.bias
+
+    def load(self, param: nn.Parameter, loaded: CheckpointTensor, output: tuple[int, int, int] | None = None,
+             input: tuple[int, int] | None = None) -> None:
+        name = next(n for n, p in self._parameters.items() if p is param)
+        load_features(param.data, loaded, self.packed_dims[name], output, input)
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, *shard) -> None:
         """Copy this rank's shard of `loaded` into `param`; each subclass knows its split."""
@@ -42,7 +68,7 @@ class ReplicatedLinear(LinearBase):
     """The whole matrix on every rank (routers, small projections)."""
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, *shard) -> None:
-        default_weight_loader(param, loaded)
+        self.load(param, loaded)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -60,8 +86,8 @@ class ColumnParallelLinear(LinearBase):
         return tensor_parallel_all_gather(y) if self.gather_output else y
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, *shard) -> None:
-        start, size = shard_range(loaded.shape[0], self.tp_rank, self.tp_size)
-        copy_into(param.data, loaded.narrow(0, start, size))
+        start, size = shard_range(self.output_size, self.tp_rank, self.tp_size)
+        self.load(param, loaded, output=(0, start, size))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -74,16 +100,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias, dtype=dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_index: int | None = None) -> None:
-        if shard_index is None:  # already fused in the checkpoint: load each part in turn
-            offset = 0
-            for index, size in enumerate(self.output_sizes):
-                self.weight_loader(param, loaded.narrow(0, offset, size), index)
-                offset += size
-            return
-        part = self.output_sizes[shard_index] // self.tp_size
-        offset = sum(self.output_sizes[:shard_index]) // self.tp_size
-        start, size = shard_range(self.output_sizes[shard_index], self.tp_rank, self.tp_size)
-        copy_into(param.data.narrow(0, offset, part), loaded.narrow(0, start, size))
+        indices = range(len(self.output_sizes)) if shard_index is None else [shard_index]
+        for index in indices:  # all of them when already fused in the checkpoint
+            base = sum(self.output_sizes[:index]) if shard_index is None else 0
+            offset = sum(self.output_sizes[:index]) // self.tp_size
+            start, size = shard_range(self.output_sizes[index], self.tp_rank, self.tp_size)
+            self.load(param, loaded, output=(offset, base + start, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -108,20 +130,17 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: str | None = None) -> None:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        if shard_id is None:  # fused q|k|v in the checkpoint (GPT-2's c_attn)
-            total_q = q_size * self.tp_size
-            total_kv = self.total_num_kv_heads * self.head_dim
-            self.weight_loader(param, loaded.narrow(0, 0, total_q), "q")
-            self.weight_loader(param, loaded.narrow(0, total_q, total_kv), "k")
-            self.weight_loader(param, loaded.narrow(0, total_q + total_kv, total_kv), "v")
-            return
-        if shard_id == "q":
-            offset, size, start = 0, q_size, self.tp_rank * q_size
-        else:
-            kv_rank = self.tp_rank // self.kv_replicas
-            offset = q_size if shard_id == "k" else q_size + kv_size
-            size, start = kv_size, kv_rank * kv_size
-        copy_into(param.data.narrow(0, offset, size), loaded.narrow(0, start, size))
+        total_q, total_kv = q_size * self.tp_size, self.total_num_kv_heads * self.head_dim
+        bases = {"q": 0, "k": total_q, "v": total_q + total_kv}  # fused q|k|v in the checkpoint (GPT-2's c_attn)
+        for part in ("q", "k", "v") if shard_id is None else (shard_id,):
+            base = bases[part] if shard_id is None else 0
+            if part == "q":
+                offset, size, start = 0, q_size, self.tp_rank * q_size
+            else:
+                kv_rank = self.tp_rank // self.kv_replicas
+                offset = q_size if part == "k" else q_size + kv_size
+                size, start = kv_size, kv_rank * kv_size
+            self.load(param, loaded, output=(offset, base + start, size))
 
 
 class RowParallelLinear(LinearBase):
@@ -130,15 +149,15 @@ class RowParallelLinear(LinearBase):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True, dtype: torch.dtype | None = None):
         tp_size = get_parallel_state().tp_size
-        super().__init__(shard_range(input_size, 0, tp_size)[1], output_size, bias, dtype)
+        self.input_size = input_size
+        super().__init__(shard_range(input_size, 0, tp_size)[1], output_size, bias, dtype, full_input_size=input_size)
+        if bias:
+            self.packed_dims["bias"] = WHOLE
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = tensor_parallel_all_reduce(F.linear(x, self.weight))
+        y = tensor_parallel_all_reduce(self.matmul(x))
         return y if self.bias is None else y + self.bias
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, *shard) -> None:
-        if param.dim() == 1:  # bias: whole on every rank
-            copy_into(param.data, loaded)
-            return
-        start, size = shard_range(loaded.shape[1], self.tp_rank, self.tp_size)
-        copy_into(param.data, loaded.narrow(1, start, size))
+        start, size = shard_range(self.input_size, self.tp_rank, self.tp_size)
+        self.load(param, loaded, input=(start, size))

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from shardserve.planner import PlanError, load_model
-from shardserve.planner.model_spec import SUPPORTED_ARCHITECTURES
+from shardserve.planner.model_spec import SUPPORTED_ARCHITECTURES, QuantSpec
 
 from tests.planner.factories import plan_for
 
@@ -143,5 +143,17 @@ def test_unknown_model_id():
 def test_unknown_quantization(tmp_path):
     path = write_config(tmp_path / "m", architectures=["LlamaForCausalLM"],
                         quantization_config={"quant_method": "bitsandbytes"}, **TINY)
-    with pytest.raises(PlanError, match="quant_method 'bitsandbytes' is not supported"):
+    with pytest.raises(PlanError, match="quant_method 'bitsandbytes' is not served; served formats: "
+                                        "awq, gptq, fp8, compressed-tensors"):
+        load_model(path)
+
+
+def test_compressed_tensors_fp8_is_planned_as_fp8(tmp_path):
+    weights = {"num_bits": 8, "type": "float", "strategy": "channel"}
+    qc = {"quant_method": "compressed-tensors", "config_groups": {"group_0": {"weights": weights}}}
+    path = write_config(tmp_path / "m", architectures=["LlamaForCausalLM"], quantization_config=qc, **TINY)
+    assert load_model(path).spec.quantization == QuantSpec("fp8", 8, None, None)
+    qc["config_groups"]["group_0"]["weights"] = {"num_bits": 4, "type": "int", "strategy": "group"}
+    path = write_config(tmp_path / "n", architectures=["LlamaForCausalLM"], quantization_config=qc, **TINY)
+    with pytest.raises(PlanError, match="compressed-tensors weights of type 'int' with 4 bits are not served"):
         load_model(path)

@@ -1,0 +1,1 @@
+"""Quantized linear layers: the checkpoint formats the runtime serves (AWQ, GPTQ, FP8)."""

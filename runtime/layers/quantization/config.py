@@ -1,0 +1,109 @@
+"""Which quantization a checkpoint uses (config.json's quantization_config, or --quantization) and how
+its linear layers are built while the model is."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, replace
+
+from shardserve.planner.errors import PlanError
+from shardserve.planner.model_spec import QuantSpec, compressed_tensors_weights
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """What the linear layers need to know; `spec` is the planner's view of the same config."""
+
+    format: str  # awq | gptq | fp8 | compressed-tensors (the checkpoint's quant_method)
+    spec: QuantSpec
+    desc_act: bool = False  # GPTQ act-order: input rows permuted, groups found through g_idx
+    zero_offset: int = 0  # GPTQ's classic format stores zeros minus one
+    fp8_strategy: str | None = None  # tensor | channel | block
+    has_input_scale: bool = False  # compressed-tensors static activation scales (read, unused)
+
+    @property
+    def method(self) -> str:
+        return self.spec.method
+
+    @staticmethod
+    def from_dict(qc: dict | None, quantization: str | None = None) -> QuantConfig | None:
+        """`quantization` (the --quantization setting) overrides the detected quant_method."""
+        if quantization is None and not qc:
+            return None
+        qc = dict(qc or {})
+        fmt = (quantization or str(qc.get("quant_method", ""))).lower()
+        try:
+            return _parse(qc, fmt)
+        except PlanError as e:
+            raise ValueError(str(e)) from None
+
+
+def _parse(qc: dict, fmt: str) -> QuantConfig:
+    spec = QuantSpec.from_config(qc, fmt)
+    if fmt == "gptq":
+        if spec.bits not in (4, 8):
+            raise ValueError(f"gptq with {spec.bits} bits is not served: 4 or 8 bits")
+        classic = str(qc.get("checkpoint_format", "gptq")).lower() != "gptq_v2"
+        return QuantConfig(fmt, spec, desc_act=bool(qc.get("desc_act", False)), zero_offset=int(classic))
+    if fmt == "awq":
+        version = str(qc.get("version", "gemm")).lower()
+        if spec.bits != 4 or version != "gemm" or not qc.get("zero_point", True):
+            raise ValueError(f"awq {version} with {spec.bits} bits (zero_point={qc.get('zero_point', True)}) is "
+                             "not served: 4-bit GEMM layout with zero points")
+        return QuantConfig(fmt, spec)
+    if fmt == "fp8":
+        return QuantConfig(fmt, spec, fp8_strategy="block" if spec.block_shape else "tensor")
+    weights = compressed_tensors_weights(qc)
+    inputs = next(iter(qc["config_groups"].values())).get("input_activations") or {}
+    return QuantConfig(fmt, spec, fp8_strategy=weights["strategy"],
+                       has_input_scale=bool(inputs) and not inputs.get("dynamic", False))
+
+
+_BUILDING: ContextVar[QuantConfig | None] = ContextVar("quant_config_building", default=None)
+
+
+@contextmanager
+def quantized_layers(config: QuantConfig | None):
+    """Linear layers made inside this block take their weights in `config`'s format."""
+    token = _BUILDING.set(config)
+    try:
+        yield
+    finally:
+        _BUILDING.reset(token)
+
+
+def current_linear_method():
+    """The quantized method for a linear layer being built now, or None (float weights)."""
+    config = _BUILDING.get()
+    if config is None:
+        return None
+    if config.method == "fp8":
+        from shardserve.runtime.layers.quantization.fp8 import Fp8LinearMethod
+        return Fp8LinearMethod(config)
+    from shardserve.runtime.layers.quantization.packed_int import PackedIntLinearMethod
+    return PackedIntLinearMethod(config)
+
+
+
+# Mixtral's experts and GPT-2's transposed Conv1D weights have no quantized layers yet
+_DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                        "OPTForCausalLM")
+
+
+def check_quantized_layout(model_config, tp_size: int) -> None:
+    """Refuse what the quantized layers cannot build, before loading: the tensor-parallel check is the
+    planner's own (rules.tensor_parallel_problem), so plan and runtime agree on every group split."""
+    from shardserve.planner.model_spec import ModelSpec
+    from shardserve.planner.rules import tensor_parallel_problem
+
+    quant = model_config.quantization
+    if quant is None:
+        return
+    if model_config.architecture not in _DENSE_ARCHITECTURES:
+        raise ValueError(f"{model_config.architecture} is not served quantized ({quant.format}); quantized "
+                         f"architectures: {', '.join(_DENSE_ARCHITECTURES)}")
+    spec = replace(ModelSpec.from_config(model_config.model, model_config.hf_config.to_dict()), quantization=quant.spec)
+    problem = tensor_parallel_problem(spec, tp_size)
+    if problem:
+        raise ValueError(f"tensor_parallel_size={tp_size} cannot shard this checkpoint: {problem}")

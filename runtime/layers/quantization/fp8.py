@@ -1,0 +1,54 @@
+"""FP8 (e4m3) linear weights with per-tensor, per-channel or block-wise scales: compressed-tensors
+float-quantized checkpoints and `quant_method: fp8` ones (weight_block_size, weight_scale_inv).
+
+    weight             [out, in] float8_e4m3fn
+    weight_scale       [out, 1]  per channel; a per-tensor scalar fills the rows of its q/k/v or gate/up part
+    weight_scale(_inv) [ceil(out / bo), ceil(in / bi)] per block of bo x bi
+
+W = weight * scale. NOTE: every device dequantizes then multiplies in the model dtype; an fp8 GEMM
+(torch._scaled_mm with per-token activation scales) on Hopper is not written yet."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardserve.runtime.layers.quantization.config import QuantConfig
+from shardserve.runtime.layers.weights import FLOAT_WEIGHT, PackedDims
+
+
+class Fp8LinearMethod:
+    def __init__(self, config: QuantConfig):
+        self.config = config
+        self.block_shape = config.spec.block_shape
+
+    @property
+    def scale_name(self) -> str:
+        return "weight_scale_inv" if self.config.format == "fp8" and self.block_shape else "weight_scale"
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, full_input_size: int) -> None:
+        layer.weight = nn.Parameter(torch.zeros(output_size, input_size, dtype=torch.float8_e4m3fn),
+                                    requires_grad=False)
+        layer.packed_dims["weight"] = FLOAT_WEIGHT
+        if self.block_shape:
+            bo, bi = self.block_shape
+            shape, dims = (-(-output_size // bo), -(-input_size // bi)), PackedDims(0, 1, bo, bi)
+        else:
+            shape, dims = (output_size, 1), PackedDims(0, None, is_broadcast=self.config.fp8_strategy == "tensor")
+        layer.register_parameter(self.scale_name, nn.Parameter(torch.zeros(shape), requires_grad=False))
+        layer.packed_dims[self.scale_name] = dims
+        if self.config.has_input_scale:  # static activation scales: read, unused by dequantize-then-multiply
+            layer.input_scale = nn.Parameter(torch.zeros(output_size, 1), requires_grad=False)
+            layer.packed_dims["input_scale"] = PackedDims(0, None, is_broadcast=True)
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        scale = getattr(layer, self.scale_name).float()
+        weight = layer.weight.float()  # [out, in]
+        if self.block_shape:
+            bo, bi = self.block_shape
+            scale = scale.repeat_interleave(bo, 0)[: weight.shape[0]].repeat_interleave(bi, 1)[:, : weight.shape[1]]
+        return weight * scale
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantize(layer).to(x.dtype))

@@ -1,0 +1,91 @@
+"""AWQ (GEMM layout) and GPTQ linear weights: int32-packed 4- or 8-bit values with per-group scales and
+zero points; the torch reference dequantizes then multiplies (CPU, and the check for GPU kernels).
+
+Layouts (in, out: this rank's features; G: scale groups; p = 32 / bits values per int32):
+
+    GPTQ  qweight [in / p, out]   packed along the input, value i of an int32 at bits [i*b, i*b + b)
+          qzeros  [G, out / p]    packed along the output; the classic format stores zero - 1
+          scales  [G, out]        g_idx [in]: the group of each input row (act-order permutes them)
+    AWQ   qweight [in, out / 8]   packed along the output in AWQ's order: nibble j holds column
+          qzeros  [G, out / 8]    AWQ_ORDER[j] of its 8, so nibble 0,1,2,... = column 0,2,4,6,1,3,5,7
+          scales  [G, out]
+
+W[out, in] = (q[in, out] - zero[group(in), out]) * scale[group(in), out], transposed."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardserve.runtime.layers.quantization.config import QuantConfig
+from shardserve.runtime.layers.weights import PackedDims
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Unsigned `bits`-wide values out of int32s, expanded along `dim` (p values per int32)."""
+    per_int = 32 // bits
+    shifts = torch.arange(per_int, device=packed.device, dtype=torch.int32) * bits
+    values = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., p]: value j at shift j*bits
+    if order is not None:
+        values = values[..., list(_inverse(order))]  # column c of the 8 sits at nibble inverse[c]
+    values = values.movedim(-1, dim + 1) if dim != packed.dim() - 1 else values
+    shape = list(packed.shape)
+    shape[dim] *= per_int
+    return values.reshape(shape)
+
+
+def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
+    inverse = [0] * len(order)
+    for nibble, column in enumerate(order):
+        inverse[column] = nibble
+    return tuple(inverse)
+
+
+class PackedIntLinearMethod:
+    """Parameters and matmul of an AWQ or GPTQ linear layer."""
+
+    def __init__(self, config: QuantConfig):
+        self.config = config
+        self.bits = config.spec.bits
+        self.pack = 32 // self.bits
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, full_input_size: int) -> None:
+        group = self.config.spec.group_size or full_input_size
+        is_split = input_size != full_input_size
+        # act-order groups are scattered over the input rows: every rank keeps all of them
+        has_all_groups = (self.config.desc_act and is_split) or self.config.spec.group_size is None
+        num_groups = (full_input_size if has_all_groups else input_size) // group
+        group_dims = (None, 1) if has_all_groups else (0, group)  # (input_dim, input_per_element)
+        pack, int32 = self.pack, torch.int32
+        if self.config.format == "gptq":
+            shapes = {"qweight": ((input_size // pack, output_size), PackedDims(1, 0, 1, pack)),
+                      "g_idx": ((input_size,), PackedDims(None, 0))}
+        else:
+            shapes = {"qweight": ((input_size, output_size // pack), PackedDims(1, 0, pack, 1))}
+        shapes["qzeros"] = ((num_groups, output_size // pack), PackedDims(1, group_dims[0], pack, group_dims[1]))
+        for name, (shape, dims) in shapes.items():
+            layer.register_parameter(name, nn.Parameter(torch.zeros(shape, dtype=int32), requires_grad=False))
+            layer.packed_dims[name] = dims
+        layer.scales = nn.Parameter(torch.zeros(num_groups, output_size, dtype=torch.get_default_dtype()),
+                                    requires_grad=False)
+        layer.packed_dims["scales"] = PackedDims(1, group_dims[0], 1, group_dims[1])
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        """The float weight [out, in] of this rank."""
+        is_awq = self.config.format == "awq"
+        order = AWQ_ORDER if is_awq else None
+        q = unpack_int32(layer.qweight, self.bits, 1 if is_awq else 0, order)  # [in, out]
+        zeros = unpack_int32(layer.qzeros, self.bits, 1, order) + self.config.zero_offset  # [G, out]
+        num_in = q.shape[0]
+        if self.config.format == "gptq" and self.config.desc_act:
+            groups = layer.g_idx.long()
+        else:
+            groups = torch.arange(num_in, device=q.device) // max(1, num_in // zeros.shape[0])
+        weight = (q - zeros[groups]).to(layer.scales.dtype) * layer.scales[groups]
+        return weight.t()
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantize(layer).to(x.dtype))

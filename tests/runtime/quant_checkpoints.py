@@ -1,0 +1,141 @@
+"""Quantized checkpoints of tiny random models, packed as the formats' public descriptions say (written
+here, independently of the runtime), and the dequantized float weights for transformers' reference."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+from safetensors.torch import save_file
+
+from runtime_checkpoints import save_checkpoint
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ: nibble j of an int32 holds column AWQ_ORDER[j] of its 8
+FP8_MAX = 448.0
+SHARED_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}  # largest float8_e4m3fn
+
+# name -> quantization_config written to config.json
+FORMATS = {
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 16, "zero_point": True, "version": "gemm"},
+    "gptq4-act-order": {"quant_method": "gptq", "bits": 4, "group_size": 16, "desc_act": True, "sym": False},
+    "gptq8-sym": {"quant_method": "gptq", "bits": 8, "group_size": 16, "desc_act": False, "sym": True},
+    "fp8-tensor": {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+        "group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "tensor"},
+                    "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}},
+                   "ignore": ["lm_head"]},
+    "fp8-channel": {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+        "group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+                    "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}},
+                    "ignore": ["lm_head"]},
+    "fp8-block": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16, 16]},
+}
+
+
+def pack_int32(values: torch.Tensor, bits: int, dim: int, order=None) -> torch.Tensor:
+    """Pack unsigned `bits`-wide values along `dim`: value j of each run of 32/bits goes to bits [j*b, j*b+b)
+    (with `order`, slot j takes the run's element order[j])."""
+    per_int = 32 // bits
+    values = values.movedim(dim, -1).long()
+    runs = values.reshape(*values.shape[:-1], values.shape[-1] // per_int, per_int)
+    if order is not None:
+        runs = runs[..., list(order)]
+    packed = sum(runs[..., j] << (bits * j) for j in range(per_int))
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    return packed.movedim(-1, dim)
+
+
+def quantize_groups(w: torch.Tensor, bits: int, group: int, sym: bool, perm: torch.Tensor, min_zero: int = 0):
+    """w [out, in] -> q [in, out], zeros [G, out], scales [G, out] (fp16), g_idx [in], dequantized w.
+    Group k holds input rows perm[k*group:(k+1)*group] (act-order); perm = arange for the plain order.
+    min_zero=1 for GPTQ's classic format, which stores zero - 1 and so cannot hold a zero point of 0."""
+    num_in = w.shape[1]
+    g_idx = torch.empty(num_in, dtype=torch.int32)
+    g_idx[perm] = (torch.arange(num_in) // group).to(torch.int32)
+    wt = w.t().float()  # [in, out]
+    top = 2**bits - 1
+    scales, zeros = [], []
+    for k in range(num_in // group):
+        rows = wt[perm[k * group:(k + 1) * group]]
+        if sym:
+            scale = (rows.abs().amax(0) / (top // 2)).clamp(min=1e-6).half().float()
+            zero = torch.full_like(scale, (top + 1) // 2)
+        else:
+            lo, hi = rows.amin(0).clamp(max=0), rows.amax(0).clamp(min=0)
+            scale = ((hi - lo) / top).clamp(min=1e-6).half().float()
+            zero = torch.round(-lo / scale).clamp(min_zero, top)
+        scales.append(scale)
+        zeros.append(zero)
+    scales, zeros = torch.stack(scales), torch.stack(zeros)
+    q = torch.clamp(torch.round(wt / scales[g_idx.long()]) + zeros[g_idx.long()], 0, top)
+    dequantized = ((q - zeros[g_idx.long()]) * scales[g_idx.long()]).t()
+    return q.long(), zeros.long(), scales.half(), g_idx, dequantized
+
+
+def gptq_tensors(w, qc, input_key: str) -> tuple[dict, torch.Tensor]:
+    """Act-order ranks input rows by the layer input's statistics, so projections reading the same input
+    (q, k, v; gate, up) share one permutation: here a random one seeded by `input_key`."""
+    bits, group = qc["bits"], qc["group_size"]
+    seeded = torch.Generator().manual_seed(sum(map(ord, input_key)) * 7919 + len(input_key))
+    perm = torch.randperm(w.shape[1], generator=seeded) if qc["desc_act"] else torch.arange(w.shape[1])
+    q, zeros, scales, g_idx, dq = quantize_groups(w, bits, group, qc["sym"], perm, min_zero=1)
+    return {"qweight": pack_int32(q, bits, 0), "qzeros": pack_int32(zeros - 1, bits, 1),  # classic: zero - 1
+            "scales": scales, "g_idx": g_idx}, dq
+
+
+def awq_tensors(w, qc, input_key: str) -> tuple[dict, torch.Tensor]:
+    q, zeros, scales, _, dq = quantize_groups(w, 4, qc["group_size"], False, torch.arange(w.shape[1]))
+    return {"qweight": pack_int32(q, 4, 1, AWQ_ORDER), "qzeros": pack_int32(zeros, 4, 1, AWQ_ORDER),
+            "scales": scales}, dq
+
+
+def fp8_tensors(w, qc, input_key: str) -> tuple[dict, torch.Tensor]:
+    w = w.float()
+    if qc["quant_method"] == "fp8":
+        bo, bi = qc["weight_block_size"]
+        blocks = w.reshape(w.shape[0] // bo, bo, w.shape[1] // bi, bi)
+        scale = blocks.abs().amax(dim=(1, 3)) / FP8_MAX  # [out / bo, in / bi]
+        full = scale.repeat_interleave(bo, 0).repeat_interleave(bi, 1)
+        weight = (w / full).to(torch.float8_e4m3fn)
+        return {"weight": weight, "weight_scale_inv": scale}, weight.float() * full
+    strategy = qc["config_groups"]["group_0"]["weights"]["strategy"]
+    scale = (w.abs().amax(1, keepdim=True) if strategy == "channel" else w.abs().amax().reshape(1)) / FP8_MAX
+    weight = (w / scale).to(torch.float8_e4m3fn)
+    tensors = {"weight": weight, "weight_scale": scale}
+    if strategy == "tensor":
+        tensors["input_scale"] = torch.ones(1)
+    return tensors, weight.float() * scale
+
+
+def save_quantized(folder: str, family: str, fmt: str, num_layers: int = 2, seed: int = 0):
+    """Write a random `family` model quantized as `fmt` to `folder`; returns the transformers model holding
+    the dequantized float weights (the numeric reference)."""
+    float_folder = folder + "-float"
+    hf_model = save_checkpoint(float_folder, family, seed=seed, num_layers=num_layers)
+    qc = FORMATS[fmt]
+    pack = {"awq": awq_tensors, "gptq": gptq_tensors}.get(qc["quant_method"], fp8_tensors)
+    torch.manual_seed(seed + 1)
+    state, tensors = hf_model.state_dict(), {}
+    for name, value in state.items():
+        module, _, leaf = name.rpartition(".")
+        if leaf == "weight" and module.rpartition(".")[2] in LINEARS:
+            parent, proj = module.rsplit(".", 1)
+            packed, dequantized = pack(value, qc, parent + SHARED_INPUT.get(proj, proj))
+            tensors.update({f"{module}.{k}": v.contiguous() for k, v in packed.items()})
+            state[name] = dequantized.to(value.dtype)
+        elif not (name == "lm_head.weight" and hf_model.config.tie_word_embeddings):
+            tensors[name] = value.contiguous()
+    hf_model.load_state_dict(state)
+    os.makedirs(folder, exist_ok=True)
+    for file in os.listdir(float_folder):
+        if not file.endswith(".safetensors"):
+            shutil.copy(os.path.join(float_folder, file), folder)
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = qc
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    return hf_model
