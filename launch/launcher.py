@@ -69,10 +69,10 @@ def settle(plan_path: str | None, profile: str | None, flags: dict,
             hardware = declared
     if plan is not None:
         check_plan_fits(plan, hardware)
-        _require_weights(load_model(resolve_model(config.model)).path, config.model)
+        _require_weights(load_model(resolve_model(config.model), config.quantization).path, config.model)
         return config, plan
     model = config.model or DEFAULT_MODEL
-    _require_weights(load_model(resolve_model(model)).path, model)
+    _require_weights(load_model(resolve_model(model), config.quantization).path, model)
     plan = build_plan(validate(merge(config.set_values(), {"model": model}), "launch settings"), hardware).record()
     config = validate(merge(plan_settings(plan), config.set_values(), {"model": model}), "launch settings")
     return config, plan

@@ -33,7 +33,7 @@ def build_plan(config, hardware: Hardware):
     if not config.model:
         raise PlanError("no model: pass --model, or a --profile that sets one")
     options = PlanOptions(**for_layer(config.set_values(), PLAN))
-    return make_plan(load_model(resolve_model(config.model)), hardware, options)
+    return make_plan(load_model(resolve_model(config.model), options.quantization), hardware, options)
 
 
 def make_plan_from(flags: dict, profile: str | None, ray_address: str | None):

@@ -80,29 +80,29 @@ def _cached_snapshot(model_id: str) -> Path | None:
     return found[-1] if found else None
 
 
-def load_model(model: str) -> ModelInfo:
+def load_model(model: str, quantization: str | None = None) -> ModelInfo:
     """`model` is a folder with config.json, an id in the HF cache, or a catalog id."""
     path = Path(model).expanduser()
     if path.exists():
         if not path.is_dir():
             raise PlanError(f"--model {model}: expected a folder with config.json, got a file")
-        return _from_folder(path, str(path), "folder")
+        return _from_folder(path, str(path), "folder", quantization)
     if model.startswith(("/", "./", "../", "~")):
         raise PlanError(f"model folder {model} does not exist")
     snapshot = _cached_snapshot(model) if "/" in model else None
     if snapshot is not None:
-        return _from_folder(snapshot, model, "hf-cache")
+        return _from_folder(snapshot, model, "hf-cache", quantization)
     found = find_model(model)
     if found is not None:
         model_id, config = found
-        spec = ModelSpec.from_config(model_id, config)
+        spec = ModelSpec.from_config(model_id, config, quantization)
         return ModelInfo(spec, tuple(derive_tensors(spec)), "catalog", None, "config")
     raise PlanError(f"model {model!r} is not a folder, not in the Hugging Face cache "
                     f"({hf_cache_dir()}) and not in the catalog; catalog ids: "
                     + ", ".join(sorted(model_catalog())))
 
 
-def _from_folder(folder: Path, model_id: str, source: str) -> ModelInfo:
+def _from_folder(folder: Path, model_id: str, source: str, quantization: str | None) -> ModelInfo:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise PlanError(f"{folder} has no config.json: point --model at a Hugging Face model "
@@ -113,7 +113,7 @@ def _from_folder(folder: Path, model_id: str, source: str) -> ModelInfo:
         raise PlanError(f"{config_path} is not valid JSON: {e}") from None
     if not isinstance(config, dict):
         raise PlanError(f"{config_path} must hold a JSON object")
-    spec = ModelSpec.from_config(model_id, config)
+    spec = ModelSpec.from_config(model_id, config, quantization)
     headers = read_safetensors_headers(folder)
     if headers:
         return ModelInfo(spec, tuple(headers), source, str(folder), "safetensors")

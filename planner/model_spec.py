@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardserve.planner.errors import PlanError
-from shardserve.planner.settings import SettingError
+from shardserve.planner.settings import SERVED_QUANTIZATION, SettingError
 
 # architectures entry in config.json -> family name used across shardserve.
 SUPPORTED_ARCHITECTURES = {
@@ -33,10 +33,6 @@ def canonical_dtype(name: str) -> str:
         raise SettingError(f"dtype {name!r}: use auto, bfloat16, float16 or float32") from None
 
 
-# quantization_config.quant_method values (vLLM's --quantization names) the runtime serves
-SERVED_QUANTIZATION = ("awq", "gptq", "fp8", "compressed-tensors")
-
-
 def refuse_quantization(method: str, where: str = "quantization_config.quant_method") -> PlanError:
     return PlanError(f"{where} {method!r} is not served; served formats: {', '.join(SERVED_QUANTIZATION)}")
 
@@ -52,6 +48,9 @@ class QuantSpec:
     def from_config(qc: dict, method: str | None = None) -> "QuantSpec":
         """`method`: --quantization, overriding quantization_config.quant_method."""
         method = (method or str(qc.get("quant_method", ""))).lower()
+        if not qc and method != "fp8":
+            raise PlanError(f"quantization {method}: config.json has no quantization_config, which a {method} "
+                            "checkpoint ships (only fp8 quantizes a float checkpoint while loading)")
         if method == "fp8":
             block = qc.get("weight_block_size")
             return QuantSpec("fp8", 8, None, tuple(block) if block else None)
@@ -139,7 +138,8 @@ class ModelSpec:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * kv_dtype_bytes
 
     @staticmethod
-    def from_config(model_id: str, config: dict) -> "ModelSpec":
+    def from_config(model_id: str, config: dict, quantization: str | None = None) -> "ModelSpec":
+        """`quantization`: the --quantization setting, overriding quantization_config's quant_method."""
         archs = config.get("architectures") or []
         if not archs and config.get("model_type"):
             # a bare config (no weights saved with it): the family names are HF's model_types
@@ -176,7 +176,8 @@ class ModelSpec:
             tie_word_embeddings=bool(config.get("tie_word_embeddings",
                                                 family in ("gpt2", "opt"))),
             dtype=canonical_dtype(config.get("torch_dtype") or config.get("dtype") or "float32"),
-            quantization=QuantSpec.from_config(quant) if quant else None, **moe)
+            quantization=QuantSpec.from_config(quant or {}, quantization) if quant or quantization else None,
+            **moe)
 
 
 _FIELD_NAMES = {

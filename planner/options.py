@@ -21,6 +21,7 @@ class RuntimeSettings:
     """What the runtime will run with, resolved from the options, the model and the GPU."""
 
     dtype: str
+    quantization: str | None  # the --quantization override
     kv_cache_dtype: str
     max_model_len: int
     max_num_seqs: int
@@ -52,7 +53,7 @@ def resolve_settings(options: PlanOptions, spec: ModelSpec, gpu: GpuSpec) -> Run
     if gpu.is_cpu and kv_pool is None:
         kv_pool = DEFAULT_CPU_KV_CACHE_BYTES
     return RuntimeSettings(
-        dtype=dtype, kv_cache_dtype=options.kv_cache_dtype if options.kv_cache_dtype == "fp8"
+        dtype=dtype, quantization=options.quantization, kv_cache_dtype=options.kv_cache_dtype if options.kv_cache_dtype == "fp8"
         else dtype, max_model_len=max_len, max_num_seqs=options.max_num_seqs,
         max_num_batched_tokens=batched, block_size=options.block_size,
         gpu_memory_utilization=options.gpu_memory_utilization,

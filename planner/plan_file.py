@@ -99,6 +99,7 @@ class MemorySection:
 class RuntimeSection:
     device: str
     dtype: str
+    quantization: str | None  # the --quantization override; None: config.json's quantization_config
     kv_cache_dtype: str
     max_model_len: int
     gpu_memory_utilization: float

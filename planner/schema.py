@@ -38,7 +38,7 @@ def plan_record(plan) -> PlanFile:
         }),
         runtime=RuntimeSection(**{
             "device": "cpu" if hw.gpu.is_cpu else "cuda",
-            "dtype": s.dtype, "kv_cache_dtype": "fp8" if s.kv_cache_dtype == "fp8" else "auto",
+            "dtype": s.dtype, "quantization": s.quantization, "kv_cache_dtype": "fp8" if s.kv_cache_dtype == "fp8" else "auto",
             "max_model_len": s.max_model_len,
             "gpu_memory_utilization": s.gpu_memory_utilization,
             "max_num_seqs": s.max_num_seqs, "max_num_batched_tokens": s.max_num_batched_tokens,

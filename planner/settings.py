@@ -23,6 +23,8 @@ from shardserve.planner.errors import PlanError
 INPUT, PLAN, ENGINE, SERVER, PROFILE = "input", "plan", "engine", "server", "profile"
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # at least max_num_seqs (see resolved_max_num_batched_tokens)
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3  # the KV pool per rank on CPU when none is given
+# checkpoint weight formats served (quantization_config.quant_method, vLLM's --quantization names)
+SERVED_QUANTIZATION = ("awq", "gptq", "fp8", "compressed-tensors")
 
 
 class SettingError(PlanError, ValueError):
@@ -105,6 +107,8 @@ SETTINGS: tuple[Setting, ...] = (
        "plan engine", minimum=1),
     _s("dtype", str, "auto", "auto (bf16 where the GPU has it, else fp16; the checkpoint's "
        "dtype, float32 on CPU), bfloat16, float16 or float32.", "plan engine"),
+    _s("quantization", str, None, "The checkpoint's weight format: " + ", ".join(SERVED_QUANTIZATION)
+       + " (default: config.json's quantization_config).", "plan engine", choices=SERVED_QUANTIZATION),
     _s("kv_cache_dtype", str, "auto", "auto (the model's dtype) or fp8.", "plan engine",
        choices=("auto", "fp8")),
     _s("gpu_memory_utilization", float, 0.9, "Fraction of each GPU's memory for weights, "

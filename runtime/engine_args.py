@@ -25,7 +25,7 @@ class EngineArgs(settings_dataclass(ENGINE, "EngineArgsFields")):
             raise SettingError(f"kv_cache_dtype={self.kv_cache_dtype}: this runtime stores the KV cache only in "
                                "the model's dtype so far; use kv_cache_dtype auto (and plan with it)")
         model = load_model_config(self.model, self.dtype, self.max_model_len, self.skip_tokenizer_init,
-                                  self.enforce_eager)
+                                  self.enforce_eager, self.quantization)
         return EngineConfig(
             model=model,
             cache=CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,

@@ -110,8 +110,10 @@ def make_executor(config: EngineConfig) -> Executor:
             raise ValueError(f"distributed_executor_backend='uni' runs one rank; tensor_parallel_size x "
                              f"pipeline_parallel_size = {parallel.world_size}: use 'mp' or 'ray'")
         return InProcessExecutor(config)
+    quant = config.model.quantization
     layer_split = parallel.layer_split or plan_layer_split(
-        config.model.model, parallel.tensor_parallel_size, parallel.pipeline_parallel_size, config.model.dtype)
+        config.model.model, parallel.tensor_parallel_size, parallel.pipeline_parallel_size, config.model.dtype,
+        quant.format if quant else None)
     if backend == "mp":
         from shardserve.runtime.mp_executor import MultiprocExecutor
         return MultiprocExecutor(config, layer_split)

@@ -10,7 +10,7 @@ from torch import nn
 
 from shardserve.runtime.checkpoint import iterate_checkpoint
 from shardserve.runtime.config import ModelConfig
-from shardserve.runtime.layers.quantization.config import check_quantized_layout, quantized_layers
+from shardserve.runtime.layers.quantization.config import quantized_layers
 from shardserve.runtime.layers.weights import default_weight_loader
 from shardserve.runtime.models.registry import build_model
 from shardserve.runtime.parallel_state import get_parallel_state
@@ -29,7 +29,6 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
-    check_quantized_layout(model_config, get_parallel_state().tp_size)
     with _default_dtype(model_config.dtype), torch.device(device), quantized_layers(model_config.quantization):
         model = build_model(model_config)
     load_weights(model, model_config.model)
@@ -68,3 +67,6 @@ def load_weights(model: nn.Module, folder: str) -> None:
     if missing:
         raise ValueError(f"checkpoint in {folder!r} lacks weights for: {', '.join(missing[:8])}"
                          + (" ..." if len(missing) > 8 else ""))
+    for module in model.modules():
+        if getattr(module, "quant_method", None) is not None:
+            module.quant_method.process_after_loading(module)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from shardserve.planner.settings import BY_NAME
 from shardserve.runtime.config import ModelConfig, ParallelConfig
-
+from shardserve.runtime.layers.quantization.config import check_quantized_layout
 
 
 def _ffn_size(hf_config) -> int | None:
@@ -41,6 +41,7 @@ def check_parallel_layout(model: ModelConfig, parallel: ParallelConfig, num_devi
                                              or sum(parallel.layer_split) != model.num_layers):
         raise ValueError(f"layer_split={list(parallel.layer_split)} must give each of the {pp} pipeline stages at "
                          f"least one layer and {model.num_layers} layers in all")
+    check_quantized_layout(model, tp)
     if num_devices is not None and tp * pp > num_devices:
         raise ValueError(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} = {tp * pp} ranks, more than "
                          f"the {num_devices} devices available")

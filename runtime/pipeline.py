@@ -25,12 +25,12 @@ def split_layers(num_layers: int, num_stages: int,
 
 
 def plan_layer_split(model: str, tensor_parallel_size: int, pipeline_parallel_size: int,
-                     dtype: torch.dtype) -> tuple[int, ...]:
+                     dtype: torch.dtype, quantization: str | None = None) -> tuple[int, ...]:
     """Layers per stage exactly as the planner chooses them (weight bytes balanced, embedding on the
     first stage and head on the last): the one function both call."""
     from shardserve.planner.model_source import load_model as load_model_info
 
-    info = load_model_info(model)
+    info = load_model_info(model, quantization)
     name = str(dtype).removeprefix("torch.")
     return tuple(info.layer_split(tensor_parallel_size, pipeline_parallel_size, name))
 

@@ -92,3 +92,21 @@ def test_group_split_refused_with_the_planners_reason(quantized, tmp_path):
     check_quantized_layout(model_config, 1)
     with pytest.raises(ValueError, match="tensor_parallel_size=2 cannot shard this checkpoint: " + reason.replace("(", r"\(").replace(")", r"\)")):
         check_quantized_layout(model_config, 2)
+
+
+def test_online_fp8_of_a_float_checkpoint_matches_per_row_fp8_weights(checkpoint_factory):
+    """--quantization fp8 on a float checkpoint: each linear weight becomes fp8 with one scale per row."""
+    from quant_checkpoints import FORMATS, LINEARS, fp8_tensors
+
+    folder, hf_model = checkpoint_factory("qwen2")
+    reference_model = type(hf_model)(hf_model.config).eval()
+    state = hf_model.state_dict()
+    for name, value in state.items():
+        module, _, leaf = name.rpartition(".")
+        if leaf == "weight" and module.rpartition(".")[2] in LINEARS:
+            state[name] = fp8_tensors(value, FORMATS["fp8-channel"], "")[1]
+    reference_model.load_state_dict(state)
+    llm = LLM(folder, device="cpu", kv_cache_memory_bytes=2**22, quantization="fp8")
+    layer = llm.engine.executor.worker.model.model.layers[0].mlp.gate_up_proj
+    assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale.shape == (192, 1)
+    assert token_outputs(llm, PROMPTS, GREEDY) == reference(reference_model, PROMPTS, MAX_TOKENS)

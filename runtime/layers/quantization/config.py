@@ -21,6 +21,7 @@ class QuantConfig:
     zero_offset: int = 0  # GPTQ's classic format stores zeros minus one
     fp8_strategy: str | None = None  # tensor | channel | block
     has_input_scale: bool = False  # compressed-tensors static activation scales (read, unused)
+    is_online: bool = False  # a float checkpoint quantized while loading (--quantization fp8)
 
     @property
     def method(self) -> str:
@@ -31,10 +32,11 @@ class QuantConfig:
         """`quantization` (the --quantization setting) overrides the detected quant_method."""
         if quantization is None and not qc:
             return None
-        qc = dict(qc or {})
+        if not qc and quantization == "fp8":
+            return QuantConfig("fp8", QuantSpec("fp8", 8, None), fp8_strategy="channel", is_online=True)
         fmt = (quantization or str(qc.get("quant_method", ""))).lower()
         try:
-            return _parse(qc, fmt)
+            return _parse(dict(qc), fmt)
         except PlanError as e:
             raise ValueError(str(e)) from None
 

@@ -5,7 +5,8 @@ float-quantized checkpoints and `quant_method: fp8` ones (weight_block_size, wei
     weight_scale       [out, 1]  per channel; a per-tensor scalar fills the rows of its q/k/v or gate/up part
     weight_scale(_inv) [ceil(out / bo), ceil(in / bi)] per block of bo x bi
 
-W = weight * scale. NOTE: every device dequantizes then multiplies in the model dtype; an fp8 GEMM
+With --quantization fp8 and a float checkpoint, the weight is read in the model dtype and quantized
+per output row after loading (vLLM's online fp8). W = weight * scale. NOTE: every device dequantizes then multiplies in the model dtype; an fp8 GEMM
 (torch._scaled_mm with per-token activation scales) on Hopper is not written yet."""
 
 from __future__ import annotations
@@ -28,19 +29,32 @@ class Fp8LinearMethod:
         return "weight_scale_inv" if self.config.format == "fp8" and self.block_shape else "weight_scale"
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, full_input_size: int) -> None:
-        layer.weight = nn.Parameter(torch.zeros(output_size, input_size, dtype=torch.float8_e4m3fn),
-                                    requires_grad=False)
+        stored = torch.get_default_dtype() if self.config.is_online else torch.float8_e4m3fn
+        layer.weight = nn.Parameter(torch.zeros(output_size, input_size, dtype=stored), requires_grad=False)
         layer.packed_dims["weight"] = FLOAT_WEIGHT
         if self.block_shape:
             bo, bi = self.block_shape
             shape, dims = (-(-output_size // bo), -(-input_size // bi)), PackedDims(0, 1, bo, bi)
         else:
             shape, dims = (output_size, 1), PackedDims(0, None, is_broadcast=self.config.fp8_strategy == "tensor")
-        layer.register_parameter(self.scale_name, nn.Parameter(torch.zeros(shape), requires_grad=False))
+        scale = nn.Parameter(torch.zeros(shape), requires_grad=False)
+        if self.config.is_online:  # made from the weight after loading, not read
+            layer.register_buffer(self.scale_name, scale.data)
+            return
+        layer.register_parameter(self.scale_name, scale)
         layer.packed_dims[self.scale_name] = dims
         if self.config.has_input_scale:  # static activation scales: read, unused by dequantize-then-multiply
             layer.input_scale = nn.Parameter(torch.zeros(output_size, 1), requires_grad=False)
             layer.packed_dims["input_scale"] = PackedDims(0, None, is_broadcast=True)
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        """Online quantization: the float weight becomes fp8 with one scale per output row."""
+        if not self.config.is_online:
+            return
+        weight = layer.weight.data.float()
+        scale = (weight.abs().amax(1, keepdim=True) / torch.finfo(torch.float8_e4m3fn).max).clamp(min=1e-12)
+        layer.weight = nn.Parameter((weight / scale).to(torch.float8_e4m3fn), requires_grad=False)
+        getattr(layer, self.scale_name).copy_(scale)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         scale = getattr(layer, self.scale_name).float()

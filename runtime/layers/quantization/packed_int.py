@@ -73,6 +73,9 @@ class PackedIntLinearMethod:
                                     requires_grad=False)
         layer.packed_dims["scales"] = PackedDims(1, group_dims[0], 1, group_dims[1])
 
+    def process_after_loading(self, layer: nn.Module) -> None:
+        pass
+
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         """The float weight [out, in] of this rank."""
         is_awq = self.config.format == "awq"
