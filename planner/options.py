@@ -37,13 +37,18 @@ class RuntimeSettings:
 
     @property
     def kv_dtype_bytes(self) -> int:
-        return 1 if self.kv_cache_dtype == "fp8" else DTYPE_BYTES[self.dtype]
+        return 1 if self.is_fp8_kv else DTYPE_BYTES[self.dtype]
+
+    @property
+    def is_fp8_kv(self) -> bool:
+        return self.kv_cache_dtype.startswith("fp8")
 
 
 def resolve_settings(options: PlanOptions, spec: ModelSpec, gpu: GpuSpec) -> RuntimeSettings:
     dtype = _resolve_dtype(options.dtype, spec, gpu)
-    if options.kv_cache_dtype == "fp8" and not (gpu.has_fp8 or gpu.is_cpu):
-        raise PlanError(f"kv_cache_dtype fp8 needs a GPU with fp8 support; {gpu.name} has none")
+    is_fp8_kv = options.kv_cache_dtype.startswith("fp8")
+    if is_fp8_kv and not (gpu.has_fp8 or gpu.is_cpu):
+        raise PlanError(f"kv_cache_dtype {options.kv_cache_dtype} needs a GPU with fp8 support; {gpu.name} has none")
     max_len = options.max_model_len or spec.max_position_embeddings
     if max_len > spec.max_position_embeddings:
         raise PlanError(f"max_model_len {max_len} is beyond the model's "
@@ -53,8 +58,7 @@ def resolve_settings(options: PlanOptions, spec: ModelSpec, gpu: GpuSpec) -> Run
     if gpu.is_cpu and kv_pool is None:
         kv_pool = DEFAULT_CPU_KV_CACHE_BYTES
     return RuntimeSettings(
-        dtype=dtype, quantization=options.quantization, kv_cache_dtype=options.kv_cache_dtype if options.kv_cache_dtype == "fp8"
-        else dtype, max_model_len=max_len, max_num_seqs=options.max_num_seqs,
+        dtype=dtype, quantization=options.quantization, kv_cache_dtype=options.kv_cache_dtype if is_fp8_kv else dtype, max_model_len=max_len, max_num_seqs=options.max_num_seqs,
         max_num_batched_tokens=batched, block_size=options.block_size,
         gpu_memory_utilization=options.gpu_memory_utilization,
         enable_prefix_caching=options.enable_prefix_caching, kv_cache_memory_bytes=kv_pool)

@@ -102,7 +102,7 @@ def _cannot_fit(model: ModelInfo, hardware: Hardware, options: PlanOptions,
     fitting_len = best.memory.kv_cache_tokens // options.target_concurrency
     if fitting_len >= settings.block_size:
         lines.append(f"--max-model-len {fitting_len} would fit ({best.layout}).")
-    if settings.kv_cache_dtype != "fp8" and (hardware.gpu.has_fp8 or hardware.is_cpu):
+    if not settings.is_fp8_kv and (hardware.gpu.has_fp8 or hardware.is_cpu):
         fp8 = replace(options, kv_cache_dtype="fp8")
         if choose(_search(model, hardware, fp8, resolve_settings(fp8, spec, hardware.gpu)),
                   hardware):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from shardserve.planner.model_spec import DTYPE_BYTES
 from shardserve.planner.plan_file import (SCHEMA_VERSION, EstimatesSection, GpuSection, HardwareSection,
                                           MemorySection, ModelSection, ParallelSection, PlanFile, RuntimeSection,
                                           StageSection)
@@ -38,7 +37,7 @@ def plan_record(plan) -> PlanFile:
         }),
         runtime=RuntimeSection(**{
             "device": "cpu" if hw.gpu.is_cpu else "cuda",
-            "dtype": s.dtype, "quantization": s.quantization, "kv_cache_dtype": "fp8" if s.kv_cache_dtype == "fp8" else "auto",
+            "dtype": s.dtype, "quantization": s.quantization, "kv_cache_dtype": s.kv_cache_dtype if s.is_fp8_kv else "auto",
             "max_model_len": s.max_model_len,
             "gpu_memory_utilization": s.gpu_memory_utilization,
             "max_num_seqs": s.max_num_seqs, "max_num_batched_tokens": s.max_num_batched_tokens,
@@ -59,7 +58,7 @@ def plan_record(plan) -> PlanFile:
 
 def _model_section(plan) -> ModelSection:
     spec, s, q = plan.model.spec, plan.settings, plan.model.spec.quantization
-    kv_bytes = 1 if s.kv_cache_dtype == "fp8" else DTYPE_BYTES[s.dtype]
+    kv_bytes = s.kv_dtype_bytes
     return ModelSection(
         id=spec.id, path=plan.model.path, architecture=spec.architecture, num_layers=spec.num_layers,
         num_attention_heads=spec.num_attention_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,

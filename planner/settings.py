@@ -109,8 +109,8 @@ SETTINGS: tuple[Setting, ...] = (
        "dtype, float32 on CPU), bfloat16, float16 or float32.", "plan engine"),
     _s("quantization", str, None, "The checkpoint's weight format: " + ", ".join(SERVED_QUANTIZATION)
        + " (default: config.json's quantization_config).", "plan engine", choices=SERVED_QUANTIZATION),
-    _s("kv_cache_dtype", str, "auto", "auto (the model's dtype) or fp8.", "plan engine",
-       choices=("auto", "fp8")),
+    _s("kv_cache_dtype", str, "auto", "auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2: half the "
+       "bytes of bf16 per KV token.", "plan engine", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2")),
     _s("gpu_memory_utilization", float, 0.9, "Fraction of each GPU's memory for weights, "
        "activations and the KV cache.", "plan engine", above=0.0, maximum=1.0),
     _s("kv_cache_memory_bytes", int, None, "The KV pool per rank in bytes (default on CPU: "

@@ -47,7 +47,7 @@ class CheckpointTensor:
     def load(self) -> torch.Tensor:
         raw_bounds = self._bounds[::-1] if self._transposed else self._bounds
         if not raw_bounds:  # scalar
-            return self._slice[:]
+            return self._slice[()]
         tensor = self._slice[tuple(slice(a, b) for a, b in raw_bounds)]
         return tensor.t() if self._transposed else tensor
 

@@ -14,6 +14,7 @@ from shardserve.planner.model_spec import canonical_dtype
 from shardserve.runtime.layers.quantization.config import QuantConfig
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,11 @@ class CacheConfig:
     gpu_memory_utilization: float
     kv_cache_memory_bytes: int | None
     enable_prefix_caching: bool
-    kv_cache_dtype: str  # "auto": the model's dtype
+    kv_cache_dtype: str  # "auto": the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2
+
+    def torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the KV pool is allocated in."""
+        return _KV_DTYPES.get(self.kv_cache_dtype, model_dtype)
 
 
 @dataclass(frozen=True)

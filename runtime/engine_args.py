@@ -21,9 +21,6 @@ class EngineArgs(settings_dataclass(ENGINE, "EngineArgsFields")):
     def create_engine_config(self) -> EngineConfig:
         if not self.model:
             raise SettingError("model: give a local folder with config.json and safetensors")
-        if self.kv_cache_dtype != "auto":
-            raise SettingError(f"kv_cache_dtype={self.kv_cache_dtype}: this runtime stores the KV cache only in "
-                               "the model's dtype so far; use kv_cache_dtype auto (and plan with it)")
         model = load_model_config(self.model, self.dtype, self.max_model_len, self.skip_tokenizer_init,
                                   self.enforce_eager, self.quantization)
         return EngineConfig(

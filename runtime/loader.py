@@ -39,6 +39,7 @@ def load_weights(model: nn.Module, folder: str) -> None:
     """Each checkpoint tensor goes to the parameter the model names for it, through the weight_loader
     of the module that owns the parameter (which reads only this rank's shard)."""
     params = dict(model.named_parameters())
+    optional = dict(model.named_buffers())  # read when the checkpoint has them (fp8 KV cache scales)
     loaded: set[str] = set()
     start, end = model.layer_range
     for name, tensor in iterate_checkpoint(folder):
@@ -49,6 +50,10 @@ def load_weights(model: nn.Module, folder: str) -> None:
         if layer and not start <= int(layer.group(1)) < end:
             continue  # owned by another pipeline stage
         param = params.get(target.param_name)
+        if param is None and target.param_name in optional:
+            with torch.no_grad():
+                optional[target.param_name].copy_(tensor.load().reshape(()))
+            continue
         if param is None and get_parallel_state().pp_size > 1:
             continue  # embedding or head of another stage; anything truly missing fails below
         if param is None:

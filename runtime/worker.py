@@ -43,6 +43,8 @@ class Worker:
         self.model = load_model(config.model, self.device)
         self.backend = select_attention_backend(self.device)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        for attention in self.attention_layers:
+            attention.fix_kv_scales()
         self.states: dict[str, RequestState] = {}
         self.kv_cache: torch.Tensor | None = None
         self.cuda_graphs: DecodeGraphRunner | None = None  # built with the KV cache
@@ -52,7 +54,11 @@ class Worker:
         """K and V of one block across this worker's layers."""
         layer = self.attention_layers[0]
         elements = 2 * self.config.cache.block_size * layer.num_kv_heads * layer.head_dim
-        return elements * len(self.attention_layers) * self.config.model.dtype.itemsize
+        return elements * len(self.attention_layers) * self.kv_cache_dtype.itemsize
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        return self.config.cache.torch_dtype(self.config.model.dtype)
 
     def available_kv_cache_bytes(self) -> int:
         cache = self.config.cache
@@ -107,7 +113,7 @@ class Worker:
         layer = self.attention_layers[0]
         shape = (len(self.attention_layers), 2, num_blocks + num_scratch, self.config.cache.block_size,
                  layer.num_kv_heads, layer.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.config.model.dtype, device=self.device)
+        self.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
         for index, attention in enumerate(self.attention_layers):
             attention.kv_cache = self.kv_cache[index]  # [2, num_blocks, block_size, kv_heads, head_dim]
         if reason is not None:

@@ -10,12 +10,21 @@ from shardserve.runtime.forward_context import get_forward_context
 
 class Attention(nn.Module):
     """Holds this layer's slice of the KV pool, bound by the worker after start-up:
-    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim] (keys, values)."""
+    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim] (keys, values).
+    An fp8 pool stores k / k_scale and v / v_scale; k_scale and v_scale are 1.0 unless the checkpoint
+    ships them (read as optional buffers, fixed as floats once loaded)."""
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads, self.scale = num_heads, head_dim, num_kv_heads, scale
         self.kv_cache: torch.Tensor | None = None
+        self.register_buffer("k_scale", torch.ones((), dtype=torch.float32))
+        self.register_buffer("v_scale", torch.ones((), dtype=torch.float32))
+        self.kv_scales = (1.0, 1.0)
+
+    def fix_kv_scales(self) -> None:
+        """Read the loaded scales once, so that no step reads a tensor value on the host."""
+        self.kv_scales = (float(self.k_scale), float(self.v_scale))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [num_tokens, num_heads * head_dim], k/v: [num_tokens, num_kv_heads * head_dim]."""
@@ -26,7 +35,7 @@ class Attention(nn.Module):
         if context.attn_metadata is None:  # profiling run without a cache: plain causal attention
             out = _causal_attention(q, k, v, self.scale)
         else:
-            out = context.backend.forward(q, k, v, self.kv_cache, context.attn_metadata, self.scale)
+            out = context.backend.forward(q, k, v, self.kv_cache, context.attn_metadata, self.scale, self.kv_scales)
         return out.reshape(-1, self.num_heads * self.head_dim)
 
 

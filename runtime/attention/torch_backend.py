@@ -1,4 +1,7 @@
-"""Reference paged attention in plain torch: the CPU path and the oracle for the Triton kernels."""
+"""Reference paged attention in plain torch: the CPU path and the oracle for the Triton kernels.
+
+An fp8 cache holds k / k_scale and v / v_scale (saturated at the format's largest value); reading
+multiplies the scale back. Scales are per tensor (one float per layer for K and one for V)."""
 
 from __future__ import annotations
 
@@ -7,23 +10,46 @@ import torch
 from shardserve.runtime.forward_context import AttentionMetadata
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+NO_SCALES = (1.0, 1.0)
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype, kv_scale: float) -> torch.Tensor:
+    """x in the cache's dtype: divided by the scale and saturated when the cache is fp8."""
+    if not is_fp8(dtype):
+        return x.to(dtype)
+    largest = torch.finfo(dtype).max
+    return (x.float() / kv_scale).clamp(-largest, largest).to(dtype)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             kv_scales: tuple[float, float] = NO_SCALES) -> None:
     """k, v: [num_tokens, num_kv_heads, head_dim] -> their slots in kv_cache[0] and kv_cache[1]."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    kv_cache[0].view(-1, num_kv_heads, head_dim)[slot_mapping] = k
-    kv_cache[1].view(-1, num_kv_heads, head_dim)[slot_mapping] = v
+    kv_cache[0].view(-1, num_kv_heads, head_dim)[slot_mapping] = quantize_kv(k, kv_cache.dtype, kv_scales[0])
+    kv_cache[1].view(-1, num_kv_heads, head_dim)[slot_mapping] = quantize_kv(v, kv_cache.dtype, kv_scales[1])
 
 
-def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One request's keys and values in position order: 2 x [seq_len, num_kv_heads, head_dim]."""
+def _read(cached: torch.Tensor, kv_scale: float) -> torch.Tensor:
+    """Cached K or V back in float32."""
+    return cached.float() * kv_scale if kv_scale != 1.0 else cached.float()
+
+
+def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+              kv_scales: tuple[float, float] = NO_SCALES) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's keys and values in position order, float32: 2 x [seq_len, num_kv_heads, head_dim]."""
     block_size = kv_cache.shape[2]
     blocks = block_table[: -(-seq_len // block_size)].long()
     keys = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
     values = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
-    return keys, values
+    return _read(keys, kv_scales[0]), _read(values, kv_scales[1])
 
 
-def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    kv_scales: tuple[float, float] = NO_SCALES) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim]; attends each request's queries over its cached K/V.
     NOTE: single-token (decode) requests are done together in one padded batch; the rest one by one,
     since padding prompts to a common length would cost O(batch x longest^2) memory."""
@@ -31,10 +57,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     starts = meta.query_start_loc_cpu
     decodes = [r for r in range(meta.num_requests) if starts[r + 1] - starts[r] == 1]
     if decodes:
-        _decode_batch(q, kv_cache, meta, scale, decodes, out)
+        _decode_batch(q, kv_cache, meta, scale, decodes, out, kv_scales)
     for r in range(meta.num_requests):
         if starts[r + 1] - starts[r] != 1:
-            _attend_one(q, kv_cache, meta, scale, r, out)
+            _attend_one(q, kv_cache, meta, scale, r, out, kv_scales)
     return out
 
 
@@ -43,25 +69,25 @@ def _grouped(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return q.unflatten(-2, (num_kv_heads, q.shape[-2] // num_kv_heads))
 
 
-def _attend_one(q, kv_cache, meta, scale, r, out) -> None:
+def _attend_one(q, kv_cache, meta, scale, r, out, kv_scales) -> None:
     start, end = meta.query_start_loc_cpu[r], meta.query_start_loc_cpu[r + 1]
     seq_len = meta.seq_lens_cpu[r]
-    keys, values = gather_kv(kv_cache, meta.block_tables[r], seq_len)  # [seq_len, kv_heads, head_dim]
+    keys, values = gather_kv(kv_cache, meta.block_tables[r], seq_len, kv_scales)  # [seq_len, kv_heads, head_dim]
     query = _grouped(q[start:end], kv_cache.shape[3]).float()  # [query_len, kv_heads, group, head_dim]
-    scores = torch.einsum("qkgd,lkd->kgql", query, keys.float()) * scale
+    scores = torch.einsum("qkgd,lkd->kgql", query, keys) * scale
     query_positions = torch.arange(seq_len - (end - start), seq_len, device=q.device)
     future = torch.arange(seq_len, device=q.device)[None, :] > query_positions[:, None]  # [query_len, seq_len]
     probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
-    out[start:end] = torch.einsum("kgql,lkd->qkgd", probs, values.float()).flatten(1, 2).to(q.dtype)
+    out[start:end] = torch.einsum("kgql,lkd->qkgd", probs, values).flatten(1, 2).to(q.dtype)
 
 
-def _decode_batch(q, kv_cache, meta, scale, rows: list[int], out) -> None:
+def _decode_batch(q, kv_cache, meta, scale, rows: list[int], out, kv_scales) -> None:
     block_size = kv_cache.shape[2]
     seq_lens = torch.tensor([meta.seq_lens_cpu[r] for r in rows], device=q.device)
     max_len = int(max(meta.seq_lens_cpu[r] for r in rows))
     tables = meta.block_tables[rows, : -(-max_len // block_size)].long()  # [batch, blocks]
-    keys = kv_cache[0][tables].flatten(1, 2)[:, :max_len].float()  # [batch, max_len, kv_heads, head_dim]
-    values = kv_cache[1][tables].flatten(1, 2)[:, :max_len].float()
+    keys = _read(kv_cache[0][tables].flatten(1, 2)[:, :max_len], kv_scales[0])  # [batch, max_len, kv_heads, head_dim]
+    values = _read(kv_cache[1][tables].flatten(1, 2)[:, :max_len], kv_scales[1])
     tokens = torch.tensor([meta.query_start_loc_cpu[r] for r in rows], device=q.device)
     query = _grouped(q[tokens], kv_cache.shape[3]).float()  # [batch, kv_heads, group, head_dim]
     scores = torch.einsum("bkgd,blkd->bkgl", query, keys) * scale
@@ -73,6 +99,7 @@ def _decode_batch(q, kv_cache, meta, scale, rows: list[int], out) -> None:
 class TorchAttentionBackend:
     name = "torch"
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        write_kv(k, v, kv_cache, meta.slot_mapping)
-        return paged_attention(q, kv_cache, meta, scale)
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
+                kv_scales: tuple[float, float] = NO_SCALES) -> torch.Tensor:
+        write_kv(k, v, kv_cache, meta.slot_mapping, kv_scales)
+        return paged_attention(q, kv_cache, meta, scale, kv_scales)

@@ -1,7 +1,9 @@
 """Triton kernels for paged attention: KV write, prefill, split-KV decode and its reduction.
 
 Prefill covers the new tokens plus the cached prefix. Layout of one layer's cache:
-[2, num_blocks, block_size, num_kv_heads, head_dim]; a slot is block_id * block_size + offset."""
+[2, num_blocks, block_size, num_kv_heads, head_dim]; a slot is block_id * block_size + offset.
+An fp8 cache holds k / k_scale and v / v_scale: the store divides and saturates, the attention kernels
+multiply back (in fp32) before their dots."""
 
 from __future__ import annotations
 
@@ -11,22 +13,40 @@ import triton.language as tl
 
 
 @triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, row_size, BLOCK: tl.constexpr):
+def _quantized(x, kv_scale, largest, IS_FP8: tl.constexpr):
+    if IS_FP8:
+        x = tl.clamp(x.to(tl.float32) / kv_scale, -largest, largest)
+    return x
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, row_size, k_scale, v_scale, largest,
+                     BLOCK: tl.constexpr, IS_FP8: tl.constexpr):
     token = tl.program_id(0)
-    slot = tl.load(slot_ptr + token)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < row_size  # row = num_kv_heads * head_dim contiguous values
-    tl.store(k_cache_ptr + slot * row_size + cols, tl.load(k_ptr + token * row_size + cols, mask=mask), mask=mask)
-    tl.store(v_cache_ptr + slot * row_size + cols, tl.load(v_ptr + token * row_size + cols, mask=mask), mask=mask)
+    k = _quantized(tl.load(k_ptr + token * row_size + cols, mask=mask), k_scale, largest, IS_FP8)
+    v = _quantized(tl.load(v_ptr + token * row_size + cols, mask=mask), v_scale, largest, IS_FP8)
+    tl.store(k_cache_ptr + slot * row_size + cols, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + slot * row_size + cols, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def _is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
     """k, v: [num_tokens, num_kv_heads, head_dim] -> kv_cache[0/1] at slot_mapping."""
     num_tokens, row_size = k.shape[0], k.shape[1] * k.shape[2]
     if num_tokens == 0:
         return
+    is_fp8 = _is_fp8(kv_cache.dtype)
+    largest = torch.finfo(kv_cache.dtype).max if is_fp8 else 0.0
     _store_kv_kernel[(num_tokens,)](k.contiguous(), v.contiguous(), kv_cache[0], kv_cache[1], slot_mapping,
-                                    row_size, BLOCK=triton.next_power_of_2(row_size))
+                                    row_size, kv_scales[0], kv_scales[1], largest,
+                                    BLOCK=triton.next_power_of_2(row_size), IS_FP8=is_fp8)
 
 
 @triton.jit
@@ -42,8 +62,9 @@ def _load_kv_tile(cache_ptr, table_row_ptr, positions, kv_head, dims, seq_len, b
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_ptr, seq_lens_ptr, tables_ptr,
-                    table_stride, scale, num_heads, num_kv_heads, head_dim, block_size,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IS_FP32: tl.constexpr):
+                    table_stride, scale, num_heads, num_kv_heads, head_dim, block_size, k_scale, v_scale,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IS_FP32: tl.constexpr,
+                    IS_FP8: tl.constexpr):
     """One (request, head, query tile): online softmax over keys [0, last query position].
     Dots take the cache dtype (bf16/fp16 on tensor cores); fp32 models use exact fp32 dots, not TF32.
 
@@ -76,6 +97,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_ptr, s
                           num_kv_heads, head_dim)
         v = _load_kv_tile(v_cache_ptr, table_row, positions, kv_head, dims, seq_len, block_size,
                           num_kv_heads, head_dim)
+        if IS_FP8:  # back to the query's dtype for the dots
+            k = (k.to(tl.float32) * k_scale).to(q.dtype)
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
         if IS_FP32:
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, BLOCK_N]
         else:
@@ -99,7 +123,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_ptr, s
 @triton.jit
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
                          query_start_ptr, seq_lens_ptr, tables_ptr, table_stride, scale, num_heads,
-                         num_kv_heads, head_dim, block_size, num_splits,
+                         num_kv_heads, head_dim, block_size, num_splits, k_scale, v_scale,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One (request, head, split): partial softmax over keys [split * split_len, +split_len).
     NOTE: split_len comes from this request's own length (its keys / num_splits, rounded up to
@@ -124,9 +148,9 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_max
         positions = start + tl.arange(0, BLOCK_N)
         valid = positions < split_end
         k = _load_kv_tile(k_cache_ptr, table_row, positions, kv_head, dims, split_end, block_size,
-                          num_kv_heads, head_dim).to(tl.float32)
+                          num_kv_heads, head_dim).to(tl.float32) * k_scale
         v = _load_kv_tile(v_cache_ptr, table_row, positions, kv_head, dims, split_end, block_size,
-                          num_kv_heads, head_dim).to(tl.float32)
+                          num_kv_heads, head_dim).to(tl.float32) * v_scale
         scores = tl.where(valid, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))  # [BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(scores, axis=0))
         p = tl.exp(scores - m_new)
@@ -164,15 +188,15 @@ def _block_d(head_dim: int) -> int:
 
 
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, block_m: int = 16,
-                  block_n: int = 16) -> torch.Tensor:
+                  block_n: int = 16, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim] for any mix of prefill chunks and decodes."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, whatever q's strides
     grid = (meta.num_requests, num_heads, triton.cdiv(meta.max_query_len, block_m))
     _prefill_kernel[grid](q.contiguous(), kv_cache[0], kv_cache[1], out, meta.query_start_loc, meta.seq_lens,
                           meta.block_tables, meta.block_tables.stride(0), scale, num_heads, kv_cache.shape[3],
-                          head_dim, kv_cache.shape[2], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block_d(head_dim),
-                          IS_FP32=q.dtype == torch.float32)
+                          head_dim, kv_cache.shape[2], kv_scales[0], kv_scales[1], BLOCK_M=block_m, BLOCK_N=block_n,
+                          BLOCK_D=_block_d(head_dim), IS_FP32=q.dtype == torch.float32, IS_FP8=_is_fp8(kv_cache.dtype))
     return out
 
 
@@ -184,7 +208,7 @@ def default_num_splits(num_requests: int, num_heads: int, max_seq_len: int, num_
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, num_splits: int | None = None,
-                 block_n: int = 16) -> torch.Tensor:
+                 block_n: int = 16, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """q: [num_requests, num_heads, head_dim], one query token per request (split-KV decode).
     Reads no tensor value on the host, so it can be captured in a CUDA graph."""
     num_requests, num_heads, head_dim = meta.num_requests, q.shape[1], q.shape[2]
@@ -198,7 +222,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, nu
     _decode_split_kernel[(num_requests, num_heads, num_splits)](
         q.contiguous(), kv_cache[0], kv_cache[1], part_out, part_max, part_sum, meta.query_start_loc,
         meta.seq_lens, meta.block_tables, meta.block_tables.stride(0), scale, num_heads, kv_cache.shape[3],
-        head_dim, kv_cache.shape[2], num_splits, BLOCK_N=block_n, BLOCK_D=block_d)
+        head_dim, kv_cache.shape[2], num_splits, kv_scales[0], kv_scales[1], BLOCK_N=block_n, BLOCK_D=block_d)
     _decode_reduce_kernel[(num_requests, num_heads)](
         part_out, part_max, part_sum, out, meta.query_start_loc, num_heads, head_dim, num_splits,
         BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d)

@@ -101,7 +101,7 @@ def fp8_tensors(w, qc, input_key: str) -> tuple[dict, torch.Tensor]:
         weight = (w / full).to(torch.float8_e4m3fn)
         return {"weight": weight, "weight_scale_inv": scale}, weight.float() * full
     strategy = qc["config_groups"]["group_0"]["weights"]["strategy"]
-    scale = (w.abs().amax(1, keepdim=True) if strategy == "channel" else w.abs().amax().reshape(1)) / FP8_MAX
+    scale = (w.abs().amax(1, keepdim=True) if strategy == "channel" else w.abs().amax()) / FP8_MAX  # a scalar
     weight = (w / scale).to(torch.float8_e4m3fn)
     tensors = {"weight": weight, "weight_scale": scale}
     if strategy == "tensor":

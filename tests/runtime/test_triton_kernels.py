@@ -94,3 +94,40 @@ def test_models_on_the_triton_backend_match_transformers(family, checkpoint_fact
         expected = hf_model(torch.tensor([PROMPT])).logits[0]
     logits = run_chunks(model, [len(PROMPT) - 2, 1, 1], TritonAttentionBackend())  # prefill, then decodes
     assert (logits - expected).abs().max().item() < 1e-4
+
+
+FP8_SCALES = (0.5, 2.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_store_kv_quantizes_like_the_reference(dtype):
+    """NOTE: Triton's interpreter rounds fp32 -> fp8 its own way (it drops the carry of a mantissa that
+    rounds up), so the values here are fp8 values times the scale: the division and the cast are exact
+    and the kernel must match the reference bit for bit. Rounding itself is the GPU's (tests/gpu)."""
+    meta, _, k, v, cache = random_case([(3, 5), (0, 6), (8, 1)])
+    k = k.to(dtype).float() * FP8_SCALES[0]
+    v = v.to(dtype).float() * FP8_SCALES[1]
+    k[0, 0, 0] = 1e6  # saturates at the format's largest value, never inf or nan
+    cache = cache.to(dtype)
+    expected = cache.clone()
+    write_kv(k, v, expected, meta.slot_mapping, FP8_SCALES)
+    triton_kernels.store_kv(k, v, cache, meta.slot_mapping, FP8_SCALES)
+    assert torch.isfinite(cache.float()).all() and cache[0].flatten()[meta.slot_mapping[0] * 48].float() == \
+        torch.finfo(dtype).max
+    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_kernels_read_an_fp8_cache_like_the_reference(dtype):
+    meta, q, k, v, cache = random_case([(0, 7), (5, 3), (9, 1)])
+    cache = cache.to(dtype)
+    write_kv(k, v, cache, meta.slot_mapping, FP8_SCALES)
+    expected = paged_attention(q, cache, meta, 0.3, FP8_SCALES)
+    actual = triton_kernels.paged_prefill(q, cache, meta, 0.3, kv_scales=FP8_SCALES)
+    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)
+    meta, q, k, v, cache = random_case([(20, 1), (2, 1), (37, 1)], num_kv_heads=1)
+    cache = cache.to(dtype)
+    write_kv(k, v, cache, meta.slot_mapping, FP8_SCALES)
+    expected = paged_attention(q, cache, meta, 0.2, FP8_SCALES)
+    actual = triton_kernels.paged_decode(q, cache, meta, 0.2, num_splits=3, kv_scales=FP8_SCALES)
+    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)
