@@ -54,10 +54,10 @@ class LinearBase(nn.Module):
         y = self.quant_method.apply(self, x)
         return y if self.bias is None else y + self.bias
 
-    def load(self, param: nn.Parameter, loaded: CheckpointTensor, output: tuple[int, int, int] | None = None,
-             input: tuple[int, int] | None = None) -> None:
+    def load(self, param: nn.Parameter, loaded: CheckpointTensor, out_range: tuple[int, int, int] | None = None,
+             in_range: tuple[int, int] | None = None) -> None:
         name = next(n for n, p in self._parameters.items() if p is param)
-        load_features(param.data, loaded, self.packed_dims[name], output, input)
+        load_features(param.data, loaded, self.packed_dims[name], out_range, in_range)
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, *shard) -> None:
         """Copy this rank's shard of `loaded` into `param`; each subclass knows its split."""
@@ -87,7 +87,7 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, *shard) -> None:
         start, size = shard_range(self.output_size, self.tp_rank, self.tp_size)
-        self.load(param, loaded, output=(0, start, size))
+        self.load(param, loaded, out_range=(0, start, size))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -105,7 +105,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             base = sum(self.output_sizes[:index]) if shard_index is None else 0
             offset = sum(self.output_sizes[:index]) // self.tp_size
             start, size = shard_range(self.output_sizes[index], self.tp_rank, self.tp_size)
-            self.load(param, loaded, output=(offset, base + start, size))
+            self.load(param, loaded, out_range=(offset, base + start, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -140,7 +140,7 @@ class QKVParallelLinear(ColumnParallelLinear):
                 kv_rank = self.tp_rank // self.kv_replicas
                 offset = q_size if part == "k" else q_size + kv_size
                 size, start = kv_size, kv_rank * kv_size
-            self.load(param, loaded, output=(offset, base + start, size))
+            self.load(param, loaded, out_range=(offset, base + start, size))
 
 
 class RowParallelLinear(LinearBase):
@@ -160,4 +160,4 @@ class RowParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, *shard) -> None:
         start, size = shard_range(self.input_size, self.tp_rank, self.tp_size)
-        self.load(param, loaded, input=(start, size))
+        self.load(param, loaded, in_range=(start, size))

@@ -58,11 +58,11 @@ def narrow_features(tensor, dim: int, per_element: int, start: int, size: int):
 
 
 def load_features(target: torch.Tensor, loaded: CheckpointTensor, dims: PackedDims,
-                  output: tuple[int, int, int] | None = None, input: tuple[int, int] | None = None) -> None:
-    """Copy features of `loaded` into `target`: output=(target offset, loaded start, size) and
-    input=(loaded start, size), both counted in features (unpacked, ungrouped)."""
-    if output is not None and dims.output_dim is not None:
-        offset, start, size = output
+                  out_range: tuple[int, int, int] | None = None, in_range: tuple[int, int] | None = None) -> None:
+    """Copy features of `loaded` into `target`: out_range=(target offset, loaded start, size) and
+    in_range=(loaded start, size), both counted in features (unpacked, ungrouped)."""
+    if out_range is not None and dims.output_dim is not None:
+        offset, start, size = out_range
         target = narrow_features(target, dims.output_dim, dims.output_per_element, offset, size)
         if not (dims.is_broadcast and math.prod(loaded.shape) == 1):
             loaded = narrow_features(loaded, dims.output_dim, dims.output_per_element, start, size)
@@ -70,7 +70,7 @@ def load_features(target: torch.Tensor, loaded: CheckpointTensor, dims: PackedDi
         with torch.no_grad():
             target.fill_(loaded.load().reshape(()).float().item())
         return
-    if input is not None and dims.input_dim is not None:
-        start, size = input
+    if in_range is not None and dims.input_dim is not None:
+        start, size = in_range
         loaded = narrow_features(loaded, dims.input_dim, dims.input_per_element, start, size)
     copy_into(target, loaded)
