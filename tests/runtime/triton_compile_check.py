@@ -12,6 +12,7 @@ from triton.compiler import compile as triton_compile
 
 from shardserve.runtime.attention import triton_kernels as kernels
 from shardserve.runtime.layers import triton_norm
+from shardserve.runtime.layers.quantization import triton_packed_int
 
 INDEX = {"query_start_ptr": "*i32", "seq_lens_ptr": "*i32", "tables_ptr": "*i32", "table_stride": "i32",
          "scale": "fp32", "num_heads": "i32", "num_kv_heads": "i32", "head_dim": "i32", "block_size": "i32"}
@@ -26,21 +27,39 @@ def compile_kernel(fn, types: dict, constexprs: dict) -> None:
     assert "cubin" in compiled.asm, fn.__name__
 
 
+def compile_attention(dtype: str, cache: str, is_fp32: bool) -> None:
+    is_fp8 = cache.startswith("*fp8")
+    scales = {"k_scale": "fp32", "v_scale": "fp32"}
+    compile_kernel(kernels._store_kv_kernel, {"k_ptr": dtype, "v_ptr": dtype, "k_cache_ptr": cache,
+                                              "v_cache_ptr": cache, "slot_ptr": "*i64", "row_size": "i32",
+                                              **scales, "largest": "fp32"}, {"BLOCK": 1024, "IS_FP8": is_fp8})
+    tensors = {"q_ptr": dtype, "k_cache_ptr": cache, "v_cache_ptr": cache}
+    compile_kernel(kernels._prefill_kernel, {**tensors, "out_ptr": dtype, **INDEX, **scales},
+                   {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_D": 128, "IS_FP32": is_fp32, "IS_FP8": is_fp8})
+    parts = {"part_out_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32"}
+    compile_kernel(kernels._decode_split_kernel, {**tensors, **parts, **INDEX, "num_splits": "i32", **scales},
+                   {"BLOCK_N": 16, "BLOCK_D": 128})
+    compile_kernel(kernels._decode_reduce_kernel,
+                   {**parts, "out_ptr": dtype, "query_start_ptr": "*i32", "num_heads": "i32",
+                    "head_dim": "i32", "num_splits": "i32"}, {"BLOCK_S": 4, "BLOCK_D": 128})
+
+
+def compile_packed_int_gemm(dtype: str, is_fp32: bool) -> None:
+    for bits, is_awq in ((4, True), (4, False), (8, False)):
+        compile_kernel(triton_packed_int._packed_int_gemm_kernel,
+                       {"x_ptr": dtype, "qweight_ptr": "*i32", "qzeros_ptr": "*i32", "scales_ptr": dtype,
+                        "group_ptr": "*i32", "out_ptr": dtype, "M": "i32", "N": "i32", "K": "i32",
+                        "zero_offset": "i32", "stride_xm": "i32", "stride_qw": "i32", "stride_qz": "i32",
+                        "stride_s": "i32", "stride_om": "i32"},
+                       {"BITS": bits, "IS_AWQ": is_awq, "IS_FP32": is_fp32, "BLOCK_M": 16, "BLOCK_N": 32,
+                        "BLOCK_K": 32})
+
+
 def main() -> None:
     for dtype, is_fp32 in (("*bf16", False), ("*fp32", True)):
-        compile_kernel(kernels._store_kv_kernel, {"k_ptr": dtype, "v_ptr": dtype, "k_cache_ptr": dtype,
-                                                  "v_cache_ptr": dtype, "slot_ptr": "*i64", "row_size": "i32"},
-                       {"BLOCK": 1024})
-        tensors = {"q_ptr": dtype, "k_cache_ptr": dtype, "v_cache_ptr": dtype}
-        compile_kernel(kernels._prefill_kernel, {**tensors, "out_ptr": dtype, **INDEX},
-                       {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_D": 128, "IS_FP32": is_fp32})
-        parts = {"part_out_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32"}
-        compile_kernel(kernels._decode_split_kernel,
-                       {**tensors, **parts, **INDEX, "num_splits": "i32"},
-                       {"BLOCK_N": 16, "BLOCK_D": 128})
-        compile_kernel(kernels._decode_reduce_kernel,
-                       {**parts, "out_ptr": dtype, "query_start_ptr": "*i32", "num_heads": "i32",
-                        "head_dim": "i32", "num_splits": "i32"}, {"BLOCK_S": 4, "BLOCK_D": 128})
+        for cache in (dtype, "*fp8e4nv", "*fp8e5"):
+            compile_attention(dtype, cache, is_fp32)
+        compile_packed_int_gemm(dtype, is_fp32)
         for has_residual in (False, True):
             compile_kernel(triton_norm._rms_norm_kernel,
                            {"x_ptr": dtype, "residual_ptr": dtype, "weight_ptr": dtype, "out_ptr": dtype,

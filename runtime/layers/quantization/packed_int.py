@@ -74,21 +74,31 @@ class PackedIntLinearMethod:
         layer.packed_dims["scales"] = PackedDims(1, group_dims[0], 1, group_dims[1])
 
     def process_after_loading(self, layer: nn.Module) -> None:
-        pass
+        """group_index [in]: the scale group of each input row of this rank (act-order: g_idx)."""
+        num_in = layer.qweight.shape[0] * (1 if self.is_awq else self.pack)
+        if self.config.format == "gptq" and self.config.desc_act:
+            groups = layer.g_idx.data.clone()
+        else:
+            per_group = max(1, num_in // layer.scales.shape[0])
+            groups = torch.arange(num_in, dtype=torch.int32, device=layer.qweight.device) // per_group
+        layer.register_buffer("group_index", groups.to(torch.int32))
+
+    @property
+    def is_awq(self) -> bool:
+        return self.config.format == "awq"
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         """The float weight [out, in] of this rank."""
-        is_awq = self.config.format == "awq"
-        order = AWQ_ORDER if is_awq else None
-        q = unpack_int32(layer.qweight, self.bits, 1 if is_awq else 0, order)  # [in, out]
+        order = AWQ_ORDER if self.is_awq else None
+        q = unpack_int32(layer.qweight, self.bits, 1 if self.is_awq else 0, order)  # [in, out]
         zeros = unpack_int32(layer.qzeros, self.bits, 1, order) + self.config.zero_offset  # [G, out]
-        num_in = q.shape[0]
-        if self.config.format == "gptq" and self.config.desc_act:
-            groups = layer.g_idx.long()
-        else:
-            groups = torch.arange(num_in, device=q.device) // max(1, num_in // zeros.shape[0])
+        groups = layer.group_index.long()
         weight = (q - zeros[groups]).to(layer.scales.dtype) * layer.scales[groups]
         return weight.t()
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from shardserve.runtime.layers.quantization.triton_packed_int import packed_int_matmul
+            return packed_int_matmul(x, layer.qweight, layer.qzeros, layer.scales, layer.group_index, self.bits,
+                                     self.is_awq, self.config.zero_offset)
         return F.linear(x, self.dequantize(layer).to(x.dtype))
