@@ -10,8 +10,6 @@ import shutil
 import torch
 from safetensors.torch import save_file
 
-from runtime_checkpoints import save_checkpoint
-
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ: nibble j of an int32 holds column AWQ_ORDER[j] of its 8
 FP8_MAX = 448.0
@@ -112,6 +110,8 @@ def fp8_tensors(w, qc, input_key: str) -> tuple[dict, torch.Tensor]:
 def save_quantized(folder: str, family: str, fmt: str, num_layers: int = 2, seed: int = 0):
     """Write a random `family` model quantized as `fmt` to `folder`; returns the transformers model holding
     the dequantized float weights (the numeric reference)."""
+    from runtime_checkpoints import save_checkpoint
+
     float_folder = folder + "-float"
     hf_model = save_checkpoint(float_folder, family, seed=seed, num_layers=num_layers)
     qc = FORMATS[fmt]
