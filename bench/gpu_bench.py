@@ -6,6 +6,7 @@ transformers' continuous batching, and serving through the OpenAI API at fixed c
     python bench/gpu_bench.py offline --model llama-3.1-8b --shapes 128/128
     python bench/gpu_bench.py serve   --model llama-3.1-8b --concurrency 1 16 64
     python bench/gpu_bench.py decode  --model qwen3-0.6b --small --device cpu   # smoke run on a CPU
+    python bench/gpu_bench.py decode  --model llama-3.1-8b --quantization awq   # also fp8 (online)
 
 Checkpoints are random bf16 weights of the real shapes (configs from the planner's catalog),
 written once under --workdir; prompts are random token ids, ignore_eos, prefix caching off.
@@ -130,6 +131,37 @@ def save_word_tokenizer(folder: Path, vocab_size: int) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="w0").save_pretrained(folder)
 
 
+def make_awq_checkpoint(folder: Path) -> Path:
+    """The float checkpoint's linear layers as random 4-bit AWQ tensors (group 128): speed, not quality."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    awq = folder.with_name(folder.name + "-awq")
+    if (awq / "config.json").exists():
+        return awq
+    partial = awq.with_name(awq.name + ".partial")
+    shutil.copytree(folder, partial, ignore=shutil.ignore_patterns("*.safetensors*"))
+    tensors, generator = {}, torch.Generator().manual_seed(0)
+    for file in sorted(folder.glob("*.safetensors")):
+        for name, tensor in load_file(file).items():
+            if name.endswith("_proj.weight") and ".layers." in name:
+                out, num_in = tensor.shape
+                prefix = name.removesuffix(".weight")
+                words = lambda *shape: torch.randint(-2**31, 2**31 - 1, shape, generator=generator, dtype=torch.int32)
+                tensors |= {f"{prefix}.qweight": words(num_in, out // 8), f"{prefix}.qzeros": words(num_in // 128, out // 8),
+                            f"{prefix}.scales": (torch.rand(num_in // 128, out, generator=generator) * 1e-3).half()}
+            else:
+                tensors[name] = tensor
+    save_file(tensors, partial / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((partial / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+                                     "version": "gemm"}
+    (partial / "config.json").write_text(json.dumps(config, indent=1))
+    (partial / "model.safetensors.index.json").unlink(missing_ok=True)
+    os.replace(partial, awq)
+    return awq
+
+
 def plan_estimate(folder: Path, device: str, max_model_len: int) -> dict | None:
     """The planner's figures for this checkpoint on this GPU (None off a catalog GPU)."""
     from shardserve.planner import PlanOptions, load_model, make_plan, parse_declared
@@ -146,12 +178,13 @@ def plan_estimate(folder: Path, device: str, max_model_len: int) -> dict | None:
 
 
 def decode_batch1(folder: Path, device: str, bandwidth: float, prompt_len: int,
-                  output_len: int, enforce_eager: bool) -> dict:
+                  output_len: int, enforce_eager: bool, quantization: str | None = None) -> dict:
     """Tokens/s of one request's decode, against weights + KV bytes per step over bandwidth."""
     from shardserve.planner import load_model
     from shardserve.runtime import LLM, SamplingParams
     llm = LLM(str(folder), device=device, max_model_len=prompt_len + output_len + 16,
-              enable_prefix_caching=False, skip_tokenizer_init=True, enforce_eager=enforce_eager)
+              enable_prefix_caching=False, skip_tokenizer_init=True, enforce_eager=enforce_eager,
+              quantization="fp8" if quantization == "fp8" else None)
     try:
         prompt = [{"prompt_token_ids": throughput.random_prompts(
             llm.engine.config.model.vocab_size, 1, prompt_len, 0)[0]}]
@@ -167,18 +200,20 @@ def decode_batch1(folder: Path, device: str, bandwidth: float, prompt_len: int,
         decode_s = min(timed(output_len) for _ in range(2)) - min(timed(1) for _ in range(2))
         dtype_bytes = llm.engine.config.model.dtype.itemsize
         has_graphs = llm.engine.executor.worker.cuda_graphs is not None
+        model = llm.engine.executor.worker.model
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # as held: packed, fp8
     finally:
         llm.shutdown()
         llm = None  # the closure above holds it too
         free_device_memory(device)
     tok_s = (output_len - 1) / decode_s
     info = load_model(str(folder))
-    weight_bytes = sum(t.numel for t in info.tensors) * dtype_bytes
     step_bytes = weight_bytes + (prompt_len + output_len / 2) * info.spec.kv_bytes_per_token(dtype_bytes)
     roofline = bandwidth / step_bytes
     return {"benchmark": "decode_batch1", "shardserve_tok_s": round(tok_s, 1),
             "roofline_tok_s": round(roofline, 1), "fraction_of_roofline": round(tok_s / roofline, 3),
             "settings": {"prompt_len": prompt_len, "output_len": output_len, "enforce_eager": enforce_eager,
+                         "quantization": quantization,
                          "cuda_graphs": has_graphs, "weight_bytes": weight_bytes,
                          "bandwidth_bytes_per_s": round(bandwidth)}}
 
@@ -234,8 +269,11 @@ def run_decode(args, folder: Path, base: dict) -> None:
     bandwidth = measure_bandwidth(args.device, (64 << 20) if args.small else (4 << 30))
     prompt_len, output_len = (32, 16) if args.small else (128, 256)
     estimate = plan_estimate(folder, args.device, prompt_len + output_len + 16)
+    if args.quantization == "awq":
+        folder = make_awq_checkpoint(folder)
     for enforce_eager in (True, False) if args.device == "cuda" else (True,):  # eager, then graphs
-        record = decode_batch1(folder, args.device, bandwidth, prompt_len, output_len, enforce_eager)
+        record = decode_batch1(folder, args.device, bandwidth, prompt_len, output_len, enforce_eager,
+                               args.quantization)
         append_record(base | record | {"plan_estimate": estimate}, Path(args.results))
 
 
@@ -259,6 +297,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("benchmark", choices=["decode", "offline", "serve"])
     parser.add_argument("--model", required=True, choices=list(SHAPES))
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--quantization", choices=["fp8", "awq"], help="decode: fp8 (online) or awq weights")
     parser.add_argument("--small", action="store_true", help="tiny shapes, few prompts (a smoke run)")
     parser.add_argument("--workdir", default=os.environ.get("TMPDIR", "/tmp") + "/shardserve-bench")
     parser.add_argument("--results", default=str(RESULTS_JSON))
@@ -277,7 +316,8 @@ def main() -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     folder = make_checkpoint(args.model, workdir, args.small, args.device)
     base = {"date": datetime.date.today().isoformat(), "device": device_name(args.device),
-            "versions": versions(), "model": args.model + ("-small" if args.small else "")}
+            "versions": versions(), "model": args.model + ("-small" if args.small else "")
+            + (f"-{args.quantization}" if args.quantization else "")}
     {"decode": run_decode, "offline": run_offline, "serve": run_serve}[args.benchmark](args, folder, base)
 
 
