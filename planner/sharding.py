@@ -116,7 +116,10 @@ def _site_and_shard(pattern: str) -> tuple[str, Shard]:
 
 def shard_model(spec: ModelSpec, groups: TensorGroups, tp: int, dtype: str,
                 num_stages: int = 1) -> ShardedModel:
-    """Bytes per rank, float tensors converted to `dtype`, quantized ones kept as stored."""
+    """Bytes per rank, float tensors converted to `dtype`, quantized ones kept as stored. With fp8
+    quantization, float linear weights of the decoder layers count one byte (a float checkpoint
+    quantized while loading)."""
+    is_fp8 = spec.quantization is not None and spec.quantization.method == "fp8"
     kv_per_rank = max(1, spec.num_kv_heads // tp)  # replicated once tp > KV heads
     factors = {Shard.COLUMN: 1 / tp, Shard.ROW: 1 / tp,
                Shard.KV: kv_per_rank / spec.num_kv_heads,
@@ -127,7 +130,8 @@ def shard_model(spec: ModelSpec, groups: TensorGroups, tp: int, dtype: str,
     has_lm_head = False
     for (site, layer, shard, is_expert, is_float), (numel, stored) in \
             groups.items():
-        size = (numel * DTYPE_BYTES[dtype] if is_float else stored) * factors[shard]
+        quantized_here = is_fp8 and site == "layer" and shard is not Shard.REPLICATED
+        size = (numel * (1 if quantized_here else DTYPE_BYTES[dtype]) if is_float else stored) * factors[shard]
         if site == "layer":
             if layer < spec.num_layers:
                 layers[layer] += size

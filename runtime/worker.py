@@ -39,6 +39,7 @@ class Worker:
         self.config = config
         self.parallel_state = get_parallel_state()
         self.device = device or torch.device(config.device)
+        self._check_kv_cache_dtype()
         torch.manual_seed(config.seed)
         self.model = load_model(config.model, self.device)
         self.backend = select_attention_backend(self.device)
@@ -55,6 +56,13 @@ class Worker:
         layer = self.attention_layers[0]
         elements = 2 * self.config.cache.block_size * layer.num_kv_heads * layer.head_dim
         return elements * len(self.attention_layers) * self.kv_cache_dtype.itemsize
+
+    def _check_kv_cache_dtype(self) -> None:
+        if self.kv_cache_dtype.itemsize == 1 and self.device.type == "cuda" and \
+                torch.cuda.get_device_capability(self.device) < (8, 9):
+            raise ValueError(f"kv_cache_dtype={self.config.cache.kv_cache_dtype} needs a GPU with fp8 support "
+                             f"(compute capability 8.9 or newer); {torch.cuda.get_device_name(self.device)} has "
+                             "none: use kv_cache_dtype auto")
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:

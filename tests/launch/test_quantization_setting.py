@@ -47,6 +47,10 @@ def test_plan_records_the_override_and_a_float_checkpoint_cannot_claim_awq():
     assert r.returncode == 0, r.stderr
     plan = json.loads(r.stdout)
     assert plan["runtime"]["quantization"] == "fp8" and plan["model"]["quantization"]["method"] == "fp8"
+    float_plan = json.loads(shardserve("plan", "--model", str(DEMO_MODEL_DIR), "--hardware", "cpu",
+                                       "--format", "json").stdout)
+    # the decoder layers' linear weights count one byte each instead of four (float32 on CPU)
+    assert plan["model"]["weight_bytes"] < 0.7 * float_plan["model"]["weight_bytes"]
     r = shardserve("plan", "--model", str(DEMO_MODEL_DIR), "--hardware", "cpu", "--quantization", "awq")
     assert r.returncode == 1
     assert "quantization awq: config.json has no quantization_config" in " ".join(r.stderr.split())
