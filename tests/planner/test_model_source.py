@@ -157,3 +157,16 @@ def test_compressed_tensors_fp8_is_planned_as_fp8(tmp_path):
     path = write_config(tmp_path / "n", architectures=["LlamaForCausalLM"], quantization_config=qc, **TINY)
     with pytest.raises(PlanError, match="compressed-tensors weights of type 'int' with 4 bits are not served"):
         load_model(path)
+
+
+@pytest.mark.parametrize("quantized, base, method, most", [
+    ("RedHatAI/Meta-Llama-3.1-8B-Instruct-FP8", "meta-llama/Llama-3.1-8B-Instruct", "fp8", 0.6),
+    ("hugging-quants/Meta-Llama-3.1-70B-Instruct-AWQ-INT4", "meta-llama/Llama-3.1-70B-Instruct", "awq", 0.3),
+    ("Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4", "Qwen/Qwen2.5-7B-Instruct", "gptq", 0.4),
+    ("Qwen/Qwen3-8B-FP8", "Qwen/Qwen3-8B", "fp8", 0.6),
+    ("Qwen/Qwen3-32B-AWQ", "Qwen/Qwen3-32B", "awq", 0.3),
+])
+def test_catalog_quantized_releases_weigh_their_stored_bytes(quantized, base, method, most):
+    plan = plan_for(quantized, "8xH100-80GB").record()
+    assert plan.model.quantization["method"] == method
+    assert plan.model.weight_bytes < most * plan_for(base, "8xH100-80GB").record().model.weight_bytes
