@@ -110,7 +110,7 @@ def fp8_tensors(w, qc, input_key: str) -> tuple[dict, torch.Tensor]:
 def save_quantized(folder: str, family: str, fmt: str, num_layers: int = 2, seed: int = 0):
     """Write a random `family` model quantized as `fmt` to `folder`; returns the transformers model holding
     the dequantized float weights (the numeric reference)."""
-    from runtime_checkpoints import save_checkpoint
+    from tests.runtime.runtime_checkpoints import save_checkpoint
 
     float_folder = folder + "-float"
     hf_model = save_checkpoint(float_folder, family, seed=seed, num_layers=num_layers)
