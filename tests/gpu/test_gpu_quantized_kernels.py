@@ -53,3 +53,24 @@ def test_packed_int_gemm_bf16_matches_dequantized_matmul(bits, is_awq, num_token
     expected = x.float() @ weight
     actual = packed_int_matmul(x, qweight, qzeros, scales, groups, bits, is_awq, offset)
     torch.testing.assert_close(actual.float(), expected, atol=0.05 * expected.abs().max().item(), rtol=2e-2)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 300])
+def test_fp8_scaled_mm_matches_dequantize_then_matmul(num_tokens):
+    from torch import nn
+
+    from shardserve.runtime.layers.quantization.config import QuantConfig
+    from shardserve.runtime.layers.quantization.fp8 import Fp8LinearMethod
+
+    method = Fp8LinearMethod(QuantConfig.from_dict(None, "fp8"))
+    layer = nn.Module()
+    layer.packed_dims = {}
+    with torch.device(CUDA):
+        method.create_weights(layer, 4096, 1024, 4096)
+    layer.weight.data.copy_(torch.randn(1024, 4096, device=CUDA) * 0.02)
+    method.process_after_loading(layer)
+    x = torch.randn(num_tokens, 4096, device=CUDA).to(torch.bfloat16)
+    assert method._has_fp8_gemm(layer, x)
+    expected = x.float() @ method.dequantize(layer).t()
+    torch.testing.assert_close(method.apply(layer, x).float(), expected, atol=0.05 * expected.abs().max().item(),
+                               rtol=5e-2)

@@ -6,8 +6,9 @@ float-quantized checkpoints and `quant_method: fp8` ones (weight_block_size, wei
     weight_scale(_inv) [ceil(out / bo), ceil(in / bi)] per block of bo x bi
 
 With --quantization fp8 and a float checkpoint, the weight is read in the model dtype and quantized
-per output row after loading (vLLM's online fp8). W = weight * scale. NOTE: every device dequantizes then multiplies in the model dtype; an fp8 GEMM
-(torch._scaled_mm with per-token activation scales) on Hopper is not written yet."""
+per output row after loading (vLLM's online fp8). W = weight * scale. On Hopper with bf16 activations and per-tensor or per-channel scales, the GEMM is
+torch._scaled_mm in fp8 with dynamic per-token activation scales; elsewhere (CPU, block scales, other
+GPUs) the weight is dequantized then multiplied in the model dtype."""
 
 from __future__ import annotations
 
@@ -65,4 +66,21 @@ class Fp8LinearMethod:
         return weight * scale
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self._has_fp8_gemm(layer, x):
+            return self._scaled_mm(layer, x)
         return F.linear(x, self.dequantize(layer).to(x.dtype))
+
+    def _has_fp8_gemm(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        """NOTE: row-wise scaled _scaled_mm wants bf16 output, sm_90, and both GEMM sizes of 16s."""
+        num_out, num_in = layer.weight.shape
+        return (x.is_cuda and x.dtype == torch.bfloat16 and not self.block_shape and num_in % 16 == 0
+                and num_out % 16 == 0 and torch.cuda.get_device_capability(x.device) >= (9, 0))
+
+    def _scaled_mm(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        largest = torch.finfo(torch.float8_e4m3fn).max
+        x2 = x.reshape(-1, x.shape[-1])  # [tokens, in]
+        x_scale = (x2.abs().amax(-1, keepdim=True).float() / largest).clamp(min=1e-12)  # [tokens, 1]
+        xq = (x2.float() / x_scale).clamp(-largest, largest).to(torch.float8_e4m3fn)
+        w_scale = getattr(layer, self.scale_name).float().reshape(1, -1)  # [1, out]
+        y = torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=torch.bfloat16)
+        return y.reshape(*x.shape[:-1], -1)
