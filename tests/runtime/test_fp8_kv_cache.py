@@ -86,3 +86,17 @@ def test_checkpoint_kv_scales_are_read_and_used(tmp_path, checkpoint_factory):
         assert len(outputs[0].outputs[0].token_ids) == 2
         largest = worker.kv_cache[:, 0, :1].float().abs().max().item()  # block 0 holds the prompt
         assert 0 < largest <= torch.finfo(torch.float8_e4m3fn).max
+
+
+@pytest.mark.slow
+def test_fp8_cache_over_two_pipeline_stages_matches_one_rank(bf16_run):
+    """Each stage allocates its own layers' fp8 pool: the same tokens as one rank, and the same pool size."""
+    runs, bf16_tokens = bf16_run
+    requests = [{"prompt_token_ids": prompt} for prompt, _ in runs]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    with demo_llm("fp8") as llm:
+        expected = [o.outputs[0].token_ids for o in llm.generate(requests, params)]
+    with LLM(DEMO, device="cpu", dtype="bfloat16", kv_cache_memory_bytes=POOL, kv_cache_dtype="fp8",
+             pipeline_parallel_size=2, distributed_executor_backend="mp") as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(requests, params)] == expected
+        assert llm.kv_cache_info.num_tokens == 2 * 2 * bf16_tokens  # half the layers per stage, half the bytes
