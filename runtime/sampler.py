@@ -43,6 +43,7 @@ class SamplingTensors:
 
     temperature: torch.Tensor  # float32
     top_k: torch.Tensor | None  # int64 in [1, vocab]; None when no row sets top_k
+    max_top_k: int | None  # the largest top_k of the batch, known on the host (no device read)
     top_p: torch.Tensor | None  # float32; 1.0 (no filter) for rows without top_p
     min_p: torch.Tensor | None  # float32
     uniform: torch.Tensor  # float64, the seeded draw of each row
@@ -61,8 +62,10 @@ class SamplingTensors:
                                              dtype=np.uint64))
         packed[5] = greedy
         values = host_to_device(packed, device)
+        has_top_k = any(p.top_k is not None for p in params)
         return cls(temperature=values[0].float(),
-                   top_k=values[1].long() if any(p.top_k is not None for p in params) else None,
+                   top_k=values[1].long() if has_top_k else None,
+                   max_top_k=int(packed[1].max()) if has_top_k else None,
                    top_p=values[2].float() if any(p.top_p < 1.0 for p in params) else None,
                    min_p=values[3].float() if any(p.min_p > 0.0 for p in params) else None,
                    uniform=values[4], is_greedy=values[5].bool())
@@ -120,16 +123,29 @@ def _mask_stop_tokens_before_min(logits: torch.Tensor, states: list[RequestState
 
 def _sample_random(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     logits = logits / params.temperature[:, None]
-    if params.top_k is not None or params.top_p is not None:
+    if params.top_p is not None:
         logits = _top_k_top_p(logits, params.top_k, params.top_p)
+    elif params.top_k is not None:
+        logits = _top_k(logits, params.top_k, params.max_top_k)
     probs = torch.softmax(logits, dim=-1)
     if params.min_p is not None:
         threshold = params.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
-    # Inverse CDF with one seeded uniform per row. right=True never lands on a zero-probability token.
-    cdf = probs.double().cumsum(dim=-1)  # [rows, vocab]
-    targets = params.uniform[:, None] * cdf[:, -1:]
+    # Inverse CDF with one seeded uniform per row, in float32. NOTE: the draw is scaled below the
+    # row's total (u <= 1 - 2^-23 keeps target < cdf[-1] after rounding), so right=True always lands
+    # on a step of the CDF: a token of non-zero probability.
+    cdf = probs.cumsum(dim=-1)  # [rows, vocab] float32
+    uniform = params.uniform.clamp(max=1.0 - 2.0**-23).to(cdf.dtype)
+    targets = uniform[:, None] * cdf[:, -1:]
     return torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+
+
+def _top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Keep each row's top_k logits (ties at the k-th kept). NOTE: topk(max_top_k), not a sort of
+    the whole vocabulary: a batch's largest k is known on the host."""
+    largest = logits.topk(max_top_k, dim=-1).values  # [rows, max_top_k], descending
+    kth = largest.gather(1, (top_k - 1)[:, None])  # [rows, 1]
+    return logits.masked_fill(logits < kth, _MASK)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:

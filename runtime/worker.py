@@ -7,9 +7,9 @@ import logging
 
 import torch
 
+from shardserve.planner.settings import DEFAULT_CPU_KV_CACHE_BYTES
 from shardserve.runtime.attention.layer import Attention
 from shardserve.runtime.attention.torch_backend import TorchAttentionBackend
-from shardserve.planner.settings import DEFAULT_CPU_KV_CACHE_BYTES
 from shardserve.runtime.config import EngineConfig
 from shardserve.runtime.cuda_graphs import DecodeGraphRunner, capture_sizes, cuda_graphs_disabled_reason
 from shardserve.runtime.forward_context import ForwardContext, forward_context
