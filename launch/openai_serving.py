@@ -65,6 +65,7 @@ class OpenAIServing:
 
     def prepare_completion(self, body: CompletionRequest) -> PreparedRequest:
         self.check_ready(body.model)
+        body.check_extra_fields()
         if body.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
         if body.best_of not in (None, body.n):
@@ -85,6 +86,7 @@ class OpenAIServing:
 
     def prepare_chat(self, body: ChatCompletionRequest) -> PreparedRequest:
         self.check_ready(body.model)
+        body.check_extra_fields()
         with _as_api_error("messages"):
             params = body.sampling_params(body.requested_max_tokens(), body.num_logprobs())
             prompt = self.replicas.input_processor.process_chat(

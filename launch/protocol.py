@@ -32,9 +32,28 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# Fields OpenAI clients send that change nothing in what is generated: accepted and not used.
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+                            "parallel_tool_calls"})
+_NOT_SERVED = {  # what a refused field would need, so the message says what to do instead
+    "response_format": "structured outputs are not served yet: leave response_format out (or type text)",
+    "tools": "tool calls are not served yet: leave tools out",
+    "tool_choice": "tool calls are not served yet: leave tool_choice out (or 'none')",
+    "prompt_logprobs": "prompt logprobs are not served yet",
+}
+
+
+def _is_neutral(name: str, value: Any) -> bool:
+    """An extra field whose value asks for nothing (an empty list, response_format text, ...)."""
+    if name in IGNORED_FIELDS or value is None or value == [] or value == {}:
+        return True
+    return (name == "response_format" and isinstance(value, dict) and value.get("type") == "text") or \
+        (name == "tool_choice" and value == "none")
+
+
 class _SamplingFields(BaseModel):
-    """Fields both endpoints share; unknown extra fields are accepted as OpenAI clients send
-    them (user, logit_bias with no entries, metadata, ...)."""
+    """Fields both endpoints share. An extra field is accepted only where it asks for nothing
+    (IGNORED_FIELDS, or an empty value): anything else is refused by name, never ignored."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -82,6 +101,13 @@ class _SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def check_extra_fields(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            if not _is_neutral(name, value):
+                hint = _NOT_SERVED.get(name) or ("guided decoding is not served yet" if name.startswith("guided_")
+                                                 else "this server does not know it")
+                raise APIError(400, f"{name} is not supported: {hint}", name)
 
 
 PromptInput = Union[str, list[str], list[int], list[list[int]]]

@@ -156,6 +156,7 @@ def test_min_tokens_and_ignore_eos(client):
      400, "messages"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "min_tokens": 5},
      400, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "stop": [""]}, 400, None),
 ])
 def test_bad_input_is_openai_shaped_and_server_stays_healthy(server, path, body, status,
                                                              param):
@@ -209,11 +210,30 @@ def test_streamed_logprobs_cover_held_back_tokens(client):
             getattr(full.logprobs, name), name
 
 
-def test_unknown_fields_are_accepted(server):
-    code, data = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi",
-                                                  "max_tokens": 2, "user": "u1",
-                                                  "metadata": {"a": 1}, "whatever": True})
+def test_fields_that_ask_for_nothing_are_accepted(server):
+    code, data = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "user": "u1",
+                                                  "metadata": {"a": 1}, "tools": [], "response_format": None})
     assert code == 200 and data["choices"]
+    code, data = post(server, "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "response_format": {"type": "text"}, "tool_choice": "none", "store": False})
+    assert code == 200 and data["choices"]
+
+
+@pytest.mark.parametrize("route, field, value", [
+    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("/v1/chat/completions", "tool_choice", "required"),
+    ("/v1/completions", "guided_json", {"type": "object"}),
+    ("/v1/completions", "prompt_logprobs", 1),
+    ("/v1/completions", "whatever", True),
+])
+def test_fields_the_server_cannot_honour_are_refused_by_name(server, route, field, value):
+    """Never a 200 with the field silently ignored: a 400 that names it."""
+    body = {"model": MODEL, "max_tokens": 2, field: value}
+    body |= {"prompt": "hi"} if route == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    code, data = post(server, route, body)
+    assert code == 400 and data["error"]["param"] == field and field in data["error"]["message"]
 
 
 def test_auth(server):
