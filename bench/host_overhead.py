@@ -78,6 +78,7 @@ def instrument(llm, timer: PhaseTimer) -> None:
     timer.wrap(engine.scheduler, "update_from_output", "update")
     timer.wrap(engine.output_processor, "process", "output")
     timer.wrap(detokenizer.IncrementalDetokenizer, "push", "detokenize")
+    timer.wrap(detokenizer.StreamDetokenizer, "push", "detokenize")
 
 
 def measure(folder: str, batch: int, steps: int, prompt_len: int, top_p: float) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardserve.runtime.detokenizer import IncrementalDetokenizer
+from shardserve.runtime.detokenizer import IncrementalDetokenizer, StreamDetokenizer, make_detokenizer
 from shardserve.runtime.messages import RequestUpdate, TokenLogprobs
 from shardserve.runtime.outputs import Logprob, PromptDelta, SampleDelta
 from shardserve.runtime.sampling_params import SamplingParams
@@ -16,7 +16,7 @@ class _Sample:
 
     prompt_id: str
     sample_index: int
-    detokenizer: IncrementalDetokenizer | None
+    detokenizer: StreamDetokenizer | IncrementalDetokenizer | None
     num_tokens: int = 0
     held_text: str = ""  # detokenized, not yet emitted: it may begin a stop string
     is_finished: bool = False
@@ -43,7 +43,7 @@ class OutputProcessor:
         for index, request_id in enumerate(request_ids):
             detokenizer = None
             if self.tokenizer is not None:
-                detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+                detokenizer = make_detokenizer(self.tokenizer, params.skip_special_tokens)
             self._samples[request_id] = _Sample(prompt_id, index, detokenizer)
 
     def has_prompt(self, prompt_id: str) -> bool:
