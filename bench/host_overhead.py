@@ -77,8 +77,9 @@ def instrument(llm, timer: PhaseTimer) -> None:
     timer.wrap(worker_module, "sample", "sampling")
     timer.wrap(engine.scheduler, "update_from_output", "update")
     timer.wrap(engine.output_processor, "process", "output")
-    timer.wrap(detokenizer.IncrementalDetokenizer, "push", "detokenize")
-    timer.wrap(detokenizer.StreamDetokenizer, "push", "detokenize")
+    for name in ("IncrementalDetokenizer", "StreamDetokenizer"):  # (a baseline checkout may lack one)
+        if hasattr(detokenizer, name):
+            timer.wrap(getattr(detokenizer, name), "push", "detokenize")
 
 
 def measure(folder: str, batch: int, steps: int, prompt_len: int, top_p: float) -> dict:
