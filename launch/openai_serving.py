@@ -9,7 +9,8 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from shardserve.launch.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from shardserve.launch.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                        TokenizeRequest)
 from shardserve.launch.replicas import ReplicaSet
 from shardserve.launch.response_format import chat_logprobs, completion_logprobs, sse, usage
 from shardserve.runtime.input_processor import InvalidPromptError, ProcessedPrompt
@@ -83,6 +84,26 @@ class OpenAIServing:
                           for p in prompts]
         return PreparedRequest("completion", f"cmpl-{uuid.uuid4().hex}", self.served_model_name,
                                prompts, params, echo_texts)
+
+    def tokenize(self, body: TokenizeRequest) -> dict:
+        self.check_ready(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give either prompt or messages", "prompt")
+        processor = self.replicas.input_processor
+        with _as_api_error("prompt" if body.messages is None else "messages"):
+            if body.messages is None:
+                ids = processor.tokenize(body.prompt, body.add_special_tokens)
+            else:
+                text = processor.apply_chat_template(body.conversation(), body.add_generation_prompt)
+                ids = processor.tokenize(text, add_special_tokens=False)
+        return {"count": len(ids), "max_model_len": processor.max_model_len, "tokens": ids}
+
+    def detokenize(self, body: DetokenizeRequest) -> dict:
+        self.check_ready(body.model)
+        processor = self.replicas.input_processor
+        with _as_api_error("tokens"):
+            processor.check_token_ids(body.tokens)
+        return {"prompt": processor.decode(body.tokens)}
 
     def prepare_chat(self, body: ChatCompletionRequest) -> PreparedRequest:
         self.check_ready(body.model)

@@ -169,3 +169,23 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    def conversation(self) -> list[dict]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages or ()]
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: Optional[str] = None
+    tokens: list[int]

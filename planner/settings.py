@@ -32,7 +32,7 @@ class SettingError(PlanError, ValueError):
 @dataclass(frozen=True)
 class Setting:
     name: str
-    type: type  # int, float, bool, str, dict or tuple (of ints)
+    type: type  # int, float, bool, str, dict (str -> str), tuple (of ints) or list (of strings)
     default: Any
     help: str
     layers: frozenset[str]
@@ -72,11 +72,13 @@ class Setting:
         if kind is tuple and isinstance(value, (list, tuple)) and all(
                 isinstance(v, int) and not isinstance(v, bool) for v in value):
             return tuple(value)
+        if kind is list and isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            return list(value)
         if kind is dict and isinstance(value, dict):
             return {str(k): str(v) for k, v in value.items()}
         if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
             return value
-        wanted = {tuple: "a list of integers", dict: "a mapping"}.get(kind, kind.__name__)
+        wanted = {tuple: "a list of integers", list: "a list of strings", dict: "a mapping"}.get(kind, kind.__name__)
         raise SettingError(f"{self.name}={value!r} must be {wanted}")
 
 
@@ -121,6 +123,8 @@ SETTINGS: tuple[Setting, ...] = (
        "plan engine"),
     _s("enforce_eager", bool, False, "No CUDA graphs: every decode step runs eagerly.", "engine"),
     _s("seed", int, 0, "Seed for requests that bring none.", "engine"),
+    _s("chat_template", str, None, "A Jinja chat template, or the path of a file holding one, used instead of "
+       "the tokenizer's.", "engine"),
     _s("skip_tokenizer_init", bool, False, "No tokenizer: prompts are token ids, outputs carry "
        "no text.", "engine", in_profile=False),
     _s("target_concurrency", int, 1, "KV room for this many requests of max_model_len.", "plan",
@@ -130,6 +134,8 @@ SETTINGS: tuple[Setting, ...] = (
     _s("served_model_name", str, None, "The model name clients use (default: --model).", "server"),
     _s("max_queued_requests", int, None, "Requests in flight before the server answers 503 "
        "(default: 4 x max_num_seqs per replica).", "server", minimum=1),
+    _s("allowed_origins", list, None, "Origins a browser may call the API from (CORS), such as "
+       "https://app.example; '*' for any. Default: none (no CORS headers).", "server"),
     _s("env", dict, None, "Variables set for the engine and every rank, on every node.", "server"),
     _s("description", str, None, "What the profile is for.", "profile"),
 )

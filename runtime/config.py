@@ -24,6 +24,7 @@ class ModelConfig:
     max_model_len: int
     skip_tokenizer_init: bool = False
     enforce_eager: bool = False  # True: no CUDA graphs, every step runs eagerly
+    chat_template: str | None = None  # replaces the tokenizer's (inline Jinja or a file's path)
 
     @property
     def num_layers(self) -> int:

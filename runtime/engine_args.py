@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from shardserve.planner.settings import ENGINE, SettingError, check_names, resolved_max_num_batched_tokens, settings_dataclass
 from shardserve.runtime.config import (CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, load_model_config,
                                        resolve_device)
@@ -24,8 +26,8 @@ class EngineArgs(settings_dataclass(ENGINE, "EngineArgsFields")):
         if self.kv_cache_dtype != "auto":
             raise SettingError(f"kv_cache_dtype={self.kv_cache_dtype}: this runtime stores the KV cache only in "
                                "the model's dtype so far; use kv_cache_dtype auto (and plan with it)")
-        model = load_model_config(self.model, self.dtype, self.max_model_len, self.skip_tokenizer_init,
-                                  self.enforce_eager)
+        model = replace(load_model_config(self.model, self.dtype, self.max_model_len, self.skip_tokenizer_init,
+                                          self.enforce_eager), chat_template=self.chat_template)
         return EngineConfig(
             model=model,
             cache=CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -226,3 +227,21 @@ def test_env_variables_from_profile_and_flags_add_up():
     assert config.env == {"A": "1", "NCCL_IB_HCA": "mlx5", "EMPTY": ""}
     with pytest.raises(PlanError, match="write NAME=VALUE"):
         parse_env(["no-equals"])
+
+
+@pytest.mark.slow
+def test_allowed_origins_answer_a_browser_preflight():
+    proc, url = start_server("--profile", "demo", "--allowed-origins", "https://app.example")
+    try:
+        request = urllib.request.Request(f"{url}/v1/chat/completions", method="OPTIONS", headers={
+            "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert response.status == 200
+            assert response.headers["access-control-allow-origin"] == "https://app.example"
+        other = urllib.request.Request(f"{url}/v1/models", headers={"Origin": "https://evil.example"})
+        with urllib.request.urlopen(other, timeout=30) as response:
+            assert "access-control-allow-origin" not in response.headers
+    finally:
+        code, out = stop_server(proc)
+    assert code == 0, out

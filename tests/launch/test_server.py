@@ -300,3 +300,22 @@ def test_metrics_count_requests_and_tokens(server, client):
                  "shardserve_num_requests_waiting", "shardserve_num_preemptions_total"):
         assert name in text, name
     assert 'outcome="rejected"' in text
+
+
+def test_tokenize_and_detokenize_use_the_served_tokenizer(server):
+    from transformers import AutoTokenizer
+
+    from shardserve.launch.demo import DEMO_MODEL_DIR
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
+    code, data = post(server, "/tokenize", {"model": MODEL, "prompt": "A list is"})
+    assert code == 200 and data["tokens"] == tokenizer("A list is").input_ids
+    assert data["count"] == len(data["tokens"]) and data["max_model_len"] == 1024
+    messages = [{"role": "user", "content": "What is a list?"}]
+    code, chat = post(server, "/tokenize", {"model": MODEL, "messages": messages})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert code == 200 and chat["tokens"] == tokenizer(text, add_special_tokens=False).input_ids
+    code, back = post(server, "/detokenize", {"model": MODEL, "tokens": data["tokens"]})
+    assert code == 200 and back["prompt"] == tokenizer.decode(data["tokens"])
+    assert post(server, "/detokenize", {"model": MODEL, "tokens": [10**9]})[0] == 400
+    assert post(server, "/tokenize", {"model": MODEL})[0] == 400
+    assert post(server, "/tokenize", {"model": MODEL, "prompt": "x"}, headers={})[0] == 401

@@ -81,3 +81,15 @@ def test_chat_applies_the_template(llm):
     assert chat.outputs[0].token_ids == plain.outputs[0].token_ids
     two = llm.chat([messages, [{"role": "user", "content": "café"}]], SamplingParams(max_tokens=2))
     assert len(two) == 2
+
+
+def test_a_chat_template_given_inline_or_as_a_file_replaces_the_tokenizers(checkpoint, tmp_path):
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    for value in (template, str(path)):
+        llm = LLM(checkpoint[0], device="cpu", kv_cache_memory_bytes=2**22, chat_template=value)
+        (out,) = llm.chat([{"role": "user", "content": "café"}], SamplingParams(max_tokens=1))
+        assert out.prompt == "[user] café\n"
+    with pytest.raises(ValueError, match="neither a Jinja template nor a file"):
+        LLM(checkpoint[0], device="cpu", kv_cache_memory_bytes=2**22, chat_template=str(tmp_path / "missing.jinja"))
