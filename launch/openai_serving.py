@@ -76,7 +76,7 @@ class OpenAIServing:
                            "logprobs")
         processor = self.replicas.input_processor
         with _as_api_error("prompt"):
-            params = body.sampling_params(body.max_tokens, body.logprobs)
+            params = body.sampling_params(body.max_tokens, body.logprobs, self.replicas.sampling_defaults)
             prompts = [processor.process(p, params) for p in body.prompts()]
         echo_texts = None
         if body.echo:
@@ -109,7 +109,8 @@ class OpenAIServing:
         self.check_ready(body.model)
         body.check_extra_fields()
         with _as_api_error("messages"):
-            params = body.sampling_params(body.requested_max_tokens(), body.num_logprobs())
+            params = body.sampling_params(body.requested_max_tokens(), body.num_logprobs(),
+                                          self.replicas.sampling_defaults)
             prompt = self.replicas.input_processor.process_chat(
                 body.conversation(), params, body.add_generation_prompt, body.chat_template_kwargs)
         return PreparedRequest("chat", f"chatcmpl-{uuid.uuid4().hex}", self.served_model_name,

@@ -51,6 +51,10 @@ def _is_neutral(name: str, value: Any) -> bool:
         (name == "tool_choice" and value == "none")
 
 
+# request fields where "not given" (None) lets the model's sampling defaults apply
+_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
 class _SamplingFields(BaseModel):
     """Fields both endpoints share. An extra field is accepted only where it asks for nothing
     (IGNORED_FIELDS, or an empty value): anything else is refused by name, never ignored."""
@@ -84,19 +88,18 @@ class _SamplingFields(BaseModel):
             raise ValueError("logit_bias is not supported")
         return value
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """max_tokens None: up to max_model_len."""
-        return SamplingParams(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k,
-            min_p=self.min_p or 0.0, seed=self.seed, stop=self.stop,
-            stop_token_ids=self.stop_token_ids, include_stop_str_in_output=
-            self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=self.repetition_penalty or 1.0, max_tokens=max_tokens,
-            min_tokens=self.min_tokens, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens)
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict) -> SamplingParams:
+        """The request's fields over the model's sampling defaults (generation_config.json); a field
+        the request leaves out and the defaults lack takes SamplingParams' own default.
+        max_tokens None: up to max_model_len."""
+        given = {name: getattr(self, name) for name in _DEFAULTED if getattr(self, name) is not None}
+        if max_tokens is None:
+            max_tokens = defaults.get("max_tokens")
+        return SamplingParams(**{**defaults, **given}, n=self.n, seed=self.seed, stop=self.stop,
+                              stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+                              include_stop_str_in_output=self.include_stop_str_in_output, max_tokens=max_tokens,
+                              min_tokens=self.min_tokens, logprobs=logprobs,
+                              skip_special_tokens=self.skip_special_tokens)
 
     @property
     def include_usage(self) -> bool:

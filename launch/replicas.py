@@ -36,6 +36,11 @@ class ReplicaSet:
         return self.replicas[0].engine.input_processor
 
     @property
+    def sampling_defaults(self) -> dict:
+        """The model's generation_config.json sampling fields (every replica serves the same model)."""
+        return self.replicas[0].engine.engine.sampling_defaults
+
+    @property
     def max_model_len(self) -> int:
         return self.replicas[0].engine.engine.config.model.max_model_len
 

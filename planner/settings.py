@@ -125,6 +125,8 @@ SETTINGS: tuple[Setting, ...] = (
     _s("seed", int, 0, "Seed for requests that bring none.", "engine"),
     _s("chat_template", str, None, "A Jinja chat template, or the path of a file holding one, used instead of "
        "the tokenizer's.", "engine"),
+    _s("generation_config", str, "auto", "Sampling defaults for requests that set none: auto (the model's "
+       "generation_config.json), vllm (none), or a folder holding a generation_config.json.", "engine"),
     _s("skip_tokenizer_init", bool, False, "No tokenizer: prompts are token ids, outputs carry "
        "no text.", "engine", in_profile=False),
     _s("target_concurrency", int, 1, "KV room for this many requests of max_model_len.", "plan",

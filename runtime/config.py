@@ -25,6 +25,7 @@ class ModelConfig:
     skip_tokenizer_init: bool = False
     enforce_eager: bool = False  # True: no CUDA graphs, every step runs eagerly
     chat_template: str | None = None  # replaces the tokenizer's (inline Jinja or a file's path)
+    generation_config: str = "auto"  # where sampling defaults come from (runtime/generation_config.py)
 
     @property
     def num_layers(self) -> int:

@@ -27,7 +27,8 @@ class EngineArgs(settings_dataclass(ENGINE, "EngineArgsFields")):
             raise SettingError(f"kv_cache_dtype={self.kv_cache_dtype}: this runtime stores the KV cache only in "
                                "the model's dtype so far; use kv_cache_dtype auto (and plan with it)")
         model = replace(load_model_config(self.model, self.dtype, self.max_model_len, self.skip_tokenizer_init,
-                                          self.enforce_eager), chat_template=self.chat_template)
+                                          self.enforce_eager), chat_template=self.chat_template,
+                        generation_config=self.generation_config)
         return EngineConfig(
             model=model,
             cache=CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,

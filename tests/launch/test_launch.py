@@ -245,3 +245,27 @@ def test_allowed_origins_answer_a_browser_preflight():
     finally:
         code, out = stop_server(proc)
     assert code == 0, out
+
+
+@pytest.mark.slow
+def test_the_models_generation_config_fills_what_a_request_leaves_out(tmp_path):
+    """generation_config.json asks for greedy: two requests with different seeds and no temperature
+    agree; with --generation-config vllm the same requests sample at temperature 1 and differ."""
+    import shutil
+
+    from shardserve.launch.demo import DEMO_MODEL_DIR
+    folder = tmp_path / "model"
+    shutil.copytree(DEMO_MODEL_DIR, folder)
+    config = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps(config | {"temperature": 0.0}))
+    texts = {}
+    for source in ("auto", "vllm"):
+        proc, url = start_server("--model", str(folder), "--served-model-name", "m", "--generation-config", source)
+        try:
+            texts[source] = [json.loads(http(f"{url}/v1/completions", {"model": "m", "prompt": "The list",
+                                                                       "max_tokens": 12, "seed": seed})[1])
+                             ["choices"][0]["text"] for seed in (1, 2)]
+        finally:
+            stop_server(proc)
+    assert texts["auto"][0] == texts["auto"][1]
+    assert texts["vllm"][0] != texts["vllm"][1]
