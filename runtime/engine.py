@@ -31,6 +31,7 @@ class EngineStats:
     kv_cache_usage: float  # fraction of KV blocks held by requests (cached-but-free blocks count as free)
     num_preemptions: int  # since start
     num_prefix_hit_tokens: int  # since start
+    num_prefix_query_tokens: int  # prompt tokens looked up in the prefix cache, since start
 
 
 class LLMEngine:
@@ -112,7 +113,8 @@ class LLMEngine:
         return EngineStats(num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
                            kv_cache_usage=1.0 - pool.num_free_blocks / pool.num_blocks,
                            num_preemptions=scheduler.num_preemptions,
-                           num_prefix_hit_tokens=scheduler.num_prefix_hit_tokens)
+                           num_prefix_hit_tokens=scheduler.num_prefix_hit_tokens,
+                           num_prefix_query_tokens=scheduler.num_prefix_query_tokens)
 
     def check_health(self) -> None:
         """Raise EngineDeadError if a worker rank has died; call it between steps."""

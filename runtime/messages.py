@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shardserve.runtime.outputs import SampleTimes
 from shardserve.runtime.sampling_params import SamplingParams
 
 
@@ -75,3 +76,4 @@ class RequestUpdate:
     new_logprobs: tuple[TokenLogprobs, ...]
     finish_reason: str | None  # "stop", "length" or None while running
     stop_reason: int | str | None = None
+    times: SampleTimes | None = None  # with the sample's first token only

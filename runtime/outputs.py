@@ -18,6 +18,14 @@ class Logprob:
 
 
 @dataclass(slots=True, frozen=True)
+class SampleTimes:
+    """Where a sample's time went before its first token (vLLM's queue and prefill times)."""
+
+    queue_s: float  # arrival -> first scheduled
+    prefill_s: float  # first scheduled -> first token (chunked prefill and preemptions included)
+
+
+@dataclass(slots=True, frozen=True)
 class SampleDelta:
     """What one sample gained in one step; its size does not grow with the generation."""
 
@@ -27,6 +35,7 @@ class SampleDelta:
     new_logprobs: tuple[dict[int, Logprob], ...] | None  # one per new token, when logprobs were asked
     finish_reason: str | None = None  # "stop" or "length" on the sample's last delta
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    times: SampleTimes | None = None  # on the delta that carries the sample's first token
 
 
 @dataclass(slots=True, frozen=True)

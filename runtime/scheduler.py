@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from shardserve.runtime.block_manager import BlockManager
 from shardserve.runtime.config import SchedulerConfig
 from shardserve.runtime.messages import (CachedRequestData, ModelRunnerOutput, NewRequestData, RequestUpdate,
                                          SchedulerOutput)
+from shardserve.runtime.outputs import SampleTimes
 from shardserve.runtime.request import Request, RequestStatus
 
 
@@ -35,6 +37,7 @@ class Scheduler:
         self.in_flight: set[str] = set()  # scheduled in a batch whose output is not back yet
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0  # prompt tokens served from the prefix cache
+        self.num_prefix_query_tokens = 0  # prompt tokens looked up in it
 
     def add_request(self, request: Request) -> None:
         self.check_can_ever_fit(request)
@@ -126,6 +129,9 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
             self.num_prefix_hit_tokens += num_cached
+            self.num_prefix_query_tokens += request.num_tokens
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             request.num_synced_tokens = request.num_tokens
             request.num_synced_blocks = len(self.block_manager.block_ids(request.request_id))
             self.running.append(request)
@@ -180,7 +186,7 @@ class Scheduler:
             updates.append(RequestUpdate(request_id=request_id, new_token_ids=(token,),
                                          new_logprobs=(logprobs,) if logprobs else (),
                                          finish_reason=finish.value if finish else None,
-                                         stop_reason=request.stop_reason))
+                                         stop_reason=request.stop_reason, times=_first_token_times(request)))
         return updates
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
@@ -211,3 +217,11 @@ class Scheduler:
         self.block_manager.free(request)
         self._finished_ids.add(request.request_id)
         del self.requests[request.request_id]
+
+
+def _first_token_times(request: Request) -> SampleTimes | None:
+    """Queue and prefill time, on the update that carries the request's first output token."""
+    if request.num_output_tokens != 1 or request.first_scheduled_time is None:
+        return None
+    scheduled = request.first_scheduled_time
+    return SampleTimes(queue_s=scheduled - request.arrival_time, prefill_s=time.monotonic() - scheduled)
