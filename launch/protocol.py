@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from shardserve.runtime.sampling_params import SamplingParams
 
@@ -79,14 +79,7 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    logit_bias: Optional[dict[str, float]] = None
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, value):
-        if value:
-            raise ValueError("logit_bias is not supported")
-        return value
+    logit_bias: Optional[dict[int, float]] = None  # OpenAI sends token ids as JSON strings
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict) -> SamplingParams:
         """The request's fields over the model's sampling defaults (generation_config.json); a field
@@ -99,7 +92,7 @@ class _SamplingFields(BaseModel):
                               stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                               include_stop_str_in_output=self.include_stop_str_in_output, max_tokens=max_tokens,
                               min_tokens=self.min_tokens, logprobs=logprobs,
-                              skip_special_tokens=self.skip_special_tokens)
+                              skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias)
 
     @property
     def include_usage(self) -> bool:

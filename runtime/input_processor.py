@@ -16,7 +16,7 @@ PromptType = Union[str, list[int], dict]
 
 
 class InvalidPromptError(ValueError):
-    """A prompt the engine cannot take. `field` names what to change: "prompt", "max_tokens" or "stop"."""
+    """A prompt the engine cannot take. `field` names what to change: "prompt", "max_tokens", "stop" or "logit_bias"."""
 
     def __init__(self, message: str, field: str):
         super().__init__(message)
@@ -94,6 +94,8 @@ class InputProcessor:
             raise InvalidPromptError("stop strings need a tokenizer; use stop_token_ids with "
                                      "skip_tokenizer_init=True", "stop")
         vocab, limit = self.vocab_size, self.max_model_len
+        if any(token >= vocab for token, _ in params.logit_bias):
+            raise InvalidPromptError(f"logit_bias token ids must lie in [0, {vocab})", "logit_bias")
         try:
             ids = tuple(operator.index(t) for t in token_ids)
         except TypeError:

@@ -84,6 +84,7 @@ def sample_on_device(logits: torch.Tensor, states: list[RequestState]) -> torch.
     if any(_edits_logits(s) for s in states):
         logits = logits.clone()
         _apply_penalties(logits, states)
+        _apply_logit_bias(logits, states)
         _mask_stop_tokens_before_min(logits, states)
     tokens = logits.argmax(dim=-1)
     if all(s.sampling_params.is_greedy for s in states):
@@ -94,7 +95,8 @@ def sample_on_device(logits: torch.Tensor, states: list[RequestState]) -> torch.
 
 def _edits_logits(state: RequestState) -> bool:
     params = state.sampling_params
-    return params.has_penalties or (state.num_output_tokens < params.min_tokens and bool(state.stop_token_ids))
+    return (params.has_penalties or bool(params.logit_bias)
+            or (state.num_output_tokens < params.min_tokens and bool(state.stop_token_ids)))
 
 
 def _apply_penalties(logits: torch.Tensor, states: list[RequestState]) -> None:
@@ -112,6 +114,20 @@ def _apply_penalties(logits: torch.Tensor, states: list[RequestState]) -> None:
         if outputs and (params.presence_penalty or params.frequency_penalty):
             counts = torch.bincount(torch.tensor(outputs, device=logits.device), minlength=vocab).to(logits.dtype)
             logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _apply_logit_bias(logits: torch.Tensor, states: list[RequestState]) -> None:
+    """OpenAI's logit_bias, added before greedy and sampling alike (+100 forces a token, -100 bans it);
+    every row's biases go to the device in one copy."""
+    rows, tokens, biases = [], [], []
+    for row, state in enumerate(states):
+        for token, bias in state.sampling_params.logit_bias:
+            rows.append(row)
+            tokens.append(token)
+            biases.append(bias)
+    if rows:
+        packed = host_to_device(np.array([rows, tokens, biases], dtype=np.float64), logits.device)
+        logits.index_put_((packed[0].long(), packed[1].long()), packed[2].to(logits.dtype), accumulate=True)
 
 
 def _mask_stop_tokens_before_min(logits: torch.Tensor, states: list[RequestState]) -> None:

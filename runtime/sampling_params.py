@@ -24,6 +24,8 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # number of top logprobs per output token
     skip_special_tokens: bool = True
+    # token id -> added to its logit, clamped to [-100, 100]; kept as sorted (id, bias) pairs
+    logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # normalise inputs once; the record stays frozen afterwards
@@ -33,6 +35,8 @@ class SamplingParams:
         set_(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if self.top_k in (-1, 0):
             set_(self, "top_k", None)
+        pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias or ()
+        set_(self, "logit_bias", tuple(sorted((int(t), max(-100.0, min(100.0, float(b)))) for t, b in pairs)))
         self._validate()
 
     def _validate(self) -> None:
@@ -52,6 +56,7 @@ class SamplingParams:
              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
             (self.logprobs is None or self.logprobs >= 0, f"logprobs must be >= 0, got {self.logprobs}"),
             (all(self.stop), "stop strings must not be empty"),
+            (all(t >= 0 for t, _ in self.logit_bias), "logit_bias token ids must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:

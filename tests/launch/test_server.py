@@ -336,3 +336,16 @@ def test_tokenize_and_detokenize_use_the_served_tokenizer(server):
     assert post(server, "/detokenize", {"model": MODEL, "tokens": [10**9]})[0] == 400
     assert post(server, "/tokenize", {"model": MODEL})[0] == 400
     assert post(server, "/tokenize", {"model": MODEL, "prompt": "x"}, headers={})[0] == 401
+
+
+def test_logit_bias_through_the_api(client, server):
+    forced = client.completions.create(model=MODEL, prompt="The list", max_tokens=4, temperature=1.0, seed=5,
+                                       logit_bias={"42": 100}, extra_body={"ignore_eos": True})
+    plain = client.completions.create(model=MODEL, prompt="The list", max_tokens=4, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    code, data = post(server, "/v1/completions", {"model": MODEL, "prompt": "The list", "max_tokens": 4,
+                                                  "temperature": 0, "logprobs": 0, "logit_bias": {"42": 100}})
+    assert code == 200 and forced.choices[0].text == data["choices"][0]["text"] != plain.choices[0].text
+    code, data = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                                  "logit_bias": {"99999999": 5}})
+    assert code == 400 and data["error"]["param"] == "logit_bias"
