@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from shardserve.launch.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         TokenizeRequest)
 from shardserve.launch.replicas import ReplicaSet
-from shardserve.launch.response_format import chat_logprobs, completion_logprobs, sse, usage
+from shardserve.launch.response_format import (chat_logprobs, completion_logprobs, prompt_logprobs_json, sse,
+                                               usage)
 from shardserve.runtime.input_processor import InvalidPromptError, ProcessedPrompt
 from shardserve.runtime.outputs import PromptDelta, RequestOutputBuilder, SampleDelta
 from shardserve.runtime.sampling_params import SamplingParams
@@ -29,6 +30,9 @@ class PreparedRequest:
     prompts: list[ProcessedPrompt]
     params: SamplingParams
     echo_texts: list[str] | None = None  # per prompt, when the completion echoes its prompt
+    # per prompt, the text of its first token, when echo comes with logprobs (that token has no score)
+    first_token_texts: list[str] | None = None
+    prompt_logprobs: int | None = None  # vLLM's extra: the choices carry the prompt's logprobs
     created: int = field(default_factory=lambda: int(time.time()))
 
     def prompt_id(self, prompt_index: int) -> str:
@@ -71,19 +75,23 @@ class OpenAIServing:
             raise APIError(400, "suffix is not supported", "suffix")
         if body.best_of not in (None, body.n):
             raise APIError(400, "best_of must equal n (or be left out)", "best_of")
-        if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo with logprobs (prompt logprobs) is not supported",
-                           "logprobs")
+        if body.stream and body.prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs is not supported with stream: use echo with logprobs",
+                           "prompt_logprobs")
+        scored = body.echo and body.logprobs is not None  # the echoed prompt comes with its logprobs
         processor = self.replicas.input_processor
         with _as_api_error("prompt"):
-            params = body.sampling_params(body.max_tokens, body.logprobs, self.replicas.sampling_defaults)
+            wanted = max(body.prompt_logprobs or 0, body.logprobs) if scored else body.prompt_logprobs
+            params = body.sampling_params(body.max_tokens, body.logprobs, self.replicas.sampling_defaults, wanted)
             prompts = [processor.process(p, params) for p in body.prompts()]
-        echo_texts = None
+        echo_texts = first_texts = None
         if body.echo:
             echo_texts = [p.prompt if p.prompt is not None else processor.decode(p.prompt_token_ids)
                           for p in prompts]
+        if scored:
+            first_texts = [processor.decode(p.prompt_token_ids[:1]) for p in prompts]
         return PreparedRequest("completion", f"cmpl-{uuid.uuid4().hex}", self.served_model_name,
-                               prompts, params, echo_texts)
+                               prompts, params, echo_texts, first_texts, body.prompt_logprobs)
 
     def tokenize(self, body: TokenizeRequest) -> dict:
         self.check_ready(body.model)
@@ -108,13 +116,15 @@ class OpenAIServing:
     def prepare_chat(self, body: ChatCompletionRequest) -> PreparedRequest:
         self.check_ready(body.model)
         body.check_extra_fields()
+        if body.stream and body.prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs is not supported with stream", "prompt_logprobs")
         with _as_api_error("messages"):
             params = body.sampling_params(body.requested_max_tokens(), body.num_logprobs(),
                                           self.replicas.sampling_defaults)
             prompt = self.replicas.input_processor.process_chat(
                 body.conversation(), params, body.add_generation_prompt, body.chat_template_kwargs)
         return PreparedRequest("chat", f"chatcmpl-{uuid.uuid4().hex}", self.served_model_name,
-                               [prompt], params)
+                               [prompt], params, prompt_logprobs=body.prompt_logprobs)
 
     # ---- running ---------------------------------------------------------------------------
     async def _deltas(self, request: PreparedRequest) -> AsyncIterator[tuple[int, PromptDelta]]:
@@ -156,11 +166,18 @@ class OpenAIServing:
         choices, num_completion_tokens = [], 0
         for prompt_index, output in enumerate(b.build() for b in builders):
             echo = request.echo_texts[prompt_index] if request.echo_texts else ""
+            scored = request.first_token_texts is not None
             for c in output.outputs:
                 num_completion_tokens += len(c.token_ids)
-                choices.append(_choice(request, request.choice_index(prompt_index, c.index),
-                                       echo + c.text, c.token_ids, c.logprobs or [], 0,
-                                       c.finish_reason))
+                token_ids, logprobs = c.token_ids, c.logprobs or []
+                if scored:  # the echoed prompt's tokens come first, the first one unscored
+                    token_ids, logprobs = output.prompt_token_ids + token_ids, output.prompt_logprobs + logprobs
+                choice = _choice(request, request.choice_index(prompt_index, c.index), echo + c.text, token_ids,
+                                 logprobs, 0, c.finish_reason, request.first_token_texts[prompt_index] if scored
+                                 else None)
+                if request.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
+                choices.append(choice)
         num_prompt_tokens = sum(p.num_prompt_tokens for p in request.prompts)
         obj = "text_completion" if request.kind == "completion" else "chat.completion"
         return {"id": request.request_id, "object": obj, "created": request.created,
@@ -210,7 +227,13 @@ class _ChunkMapper:
         request = self.request
         self.num_completion_tokens += len(sample.new_token_ids)
         index = request.choice_index(prompt_index, sample.sample_index)
+        is_first = index not in self.text_offsets
+        if index not in self.waiting and is_first and request.first_token_texts is not None:
+            # echo with logprobs: the prompt's tokens lead, the first unscored; its scores arrive first
+            self.waiting[index] = (list(request.prompts[prompt_index].prompt_token_ids), [None])
         token_ids, logprobs = self.waiting.setdefault(index, ([], []))
+        if request.first_token_texts is not None:
+            logprobs.extend(sample.new_prompt_logprobs or ())
         token_ids.extend(sample.new_token_ids)
         logprobs.extend(sample.new_logprobs or ())
         if not sample.new_text and sample.finish_reason is None:
@@ -220,7 +243,8 @@ class _ChunkMapper:
         if request.echo_texts and index not in self.text_offsets:
             text = request.echo_texts[prompt_index] + text
         offset = self.text_offsets.get(index, 0)
-        choice = _choice(request, index, text, token_ids, logprobs, offset, sample.finish_reason)
+        first_text = request.first_token_texts[prompt_index] if request.first_token_texts and is_first else None
+        choice = _choice(request, index, text, token_ids, logprobs, offset, sample.finish_reason, first_text)
         lp = choice["logprobs"]
         if request.kind == "completion" and lp and lp["tokens"]:
             offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
@@ -232,10 +256,10 @@ class _ChunkMapper:
 
 
 def _choice(request: PreparedRequest, index: int, text: str, token_ids, logprobs,
-            text_offset: int, finish: str | None) -> dict:
+            text_offset: int, finish: str | None, first_text: str | None = None) -> dict:
     k = request.params.logprobs
     if request.kind == "completion":
-        lp = completion_logprobs(token_ids, logprobs, k, text_offset) if k is not None else None
+        lp = completion_logprobs(token_ids, logprobs, k, text_offset, first_text) if k is not None else None
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
     lp = chat_logprobs(token_ids, logprobs, k) if k is not None else None
     return {"index": index, "message": {"role": "assistant", "content": text},

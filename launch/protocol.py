@@ -39,7 +39,6 @@ _NOT_SERVED = {  # what a refused field would need, so the message says what to 
     "response_format": "structured outputs are not served yet: leave response_format out (or type text)",
     "tools": "tool calls are not served yet: leave tools out",
     "tool_choice": "tool calls are not served yet: leave tool_choice out (or 'none')",
-    "prompt_logprobs": "prompt logprobs are not served yet",
 }
 
 
@@ -80,8 +79,10 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     logit_bias: Optional[dict[int, float]] = None  # OpenAI sends token ids as JSON strings
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extra
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """The request's fields over the model's sampling defaults (generation_config.json); a field
         the request leaves out and the defaults lack takes SamplingParams' own default.
         max_tokens None: up to max_model_len."""
@@ -92,7 +93,8 @@ class _SamplingFields(BaseModel):
                               stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                               include_stop_str_in_output=self.include_stop_str_in_output, max_tokens=max_tokens,
                               min_tokens=self.min_tokens, logprobs=logprobs,
-                              skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias)
+                              skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias,
+                              prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs)
 
     @property
     def include_usage(self) -> bool:
@@ -111,7 +113,7 @@ PromptInput = Union[str, list[str], list[int], list[list[int]]]
 
 class CompletionRequest(_SamplingFields):
     prompt: PromptInput
-    max_tokens: Optional[int] = Field(16, ge=1)
+    max_tokens: Optional[int] = Field(16, ge=0)  # 0: the prompt alone (echo, prompt logprobs)
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: Optional[str] = None

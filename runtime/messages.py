@@ -65,6 +65,9 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # request id -> (index of the first prompt token scored, its entries and the next ones'): this
+    # step's share of the prompt logprobs of requests that ask for them
+    prompt_logprobs: dict[str, tuple[int, tuple[TokenLogprobs, ...]]] = field(default_factory=dict)
 
 
 @dataclass(slots=True, frozen=True)
@@ -77,3 +80,4 @@ class RequestUpdate:
     finish_reason: str | None  # "stop", "length" or None while running
     stop_reason: int | str | None = None
     times: SampleTimes | None = None  # with the sample's first token only
+    new_prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # prompt tokens scored since the last update

@@ -90,8 +90,9 @@ class OutputProcessor:
             finish_reason, stop_reason = "stop", stop
         sample.is_finished = finish_reason is not None
         logprobs = None if params.logprobs is None else self._logprob_dicts(update.new_logprobs)
+        prompt_logprobs = self._logprob_dicts(update.new_prompt_logprobs) if update.new_prompt_logprobs else None
         return SampleDelta(sample.sample_index, update.new_token_ids, text, logprobs, finish_reason, stop_reason,
-                           update.times)
+                           update.times, prompt_logprobs)
 
     @staticmethod
     def _new_text(sample: _Sample, params: SamplingParams, token_ids: tuple[int, ...],

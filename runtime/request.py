@@ -28,7 +28,8 @@ class Request:
 
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling_params", "seed",
                  "eos_token_ids", "status", "stop_reason", "num_computed_tokens", "num_synced_tokens", "num_synced_blocks",
-                 "block_hashes", "num_preemptions", "arrival_time", "first_scheduled_time")
+                 "block_hashes", "num_preemptions", "arrival_time", "first_scheduled_time",
+                 "num_prompt_logprobs_sent")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  seed: int, eos_token_ids: frozenset[int] = frozenset()) -> None:
@@ -47,6 +48,7 @@ class Request:
         self.num_preemptions = 0
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None  # set when first admitted to a batch
+        self.num_prompt_logprobs_sent = 1  # prompt tokens scored and handed on (token 0 has no score)
 
     @property
     def all_token_ids(self) -> list[int]:

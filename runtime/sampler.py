@@ -188,19 +188,24 @@ def _logprobs(raw: torch.Tensor, states: list[RequestState], tokens: torch.Tenso
     if not rows:
         return {}
     index = host_to_device(np.array(rows, dtype=np.int64), raw.device)
-    logprobs = torch.log_softmax(raw[index].float(), dim=-1)  # [num_rows, vocab]
-    chosen = tokens[index]
-    sampled = logprobs.gather(1, chosen[:, None])  # [num_rows, 1]
-    ranks = (logprobs > sampled).sum(dim=-1, keepdim=True) + 1
-    k = max(states[row].sampling_params.logprobs for row in rows)
+    entries = token_logprobs(raw[index], tokens[index], [states[row].sampling_params.logprobs for row in rows])
+    return {states[row].request_id: entry for row, entry in zip(rows, entries)}
+
+
+def token_logprobs(raw: torch.Tensor, chosen: torch.Tensor, wanted: list[int]) -> list[TokenLogprobs]:
+    """raw: [rows, vocab] logits; chosen: [rows] the token each row scores; wanted[i]: how many of
+    row i's most likely tokens to add. One copy to the host for all rows."""
+    logprobs = torch.log_softmax(raw.float(), dim=-1)  # [rows, vocab]
+    picked = logprobs.gather(1, chosen[:, None])  # [rows, 1]
+    ranks = (logprobs > picked).sum(dim=-1, keepdim=True) + 1
+    k = max(wanted)
     top = logprobs.topk(k, dim=-1)
-    # [num_rows, 3 + 2k] float64: token, logprob, rank, top ids, top logprobs (ids are exact below 2^53)
-    packed = torch.cat([chosen[:, None].double(), sampled.double(), ranks.double(), top.indices.double(),
+    # [rows, 3 + 2k] float64: token, logprob, rank, top ids, top logprobs (ids are exact below 2^53)
+    packed = torch.cat([chosen[:, None].double(), picked.double(), ranks.double(), top.indices.double(),
                         top.values.double()], dim=1).tolist()
-    result = {}
-    for values, row in zip(packed, rows):
-        wanted = states[row].sampling_params.logprobs
-        ids = (int(values[0]),) + tuple(int(i) for i in values[3: 3 + wanted])
-        logs = (values[1],) + tuple(values[3 + k: 3 + k + wanted])
-        result[states[row].request_id] = TokenLogprobs(ids, logs, int(values[2]))
+    result = []
+    for values, num in zip(packed, wanted):
+        ids = (int(values[0]),) + tuple(int(i) for i in values[3: 3 + num])
+        logs = (values[1],) + tuple(values[3 + k: 3 + k + num])
+        result.append(TokenLogprobs(ids, logs, int(values[2])))
     return result

@@ -120,7 +120,9 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
                and len(num_scheduled) < limit):
             request = self.waiting[0]
-            hits = self.block_manager.find_cached_prefix(request)
+            # NOTE: a request that scores its prompt recomputes it all: cached positions would go unscored
+            hits = [] if request.sampling_params.prompt_logprobs is not None else \
+                self.block_manager.find_cached_prefix(request)
             num_cached = len(hits) * self.block_manager.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.block_manager.allocate_slots(request, num_cached + num_new, hits):
@@ -175,19 +177,30 @@ class Scheduler:
                 continue  # aborted while the step ran
             request.num_computed_tokens += num_tokens
             self.block_manager.cache_full_blocks(request)
-            token = runner_output.sampled_token_ids.get(request_id)
-            if token is None:
-                continue  # mid-prefill: nothing sampled yet
-            request.output_token_ids.append(token)
-            finish = self._check_stop(request, token)
-            if finish is not None:
-                self._finish(request, finish)
-            logprobs = runner_output.logprobs.get(request_id)
-            updates.append(RequestUpdate(request_id=request_id, new_token_ids=(token,),
-                                         new_logprobs=(logprobs,) if logprobs else (),
-                                         finish_reason=finish.value if finish else None,
-                                         stop_reason=request.stop_reason, times=_first_token_times(request)))
+            update = self._update_request(request, runner_output)
+            if update is not None:
+                updates.append(update)
         return updates
+
+    def _update_request(self, request: Request, runner_output: ModelRunnerOutput) -> RequestUpdate | None:
+        request_id = request.request_id
+        prompt_logprobs = _unsent_prompt_logprobs(request, runner_output.prompt_logprobs.get(request_id))
+        token = runner_output.sampled_token_ids.get(request_id)
+        if token is None:  # mid-prefill: nothing sampled yet
+            return RequestUpdate(request_id, (), (), None, new_prompt_logprobs=prompt_logprobs) \
+                if prompt_logprobs else None
+        if request.sampling_params.max_tokens == 0:  # the prompt alone was asked for (its logprobs)
+            self._finish(request, RequestStatus.FINISHED_LENGTH)
+            return RequestUpdate(request_id, (), (), "length", new_prompt_logprobs=prompt_logprobs)
+        request.output_token_ids.append(token)
+        finish = self._check_stop(request, token)
+        if finish is not None:
+            self._finish(request, finish)
+        logprobs = runner_output.logprobs.get(request_id)
+        return RequestUpdate(request_id=request_id, new_token_ids=(token,),
+                             new_logprobs=(logprobs,) if logprobs else (),
+                             finish_reason=finish.value if finish else None, stop_reason=request.stop_reason,
+                             times=_first_token_times(request), new_prompt_logprobs=prompt_logprobs)
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -225,3 +238,14 @@ def _first_token_times(request: Request) -> SampleTimes | None:
         return None
     scheduled = request.first_scheduled_time
     return SampleTimes(queue_s=scheduled - request.arrival_time, prefill_s=time.monotonic() - scheduled)
+
+
+def _unsent_prompt_logprobs(request: Request, scored) -> tuple:
+    """The entries of (first token index, entries) not yet handed on: a preempted request scores its
+    prompt again when it is recomputed, and those repeats are dropped here."""
+    if scored is None:
+        return ()
+    start, entries = scored
+    fresh = entries[max(0, request.num_prompt_logprobs_sent - start):]
+    request.num_prompt_logprobs_sent = max(request.num_prompt_logprobs_sent, start + len(entries))
+    return fresh

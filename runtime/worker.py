@@ -19,6 +19,7 @@ from shardserve.runtime.loader import load_model
 from shardserve.runtime.messages import ModelRunnerOutput, SchedulerOutput
 from shardserve.runtime.parallel_state import get_parallel_state
 from shardserve.runtime.pipeline import IntermediateTensors, recv_intermediate, send_intermediate
+from shardserve.runtime.prompt_logprobs import score_prompts, wants_prompt_logprobs
 from shardserve.runtime.sampler import sample
 
 logger = logging.getLogger(__name__)
@@ -146,8 +147,10 @@ class Worker:
         if not state.is_last_stage:
             send_intermediate(hidden)
             return None
+        prompt_logprobs = (score_prompts(self.model, host, batch, hidden, state.is_output_rank)
+                           if wants_prompt_logprobs(batch) else {})
         if not host.sampled_states:
-            return ModelRunnerOutput() if state.is_output_rank else None
+            return ModelRunnerOutput(prompt_logprobs=prompt_logprobs) if state.is_output_rank else None
         if not host.samples_every_token:
             hidden = hidden[host_to_device(host.logits_indices, self.device)]
         # every TP rank of the last stage joins the logits gather; the output rank alone samples
@@ -156,7 +159,7 @@ class Worker:
             return None
         tokens, logprobs = sample(logits, host.sampled_states)
         sampled = {state.request_id: token for state, token in zip(host.sampled_states, tokens)}
-        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     def _forward(self, host: HostInputs):
         """A captured graph for a decode step that has one; the model run eagerly otherwise."""

@@ -225,7 +225,6 @@ def test_fields_that_ask_for_nothing_are_accepted(server):
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("/v1/chat/completions", "tool_choice", "required"),
     ("/v1/completions", "guided_json", {"type": "object"}),
-    ("/v1/completions", "prompt_logprobs", 1),
     ("/v1/completions", "whatever", True),
 ])
 def test_fields_the_server_cannot_honour_are_refused_by_name(server, route, field, value):
@@ -349,3 +348,49 @@ def test_logit_bias_through_the_api(client, server):
     code, data = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2,
                                                   "logit_bias": {"99999999": 5}})
     assert code == 400 and data["error"]["param"] == "logit_bias"
+
+
+def hf_prompt_logprobs(ids: list[int]) -> list[float]:
+    """transformers' log-probability of each prompt token after the first, in float32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from shardserve.launch.demo import DEMO_MODEL_DIR
+    model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.float32)
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return [logprobs[i, ids[i + 1]].item() for i in range(len(ids) - 1)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_scores_the_prompt_like_transformers(server, stream):
+    """The loglikelihood request evaluation harnesses send: token ids, echo, logprobs 1, max_tokens 0."""
+    ids = [17, 250, 1033, 88, 402, 9, 611, 73, 1200, 5]
+    body = {"model": MODEL, "prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 0, "temperature": 0}
+    if stream:
+        events = http(f"{server}/v1/completions", body | {"stream": True}, AUTH)[1]
+        chunks = [json.loads(line[6:]) for line in events.splitlines() if line.startswith("data: {")]
+        lp = {"token_logprobs": [x for c in chunks for x in c["choices"][0]["logprobs"]["token_logprobs"]]}
+    else:
+        code, data = post(server, "/v1/completions", body)
+        assert code == 200 and data["choices"][0]["finish_reason"] == "length"
+        lp = data["choices"][0]["logprobs"]
+        assert len(lp["tokens"]) == len(ids) and lp["top_logprobs"][0] is None and len(lp["top_logprobs"][1]) >= 1
+    assert lp["token_logprobs"][0] is None and len(lp["token_logprobs"]) == len(ids)
+    assert lp["token_logprobs"][1:] == pytest.approx(hf_prompt_logprobs(ids), abs=1e-3)
+
+
+def test_prompt_logprobs_extra_and_a_completion_after_the_echo(server):
+    ids = [17, 250, 1033, 88, 402]
+    code, data = post(server, "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 3, "temperature": 0,
+                                                  "prompt_logprobs": 2, "echo": True, "logprobs": 0})
+    choice = data["choices"][0]
+    assert code == 200 and choice["prompt_logprobs"][0] is None and len(choice["prompt_logprobs"]) == len(ids)
+    scored = choice["prompt_logprobs"][1]
+    assert str(ids[1]) in scored and scored[str(ids[1])]["logprob"] == pytest.approx(hf_prompt_logprobs(ids)[0], abs=1e-3)
+    assert len(choice["logprobs"]["tokens"]) == len(ids) + 3  # the echoed prompt, then the completion
+    code, data = post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                       "max_tokens": 2, "prompt_logprobs": 0})
+    assert code == 200 and data["choices"][0]["prompt_logprobs"][0] is None
+    code, data = post(server, "/v1/completions", {"model": MODEL, "prompt": ids, "prompt_logprobs": 1, "stream": True})
+    assert code == 400 and data["error"]["param"] == "prompt_logprobs"
