@@ -43,12 +43,14 @@ class PreparedRequest:
 
 
 @contextmanager
-def _as_api_error(prompt_param: str) -> Iterator[None]:
-    """The runtime's refusals as 400s; `prompt_param` names the prompt in this endpoint."""
+def _as_api_error(prompt_param: str, structured_param: str | None = None) -> Iterator[None]:
+    """The runtime's refusals as 400s; `prompt_param` names the prompt in this endpoint and
+    `structured_param` the field that asked for a grammar."""
     try:
         yield
     except InvalidPromptError as e:
-        raise APIError(400, str(e), prompt_param if e.field == "prompt" else e.field) from None
+        names = {"prompt": prompt_param, "response_format": structured_param or "response_format"}
+        raise APIError(400, str(e), names.get(e.field, e.field)) from None
     except ValueError as e:  # SamplingParams' own checks
         raise APIError(400, str(e)) from None
 
@@ -80,7 +82,7 @@ class OpenAIServing:
                            "prompt_logprobs")
         scored = body.echo and body.logprobs is not None  # the echoed prompt comes with its logprobs
         processor = self.replicas.input_processor
-        with _as_api_error("prompt"):
+        with _as_api_error("prompt", body.structured_field):
             wanted = max(body.prompt_logprobs or 0, body.logprobs) if scored else body.prompt_logprobs
             params = body.sampling_params(body.max_tokens, body.logprobs, self.replicas.sampling_defaults, wanted)
             prompts = [processor.process(p, params) for p in body.prompts()]
@@ -118,7 +120,7 @@ class OpenAIServing:
         body.check_extra_fields()
         if body.stream and body.prompt_logprobs is not None:
             raise APIError(400, "prompt_logprobs is not supported with stream", "prompt_logprobs")
-        with _as_api_error("messages"):
+        with _as_api_error("messages", body.structured_field):
             params = body.sampling_params(body.requested_max_tokens(), body.num_logprobs(),
                                           self.replicas.sampling_defaults)
             prompt = self.replicas.input_processor.process_chat(

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from shardserve.runtime.sampling_params import SamplingParams
+from shardserve.runtime.structured_output import StructuredOutputs
 
 MAX_LOGPROBS = 20
 
@@ -36,7 +38,6 @@ class StreamOptions(BaseModel):
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
                             "parallel_tool_calls"})
 _NOT_SERVED = {  # what a refused field would need, so the message says what to do instead
-    "response_format": "structured outputs are not served yet: leave response_format out (or type text)",
     "tools": "tool calls are not served yet: leave tools out",
     "tool_choice": "tool calls are not served yet: leave tool_choice out (or 'none')",
 }
@@ -46,10 +47,11 @@ def _is_neutral(name: str, value: Any) -> bool:
     """An extra field whose value asks for nothing (an empty list, response_format text, ...)."""
     if name in IGNORED_FIELDS or value is None or value == [] or value == {}:
         return True
-    return (name == "response_format" and isinstance(value, dict) and value.get("type") == "text") or \
-        (name == "tool_choice" and value == "none")
+    return name == "tool_choice" and value == "none"
 
 
+_GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+           ("guided_grammar", "grammar"))
 # request fields where "not given" (None) lets the model's sampling defaults apply
 _DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
@@ -80,6 +82,42 @@ class _SamplingFields(BaseModel):
     stream_options: Optional[StreamOptions] = None
     logit_bias: Optional[dict[int, float]] = None  # OpenAI sends token ids as JSON strings
     prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extra
+    response_format: Optional[dict[str, Any]] = None  # {"type": "text" | "json_object" | "json_schema"}
+    guided_json: Optional[Union[str, dict[str, Any]]] = None  # vLLM's structured-output extras
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+
+    @property
+    def structured_field(self) -> str | None:
+        """The field that asks for a grammar, to name in an error."""
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            return "response_format"
+        return next((name for name, _ in _GUIDED if getattr(self, name) is not None), None)
+
+    def structured_outputs(self) -> StructuredOutputs | None:
+        """The one grammar the request asks for (response_format or a guided_* extra), or None."""
+        asked = [(name, kind, getattr(self, name)) for name, kind in _GUIDED if getattr(self, name) is not None]
+        form = self.response_format or {}
+        if form.get("type") == "json_object":
+            asked.append(("response_format", "json_object", None))
+        elif form.get("type") == "json_schema":
+            schema = (form.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise APIError(400, "response_format json_schema needs json_schema.schema", "response_format")
+            asked.append(("response_format", "json", schema))
+        elif form.get("type") not in (None, "text"):
+            raise APIError(400, f"response_format type {form.get('type')!r}: use text, json_object or json_schema",
+                           "response_format")
+        if len(asked) > 1:
+            raise APIError(400, f"ask for one structured output, not {' and '.join(a[0] for a in asked)}", asked[1][0])
+        if not asked:
+            return None
+        name, kind, spec = asked[0]
+        try:
+            return StructuredOutputs(kind, json.loads(spec) if kind == "json" and isinstance(spec, str) else spec)
+        except ValueError as error:
+            raise APIError(400, f"{name}: {error}", name) from None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -94,7 +132,8 @@ class _SamplingFields(BaseModel):
                               include_stop_str_in_output=self.include_stop_str_in_output, max_tokens=max_tokens,
                               min_tokens=self.min_tokens, logprobs=logprobs,
                               skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias,
-                              prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs)
+                              prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+                              structured_outputs=self.structured_outputs())
 
     @property
     def include_usage(self) -> bool:
@@ -103,8 +142,7 @@ class _SamplingFields(BaseModel):
     def check_extra_fields(self) -> None:
         for name, value in (self.model_extra or {}).items():
             if not _is_neutral(name, value):
-                hint = _NOT_SERVED.get(name) or ("guided decoding is not served yet" if name.startswith("guided_")
-                                                 else "this server does not know it")
+                hint = _NOT_SERVED.get(name) or "this server does not know it"
                 raise APIError(400, f"{name} is not supported: {hint}", name)
 
 

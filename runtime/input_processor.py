@@ -16,7 +16,7 @@ PromptType = Union[str, list[int], dict]
 
 
 class InvalidPromptError(ValueError):
-    """A prompt the engine cannot take. `field` names what to change: "prompt", "max_tokens", "stop" or "logit_bias"."""
+    """A prompt the engine cannot take. `field` names what to change: "prompt", "max_tokens", "stop", "logit_bias" or "response_format"."""
 
     def __init__(self, message: str, field: str):
         super().__init__(message)
@@ -83,6 +83,14 @@ class InputProcessor:
         """A prompt's text from its token ids (for echo), or "" without a tokenizer."""
         return "" if self.tokenizer is None else self.tokenizer.decode(list(token_ids))
 
+    def _check_structured_outputs(self, outputs) -> None:
+        if self.tokenizer is None:
+            raise InvalidPromptError("structured outputs need a tokenizer (this engine skipped it)", "response_format")
+        try:
+            outputs.grammar()
+        except ValueError as error:
+            raise InvalidPromptError(str(error), "response_format") from None
+
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise InvalidPromptError("this engine was started with skip_tokenizer_init=True; "
@@ -94,6 +102,8 @@ class InputProcessor:
             raise InvalidPromptError("stop strings need a tokenizer; use stop_token_ids with "
                                      "skip_tokenizer_init=True", "stop")
         vocab, limit = self.vocab_size, self.max_model_len
+        if params.structured_outputs is not None:
+            self._check_structured_outputs(params.structured_outputs)
         if any(token >= vocab for token, _ in params.logit_bias):
             raise InvalidPromptError(f"logit_bias token ids must lie in [0, {vocab})", "logit_bias")
         try:

@@ -71,21 +71,27 @@ class SamplingTensors:
                    uniform=values[4], is_greedy=values[5].bool())
 
 
-def sample(logits: torch.Tensor, states: list[RequestState]) -> tuple[list[int], dict[str, TokenLogprobs]]:
-    """logits: [num_sampled, vocab_size] float32, rows in the order of `states`."""
-    tokens = sample_on_device(logits, states)
+def sample(logits: torch.Tensor, states: list[RequestState],
+           token_bitmask: torch.Tensor | None = None) -> tuple[list[int], dict[str, TokenLogprobs]]:
+    """logits: [num_sampled, vocab_size] float32, rows in the order of `states`; token_bitmask:
+    xgrammar's [rows, vocab / 32] allowed tokens of constrained rows (logprobs stay the raw ones)."""
+    tokens = sample_on_device(logits, states, token_bitmask)
     token_list = tokens.tolist()  # the step's one device->host copy
     return token_list, _logprobs(logits, states, tokens)
 
 
-def sample_on_device(logits: torch.Tensor, states: list[RequestState]) -> torch.Tensor:
+def sample_on_device(logits: torch.Tensor, states: list[RequestState],
+                     token_bitmask: torch.Tensor | None = None) -> torch.Tensor:
     """[num_sampled] int64 token ids on the logits' device. Without penalties or min_tokens it waits
     for nothing on the device: the decisions on the host come from the sampling parameters alone."""
-    if any(_edits_logits(s) for s in states):
+    if token_bitmask is not None or any(_edits_logits(s) for s in states):
         logits = logits.clone()
         _apply_penalties(logits, states)
         _apply_logit_bias(logits, states)
         _mask_stop_tokens_before_min(logits, states)
+        if token_bitmask is not None:
+            import xgrammar as xgr
+            xgr.apply_token_bitmask_inplace(logits, token_bitmask.to(logits.device, non_blocking=True))
     tokens = logits.argmax(dim=-1)
     if all(s.sampling_params.is_greedy for s in states):
         return tokens

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardserve.runtime.structured_output import StructuredOutputs
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -24,6 +26,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # number of top logprobs per output token
     prompt_logprobs: int | None = None  # number of top logprobs per prompt token (vLLM's name)
+    structured_outputs: StructuredOutputs | None = None  # output constrained to a grammar (xgrammar)
     skip_special_tokens: bool = True
     # token id -> added to its logit, clamped to [-100, 100]; kept as sorted (id, bias) pairs
     logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None

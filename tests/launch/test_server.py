@@ -221,10 +221,8 @@ def test_fields_that_ask_for_nothing_are_accepted(server):
 
 
 @pytest.mark.parametrize("route, field, value", [
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("/v1/chat/completions", "tool_choice", "required"),
-    ("/v1/completions", "guided_json", {"type": "object"}),
     ("/v1/completions", "whatever", True),
 ])
 def test_fields_the_server_cannot_honour_are_refused_by_name(server, route, field, value):
@@ -394,3 +392,61 @@ def test_prompt_logprobs_extra_and_a_completion_after_the_echo(server):
     assert code == 200 and data["choices"][0]["prompt_logprobs"][0] is None
     code, data = post(server, "/v1/completions", {"model": MODEL, "prompt": ids, "prompt_logprobs": 1, "stream": True})
     assert code == 400 and data["error"]["param"] == "prompt_logprobs"
+
+
+PET = {"type": "object", "additionalProperties": False, "required": ["name", "age", "kind"],
+       "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0,
+                                                                          "maximum": 30},
+                      "kind": {"enum": ["cat", "dog", "fish"]}}}
+
+
+def test_json_schema_outputs_always_parse_and_validate(client):
+    import jsonschema
+    form = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET, "strict": True}}
+    for seed in range(20):  # temperature 1: only the grammar keeps a tiny model's text valid
+        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A pet?"}],
+                                               max_tokens=60, temperature=1.0, seed=seed, response_format=form)
+        jsonschema.validate(json.loads(reply.choices[0].message.content), PET)
+    obj = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=60,
+                                         temperature=0, response_format={"type": "json_object"})
+    choice = obj.choices[0]  # any object: it may run out of max_tokens, and then says so
+    assert choice.message.content.startswith("{") and (
+        choice.finish_reason == "length" or isinstance(json.loads(choice.message.content), dict))
+
+
+def test_parse_with_a_pydantic_model_and_streaming_agree(client):
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Pet(BaseModel):
+        name: str = Field(max_length=8)
+        kind: Literal["cat", "dog"]
+
+    parsed = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "A pet?"}],
+                                           max_tokens=40, temperature=0, response_format=Pet)
+    pet = parsed.choices[0].message.parsed
+    assert isinstance(pet, Pet)
+    form = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET}}
+    args = dict(model=MODEL, messages=[{"role": "user", "content": "A pet?"}], max_tokens=60, temperature=0,
+                response_format=form)
+    full = client.chat.completions.create(**args).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **args)
+                       if c.choices)
+    assert streamed == full and json.loads(full)["kind"] in ("cat", "dog", "fish")
+
+
+def test_guided_extras_on_completions(server, client):
+    choice = client.completions.create(model=MODEL, prompt="Yes or no:", max_tokens=5, temperature=1.0,
+                                       extra_body={"guided_choice": ["yes", "no"]})
+    assert choice.choices[0].text in ("yes", "no")
+    regex = client.completions.create(model=MODEL, prompt="Code:", max_tokens=10, temperature=1.0,
+                                      extra_body={"guided_regex": "[0-9]{3}-[a-z]{2}"})
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", regex.choices[0].text)
+    for field, value in (("guided_regex", "([0-9"), ("guided_json", "{not json"),
+                         ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}})):
+        code, data = post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2, field: value})
+        assert code == 400 and data["error"]["param"] == field, (field, data)
+    code, data = post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "guided_regex": "a",
+                                                  "guided_choice": ["a"]})
+    assert code == 400 and "one structured output" in data["error"]["message"]
