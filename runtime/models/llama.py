@@ -63,11 +63,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, intermediate_size: int | None = None):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
+        size = intermediate_size or config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias)
         if config.hidden_act != "silu":
             get_activation(config.hidden_act)  # raises for unknown names
             raise ValueError(f"Llama-style MLP supports hidden_act='silu', got {config.hidden_act!r}")

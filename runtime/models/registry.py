@@ -11,6 +11,7 @@ from shardserve.runtime.models.gpt2 import GPT2LMHeadModel
 from shardserve.runtime.models.llama import LlamaForCausalLM, LlamaVariant
 from shardserve.runtime.models.mixtral import MixtralForCausalLM
 from shardserve.runtime.models.opt import OPTForCausalLM
+from shardserve.runtime.models.qwen_moe import qwen2_moe, qwen3_moe
 
 _REGISTRY: dict[str, Callable[[ModelConfig], nn.Module]] = {
     "LlamaForCausalLM": lambda c: LlamaForCausalLM(c, LlamaVariant()),
@@ -18,6 +19,8 @@ _REGISTRY: dict[str, Callable[[ModelConfig], nn.Module]] = {
     "Qwen2ForCausalLM": lambda c: LlamaForCausalLM(c, LlamaVariant(qkv_bias=True)),
     "Qwen3ForCausalLM": lambda c: LlamaForCausalLM(c, LlamaVariant(qk_norm=True)),
     "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": qwen2_moe,
+    "Qwen3MoeForCausalLM": qwen3_moe,
     "GPT2LMHeadModel": GPT2LMHeadModel,
     "OPTForCausalLM": OPTForCausalLM,
 }

@@ -55,6 +55,12 @@ def family_config(family: str, num_layers: int = 2, max_position_embeddings: int
         return tf.Qwen3Config(head_dim=24, tie_word_embeddings=False, **llama_like)
     if family == "mixtral":
         return tf.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **llama_like)
+    if family == "qwen2_moe":  # layer 1 dense (mlp_only_layers); top-k weights not renormalized
+        return tf.Qwen2MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                 shared_expert_intermediate_size=48, mlp_only_layers=[1], **llama_like)
+    if family == "qwen3_moe":  # decoder_sparse_step 2: odd layers sparse; renormalized top-k
+        return tf.Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                 decoder_sparse_step=2, norm_topk_prob=True, head_dim=24, **llama_like)
     if family == "gpt2":
         return tf.GPT2Config(n_embd=64, n_layer=num_layers, n_head=4, n_positions=256, **common)
     if family == "opt":
@@ -67,7 +73,8 @@ def family_config(family: str, num_layers: int = 2, max_position_embeddings: int
     raise KeyError(family)
 
 
-FAMILIES = ["llama3", "llama2-linear-tied", "mistral", "qwen2", "qwen3", "mixtral", "gpt2", "opt", "opt-postln-proj"]
+FAMILIES = ["llama3", "llama2-linear-tied", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
+            "gpt2", "opt", "opt-postln-proj"]
 
 
 def save_checkpoint(folder: str, family: str, with_tokenizer: bool = True, seed: int = 0,
