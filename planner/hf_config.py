@@ -69,9 +69,13 @@ class ConfigReader:
         return rope_parameters(self.config, self.model_id)
 
 
+ROPE_TYPES_STRETCHING_CONTEXT = ("linear", "dynamic", "yarn")
+
+
 def rope_parameters(config: dict, model_id: str = "model") -> dict:
     """The rope settings, old style (rope_theta + rope_scaling) or transformers 5 (rope_parameters),
-    as one dict with `rope_type` and `rope_theta` always set."""
+    as one dict with `rope_type` and `rope_theta` always set, and `original_max_position_embeddings`
+    (the pretraining length) wherever the scaling reads it, as transformers fills it in."""
     params = config.get("rope_parameters") or {}
     legacy = config.get("rope_scaling") or {}
     for key, value in (("rope_parameters", params), ("rope_scaling", legacy)):
@@ -84,4 +88,24 @@ def rope_parameters(config: dict, model_id: str = "model") -> dict:
     merged.setdefault("rope_theta", config.get("rope_theta") or 10000.0)
     merged["rope_type"] = merged.get("rope_type") or merged.get("type") or "default"
     merged.pop("type", None)
+    max_positions = config.get("max_position_embeddings")
+    if merged["rope_type"] == "dynamic":  # transformers' dynamic NTK stretches from here
+        merged["original_max_position_embeddings"] = max_positions
+    elif merged["rope_type"] in ("llama3", "yarn", "longrope"):
+        merged["original_max_position_embeddings"] = (config.get("original_max_position_embeddings")
+                                                      or merged.get("original_max_position_embeddings")
+                                                      or max_positions)
+        if merged.get("factor") is None and max_positions and merged["rope_type"] != "llama3":
+            merged["factor"] = max_positions / merged["original_max_position_embeddings"]
     return merged
+
+
+def max_context_length(max_position_embeddings: int, rope: dict | None) -> int:
+    """The longest context a model serves. NOTE: vLLM's rule: linear, dynamic and yarn scaling
+    stretch the (pretraining) length by `factor`; llama3 and longrope configs already count the
+    stretched length in max_position_embeddings."""
+    kind = rope["rope_type"] if rope else "default"
+    if kind not in ROPE_TYPES_STRETCHING_CONTEXT or not rope.get("factor"):
+        return max_position_embeddings
+    start = rope.get("original_max_position_embeddings") if kind == "yarn" else None
+    return int((start or max_position_embeddings) * float(rope["factor"]))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardserve.planner.errors import PlanError
-from shardserve.planner.hf_config import REQUIRED, ConfigReader
+from shardserve.planner.hf_config import REQUIRED, ConfigReader, max_context_length
 from shardserve.planner.settings import SettingError
 
 # architectures entry in config.json -> family name used across shardserve.
@@ -87,6 +87,7 @@ class ModelSpec:
     intermediate_size: int
     vocab_size: int
     max_position_embeddings: int
+    max_context_len: int  # max_position_embeddings stretched by the rope scaling
     tie_word_embeddings: bool
     dtype: str  # the checkpoint's dtype (config torch_dtype)
     quantization: QuantSpec | None
@@ -124,18 +125,19 @@ class ModelSpec:
         quant = read.get("quantization_config", default=None)
         if quant is not None and not isinstance(quant, dict):
             raise read.bad("quantization_config", quant, "a mapping")
+        max_positions = read.int(*names.get("max_position_embeddings", ("max_position_embeddings",)))
+        rope = read.rope_parameters() if family not in ("gpt2", "opt") else None
         return ModelSpec(
             id=model_id, architecture=arch, family=family, num_layers=num_layers,
             hidden_size=hidden, num_attention_heads=heads,
             num_kv_heads=read.int("num_key_value_heads", default=heads),
             head_dim=read.int("head_dim", default=hidden // heads), intermediate_size=inter,
             vocab_size=read.int("vocab_size"),
-            max_position_embeddings=read.int(*names.get("max_position_embeddings",
-                                                        ("max_position_embeddings",))),
+            max_position_embeddings=max_positions,
+            max_context_len=max_context_length(max_positions, rope),
             tie_word_embeddings=read.bool("tie_word_embeddings", family in ("gpt2", "opt")),
             dtype=_dtype(read), quantization=QuantSpec.from_config(quant) if quant else None,
-            rope_type=read.rope_parameters()["rope_type"] if family not in ("gpt2", "opt")
-            else None,
+            rope_type=rope["rope_type"] if rope else None,
             sliding_window=_sliding_window(read), **_moe_fields(family, read, num_layers))
 
 

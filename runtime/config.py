@@ -10,7 +10,9 @@ from typing import Any
 
 import torch
 
+from shardserve.planner.hf_config import max_context_length
 from shardserve.planner.model_spec import canonical_dtype
+from shardserve.runtime.layers.rotary import rope_parameters
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -70,11 +72,15 @@ def load_model_config(model: str, dtype: str = "auto", max_model_len: int | None
 
 
 def _max_positions(hf_config) -> int:
-    for name in ("max_position_embeddings", "n_positions"):
-        value = getattr(hf_config, name, None)
-        if value:
-            return int(value)
-    raise ValueError("config.json names no max_position_embeddings; pass max_model_len")
+    """The model's positions (stretched by linear, dynamic and yarn rope scaling, as the planner counts)."""
+    learned = getattr(hf_config, "n_positions", None)  # GPT-2: no rotary embedding
+    if learned:
+        return int(learned)
+    positions = getattr(hf_config, "max_position_embeddings", None)
+    if not positions:
+        raise ValueError("config.json names no max_position_embeddings; pass max_model_len")
+    has_rope = any(getattr(hf_config, key, None) for key in ("rope_parameters", "rope_scaling", "rope_theta"))
+    return max_context_length(int(positions), rope_parameters(hf_config) if has_rope else None)
 
 
 def _resolve_dtype(dtype: str | torch.dtype, hf_config) -> torch.dtype:

@@ -93,3 +93,20 @@ def test_cli_prints_one_line_not_a_traceback(tmp_path):
                        env={**os.environ, "COLUMNS": "200"})
     assert r.returncode == 1 and "Traceback" not in r.stderr + r.stdout
     assert "config.json num_experts is 'many'; expected an integer" in r.stderr + r.stdout
+
+
+@pytest.mark.parametrize("rope, max_positions, context", [
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
+     40960, 131072),  # Qwen3 as its model card extends it
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, 4096, 8192),
+    ({"rope_scaling": {"type": "linear", "factor": 4.0}}, 4096, 16384),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+     131072, 131072),
+    ({}, 4096, 4096),
+])
+def test_context_limit_counts_rope_scaling(tmp_path, rope, max_positions, context):
+    config = {"architectures": ["Qwen3ForCausalLM"], **TINY, "max_position_embeddings": max_positions,
+              **rope}
+    spec = load_model(write_config(tmp_path / "m", config)).spec
+    assert spec.max_context_len == context and spec.max_position_embeddings == max_positions

@@ -34,6 +34,21 @@ def build_tokenizer(folder: str):
     return fast
 
 
+LONGROPE_FACTORS = {"short_factor": [1.0, 1.0, 1.1, 1.2, 1.5, 2.0, 2.5, 3.0],
+                    "long_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0]}
+# family -> (rope_parameters, max_position_embeddings)
+ROPE_SCALING = {
+    "llama-yarn": ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}, 64),
+    "llama-yarn-mscale": ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                           "mscale": 0.8, "mscale_all_dim": 0.5, "beta_fast": 8, "beta_slow": 2,
+                           "truncate": False}, 64),
+    "llama-dynamic": ({"rope_type": "dynamic", "factor": 4.0}, 16),
+    "llama-longrope": ({"rope_type": "longrope", "original_max_position_embeddings": 16,
+                        **LONGROPE_FACTORS}, 64),
+    "llama-linear": ({"rope_type": "linear", "factor": 2.0}, 16),
+}
+
+
 def family_config(family: str, num_layers: int = 2, max_position_embeddings: int = 256):
     import transformers as tf
 
@@ -47,6 +62,10 @@ def family_config(family: str, num_layers: int = 2, max_position_embeddings: int
     if family == "llama2-linear-tied":
         rope = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
         return tf.LlamaConfig(rope_parameters=rope, tie_word_embeddings=True, attention_bias=True, **llama_like)
+    if family in ROPE_SCALING:  # pretraining length 16: prompts up to 16 tokens, generation past it
+        rope, positions = ROPE_SCALING[family]
+        return tf.LlamaConfig(rope_parameters={"rope_theta": 10000.0, **rope},
+                              **{**llama_like, "max_position_embeddings": positions})
     if family == "mistral":
         return tf.MistralConfig(sliding_window=None, head_dim=16, **llama_like)
     if family == "qwen2":
