@@ -6,20 +6,11 @@ from dataclasses import dataclass
 
 from shardserve.planner.errors import PlanError
 from shardserve.planner.hf_config import REQUIRED, ConfigReader, max_context_length
+from shardserve.planner.served import ARCHITECTURES
 from shardserve.planner.settings import SettingError
 
-# architectures entry in config.json -> family name used across shardserve.
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "MixtralForCausalLM": "mixtral",
-    "Qwen2MoeForCausalLM": "qwen2_moe",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "GPT2LMHeadModel": "gpt2",
-    "OPTForCausalLM": "opt",
-}
+# architectures entry in config.json -> family name used across shardserve: what the runtime serves.
+SUPPORTED_ARCHITECTURES = {arch: served.family for arch, served in ARCHITECTURES.items()}
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1}
 _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16",

@@ -9,8 +9,7 @@ import torch
 from torch import nn
 
 from shardserve.planner import hf_config
-
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+from shardserve.planner.served import ROPE_TYPES as SUPPORTED_ROPE_TYPES
 
 
 def rope_parameters(config) -> dict:

@@ -1,4 +1,5 @@
-"""The supported architectures, keyed by the `architectures` entry of config.json."""
+"""How each served architecture is built, keyed by the `architectures` entry of config.json; which
+architectures and features are served is the planner's table (planner/served.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from typing import Callable
 
 from torch import nn
 
+from shardserve.planner.served import ARCHITECTURES
 from shardserve.runtime.config import ModelConfig
 from shardserve.runtime.models.gpt2 import GPT2LMHeadModel
 from shardserve.runtime.models.llama import LlamaForCausalLM, LlamaVariant
@@ -13,7 +15,7 @@ from shardserve.runtime.models.mixtral import MixtralForCausalLM
 from shardserve.runtime.models.opt import OPTForCausalLM
 from shardserve.runtime.models.qwen_moe import qwen2_moe, qwen3_moe
 
-_REGISTRY: dict[str, Callable[[ModelConfig], nn.Module]] = {
+MODEL_BUILDERS: dict[str, Callable[[ModelConfig], nn.Module]] = {
     "LlamaForCausalLM": lambda c: LlamaForCausalLM(c, LlamaVariant()),
     "MistralForCausalLM": lambda c: LlamaForCausalLM(c, LlamaVariant()),
     "Qwen2ForCausalLM": lambda c: LlamaForCausalLM(c, LlamaVariant(qkv_bias=True)),
@@ -27,11 +29,11 @@ _REGISTRY: dict[str, Callable[[ModelConfig], nn.Module]] = {
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted(ARCHITECTURES)
 
 
 def build_model(model_config: ModelConfig) -> nn.Module:
-    builder = _REGISTRY.get(model_config.architecture)
+    builder = MODEL_BUILDERS.get(model_config.architecture) if model_config.architecture in ARCHITECTURES else None
     if builder is None:
         raise ValueError(f"architecture {model_config.architecture!r} is not supported; "
                          f"supported: {', '.join(supported_architectures())}")
