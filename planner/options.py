@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from shardserve.planner.errors import PlanError
 from shardserve.planner.hardware import GpuSpec
 from shardserve.planner.model_spec import DTYPE_BYTES, ModelSpec, canonical_dtype
-from shardserve.planner.served import served_context_len
 from shardserve.planner.settings import (DEFAULT_CPU_KV_CACHE_BYTES, PLAN, resolved_max_num_batched_tokens,
                                          settings_dataclass)
 
@@ -44,7 +43,7 @@ def resolve_settings(options: PlanOptions, spec: ModelSpec, gpu: GpuSpec) -> Run
     dtype = _resolve_dtype(options.dtype, spec, gpu)
     if options.kv_cache_dtype == "fp8" and not (gpu.has_fp8 or gpu.is_cpu):
         raise PlanError(f"kv_cache_dtype fp8 needs a GPU with fp8 support; {gpu.name} has none")
-    max_len = options.max_model_len or served_context_len(spec)
+    max_len = options.max_model_len or spec.max_context_len
     if max_len > spec.max_context_len:
         raise PlanError(f"max_model_len {max_len} is beyond the model's "
                         f"{spec.max_context_len} positions: lower --max-model-len")

@@ -37,8 +37,8 @@ class Plan:
 
 
 def make_plan(model: ModelInfo, hardware: Hardware, options: PlanOptions) -> Plan:
+    check_served(model.spec)
     settings = resolve_settings(options, model.spec, hardware.gpu)
-    check_served(model.spec, settings.max_model_len)
     candidates = _search(model, hardware, options, settings)
     pinned = _pinned_problem(candidates, options)
     if pinned:

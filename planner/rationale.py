@@ -7,7 +7,6 @@ from shardserve.planner.model_source import ModelInfo
 from shardserve.planner.options import RuntimeSettings
 from shardserve.planner.rules import replica_spans_nodes
 from shardserve.planner.search import Candidate, rank_key, tier
-from shardserve.planner.served import served_context_len
 
 
 def _gib(nbytes: float) -> str:
@@ -103,10 +102,6 @@ def warnings(model: ModelInfo, hardware: Hardware, settings: RuntimeSettings,
                            "another process holds memory; lower --gpu-memory-utilization")
     if model.tensors_from == "config":
         out.append("weight sizes derived from config.json (no safetensors files read)")
-    if served_context_len(spec) < spec.max_context_len:
-        out.append(f"max_model_len stops at the {spec.sliding_window}-token sliding window: the "
-                   f"runtime does not serve sliding-window attention yet (the model reaches "
-                   f"{spec.max_context_len})")
     return out
 
 

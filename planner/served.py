@@ -19,7 +19,6 @@ QUANTIZATION_METHODS: tuple[str, ...] = ()  # the runtime loads only 16- and 32-
 class ServedArchitecture:
     family: str  # shardserve's family name; for a bare config.json, transformers' model_type
     rope_types: tuple[str, ...] = ROPE_TYPES  # empty: learned positions
-    has_sliding_window: bool = False  # attention limited to a window is served
 
 
 # config.json `architectures` entry -> what the runtime serves of it
@@ -36,16 +35,7 @@ ARCHITECTURES: dict[str, ServedArchitecture] = {
 }
 
 
-def served_context_len(spec: ModelSpec) -> int:
-    """The longest context served: a sliding window the runtime does not serve caps it at the window
-    (within the window, sliding-window attention is full attention)."""
-    window = spec.sliding_window
-    if window and not ARCHITECTURES[spec.architecture].has_sliding_window:
-        return min(spec.max_context_len, window)
-    return spec.max_context_len
-
-
-def check_served(spec: ModelSpec, max_model_len: int) -> None:
+def check_served(spec: ModelSpec) -> None:
     """Raise a PlanError naming the first feature of this model the runtime cannot serve."""
     served = ARCHITECTURES.get(spec.architecture)
     if served is None:
@@ -57,7 +47,3 @@ def check_served(spec: ModelSpec, max_model_len: int) -> None:
     if spec.quantization and spec.quantization.method not in QUANTIZATION_METHODS:
         raise PlanError(f"{spec.id}: {spec.quantization.method} quantization is not served by the "
                         "runtime yet (it loads float32, float16 and bfloat16 checkpoints)")
-    if max_model_len > served_context_len(spec):
-        raise PlanError(f"{spec.id}: max_model_len {max_model_len} needs sliding-window attention "
-                        f"(window {spec.sliding_window} tokens), which the runtime does not serve yet: "
-                        f"use --max-model-len {served_context_len(spec)} or less")

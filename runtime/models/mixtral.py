@@ -34,7 +34,7 @@ class MixtralForCausalLM(nn.Module):
     def __init__(self, model_config: ModelConfig):
         super().__init__()
         config = model_config.hf_config
-        self.inner = LlamaForCausalLM(model_config, LlamaVariant(), build_mlp=lambda i: MixtralMoE(config))
+        self.inner = LlamaForCausalLM(model_config, LlamaVariant(has_sliding_window=True), build_mlp=lambda i: MixtralMoE(config))
         self.layer_range = self.inner.layer_range
 
     def forward(self, input_ids, positions, intermediate=None):

@@ -81,8 +81,8 @@ class QwenMoeForCausalLM(nn.Module):
 
 def qwen2_moe(model_config: ModelConfig) -> QwenMoeForCausalLM:
     qkv_bias = bool(getattr(model_config.hf_config, "qkv_bias", True))
-    return QwenMoeForCausalLM(model_config, LlamaVariant(qkv_bias=qkv_bias), has_shared_expert=True)
+    return QwenMoeForCausalLM(model_config, LlamaVariant(qkv_bias=qkv_bias, has_sliding_window=True), has_shared_expert=True)
 
 
 def qwen3_moe(model_config: ModelConfig) -> QwenMoeForCausalLM:
-    return QwenMoeForCausalLM(model_config, LlamaVariant(qk_norm=True), has_shared_expert=False)
+    return QwenMoeForCausalLM(model_config, LlamaVariant(qk_norm=True, has_sliding_window=True), has_shared_expert=False)

@@ -17,9 +17,9 @@ from shardserve.runtime.models.qwen_moe import qwen2_moe, qwen3_moe
 
 MODEL_BUILDERS: dict[str, Callable[[ModelConfig], nn.Module]] = {
     "LlamaForCausalLM": lambda c: LlamaForCausalLM(c, LlamaVariant()),
-    "MistralForCausalLM": lambda c: LlamaForCausalLM(c, LlamaVariant()),
-    "Qwen2ForCausalLM": lambda c: LlamaForCausalLM(c, LlamaVariant(qkv_bias=True)),
-    "Qwen3ForCausalLM": lambda c: LlamaForCausalLM(c, LlamaVariant(qk_norm=True)),
+    "MistralForCausalLM": lambda c: LlamaForCausalLM(c, LlamaVariant(has_sliding_window=True)),
+    "Qwen2ForCausalLM": lambda c: LlamaForCausalLM(c, LlamaVariant(qkv_bias=True, has_sliding_window=True)),
+    "Qwen3ForCausalLM": lambda c: LlamaForCausalLM(c, LlamaVariant(qk_norm=True, has_sliding_window=True)),
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": qwen2_moe,
     "Qwen3MoeForCausalLM": qwen3_moe,

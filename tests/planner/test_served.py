@@ -25,20 +25,9 @@ def test_unserved_rope_type_is_refused_by_name(tmp_path):
         plan_for(path, "cpu")
 
 
-def test_sliding_window_caps_the_default_context_and_refuses_more():
+def test_sliding_window_models_plan_their_whole_context():
     plan = plan_for("mistralai/Mistral-7B-v0.1", "H100")
-    assert plan.settings.max_model_len == 4096
-    assert any("4096-token sliding window" in w for w in plan.warnings)
-    with pytest.raises(PlanError, match="max_model_len 8192 needs sliding-window attention \\(window 4096 "
-                                        "tokens\\), which the runtime does not serve yet: use "
-                                        "--max-model-len 4096 or less"):
-        plan_for("mistralai/Mistral-7B-v0.1", "H100", max_model_len=8192)
-
-
-def test_qwen2_window_only_with_use_sliding_window(tmp_path):
-    config = dict(architectures=["Qwen2ForCausalLM"], **TINY, sliding_window=64)
-    assert plan_for(folder(tmp_path, **config, use_sliding_window=False), "cpu").settings.max_model_len == 256
-    assert plan_for(folder(tmp_path, **config, use_sliding_window=True), "cpu").settings.max_model_len == 64
+    assert plan.model.spec.sliding_window == 4096 and plan.settings.max_model_len == 32768
 
 
 def test_quantized_checkpoints_are_refused_by_name():

@@ -68,6 +68,10 @@ def family_config(family: str, num_layers: int = 2, max_position_embeddings: int
                               **{**llama_like, "max_position_embeddings": positions})
     if family == "mistral":
         return tf.MistralConfig(sliding_window=None, head_dim=16, **llama_like)
+    if family == "mistral-window":  # every layer attends over the last 8 positions
+        return tf.MistralConfig(sliding_window=8, head_dim=16, **llama_like)
+    if family == "qwen2-window":  # layers from max_window_layers on attend over the last 8 positions
+        return tf.Qwen2Config(use_sliding_window=True, sliding_window=8, max_window_layers=1, **llama_like)
     if family == "qwen2":
         return tf.Qwen2Config(tie_word_embeddings=True, **llama_like)
     if family == "qwen3":
@@ -92,7 +96,7 @@ def family_config(family: str, num_layers: int = 2, max_position_embeddings: int
     raise KeyError(family)
 
 
-FAMILIES = ["llama3", "llama2-linear-tied", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
+FAMILIES = ["llama3", "llama2-linear-tied", "mistral", "mistral-window", "qwen2", "qwen2-window", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
             "gpt2", "opt", "opt-postln-proj"]
 
 

@@ -117,19 +117,3 @@ def test_weights_and_cache_are_converted_to_the_requested_dtype(checkpoint_facto
     assert output.outputs[0].token_ids == [first_token]
     with pytest.raises(ValueError, match="dtype 'float8': use auto, bfloat16"):
         LLM(folder, device="cpu", dtype="float8")
-
-
-def test_sliding_window_models_are_limited_to_the_window(checkpoint_factory, tmp_path):
-    import json
-    import shutil
-
-    folder, _ = checkpoint_factory("mistral")
-    for name in os.listdir(folder):
-        shutil.copy(os.path.join(folder, name), tmp_path)
-    config = json.loads((tmp_path / "config.json").read_text())
-    config["sliding_window"] = 64
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="sliding-window.*set max_model_len <= 64"):
-        LLM(str(tmp_path), device="cpu", kv_cache_memory_bytes=2**22)
-    llm = LLM(str(tmp_path), device="cpu", kv_cache_memory_bytes=2**22, max_model_len=64)
-    assert llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=2))[0].finished
