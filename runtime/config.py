@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from shardserve.planner.hf_config import max_context_length
+from shardserve.planner.model_source import cached_snapshot, hf_cache_dir
 from shardserve.planner.model_spec import canonical_dtype
 from shardserve.runtime.layers.rotary import rope_parameters
 
@@ -50,9 +51,11 @@ def load_model_config(model: str, dtype: str = "auto", max_model_len: int | None
                       skip_tokenizer_init: bool = False, enforce_eager: bool = False) -> ModelConfig:
     from transformers import AutoConfig
 
+    model = local_folder(model)
     config_path = os.path.join(model, "config.json")
     if not os.path.isfile(config_path):
-        raise ValueError(f"model must be a local folder with a config.json; {config_path!r} does not exist")
+        raise ValueError(f"model must be a local folder with a config.json or an id in the local Hugging Face "
+                         f"cache ({hf_cache_dir()}); {config_path!r} does not exist")
     with open(config_path) as f:
         architectures = json.load(f).get("architectures") or []
     if len(architectures) != 1:
@@ -69,6 +72,14 @@ def load_model_config(model: str, dtype: str = "auto", max_model_len: int | None
     return ModelConfig(model=model, hf_config=hf_config, architecture=architectures[0],
                        dtype=_resolve_dtype(dtype, hf_config), max_model_len=max_model_len,
                        skip_tokenizer_init=skip_tokenizer_init, enforce_eager=enforce_eager)
+
+
+def local_folder(model: str) -> str:
+    """A folder as given; an `org/name` id in the local Hugging Face cache -> its snapshot folder."""
+    if os.path.isdir(model):
+        return model
+    snapshot = cached_snapshot(model)
+    return str(snapshot) if snapshot is not None else model
 
 
 def _max_positions(hf_config) -> int:

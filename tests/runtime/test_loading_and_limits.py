@@ -117,3 +117,22 @@ def test_weights_and_cache_are_converted_to_the_requested_dtype(checkpoint_facto
     assert output.outputs[0].token_ids == [first_token]
     with pytest.raises(ValueError, match="dtype 'float8': use auto, bfloat16"):
         LLM(folder, device="cpu", dtype="float8")
+
+
+def test_model_id_in_the_local_hugging_face_cache(checkpoint_factory, tmp_path, monkeypatch):
+    """LLM("org/name") serves the snapshot refs/main names, tokenizer included."""
+    import shutil
+
+    folder, _ = checkpoint_factory("qwen2")
+    repo = tmp_path / "models--acme--tiny-qwen2"
+    shutil.copytree(folder, repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    cached = LLM("acme/tiny-qwen2", device="cpu", kv_cache_memory_bytes=2**22)
+    assert cached.engine.config.model.model == str(repo / "snapshots" / "abc123")
+    expected = LLM(folder, device="cpu", kv_cache_memory_bytes=2**22).generate("The quick", params)
+    assert cached.generate("The quick", params)[0].outputs[0].text == expected[0].outputs[0].text
+    with pytest.raises(ValueError, match="or an id in the local Hugging Face cache"):
+        LLM("acme/not-cached", device="cpu")
