@@ -49,6 +49,14 @@ class ConfigReader:
             raise self.bad(name, value, "an integer")
         return int(value)
 
+    def count(self, *keys: str, default: Any = REQUIRED) -> int:
+        """An integer of at least 1 (layers, heads, sizes)."""
+        name, _ = self.find(*keys, default=default)
+        value = self.int(*keys, default=default)
+        if value < 1:
+            raise self.bad(name, value, "a positive integer")
+        return value
+
     def bool(self, key: str, default: bool) -> bool:
         value = self.get(key, default=default)
         if not isinstance(value, bool):

@@ -80,7 +80,7 @@ class ModelSpec:
     max_position_embeddings: int
     max_context_len: int  # max_position_embeddings stretched by the rope scaling
     tie_word_embeddings: bool
-    dtype: str  # the checkpoint's dtype (config torch_dtype)
+    dtype: str  # the checkpoint's dtype (config dtype, or torch_dtype before transformers 5)
     quantization: QuantSpec | None
     num_experts: int | None = None
     num_experts_per_tok: int | None = None
@@ -108,22 +108,22 @@ class ModelSpec:
         family = SUPPORTED_ARCHITECTURES[arch]
         read = ConfigReader(model_id, config)
         names = _FIELD_NAMES.get(family, {})
-        hidden = read.int(*names.get("hidden_size", ("hidden_size",)))
-        heads = read.int(*names.get("num_attention_heads", ("num_attention_heads",)))
-        num_layers = read.int(*names.get("num_hidden_layers", ("num_hidden_layers",)))
-        inter = read.int(*names.get("intermediate_size", ("intermediate_size",)),
-                         default=4 * hidden if family == "gpt2" else REQUIRED)
+        hidden = read.count(*names.get("hidden_size", ("hidden_size",)))
+        heads = read.count(*names.get("num_attention_heads", ("num_attention_heads",)))
+        num_layers = read.count(*names.get("num_hidden_layers", ("num_hidden_layers",)))
+        inter = read.count(*names.get("intermediate_size", ("intermediate_size",)),
+                           default=4 * hidden if family == "gpt2" else REQUIRED)
         quant = read.get("quantization_config", default=None)
         if quant is not None and not isinstance(quant, dict):
             raise read.bad("quantization_config", quant, "a mapping")
-        max_positions = read.int(*names.get("max_position_embeddings", ("max_position_embeddings",)))
+        max_positions = read.count(*names.get("max_position_embeddings", ("max_position_embeddings",)))
         rope = read.rope_parameters() if family not in ("gpt2", "opt") else None
         return ModelSpec(
             id=model_id, architecture=arch, family=family, num_layers=num_layers,
             hidden_size=hidden, num_attention_heads=heads,
-            num_kv_heads=read.int("num_key_value_heads", default=heads),
-            head_dim=read.int("head_dim", default=hidden // heads), intermediate_size=inter,
-            vocab_size=read.int("vocab_size"),
+            num_kv_heads=read.count("num_key_value_heads", default=heads),
+            head_dim=read.count("head_dim", default=max(1, hidden // heads)), intermediate_size=inter,
+            vocab_size=read.count("vocab_size"),
             max_position_embeddings=max_positions,
             max_context_len=max_context_length(max_positions, rope),
             tie_word_embeddings=read.bool("tie_word_embeddings", family in ("gpt2", "opt")),
@@ -174,9 +174,9 @@ def _sliding_window(read: ConfigReader) -> int | None:
 
 def _moe_fields(family: str, read: ConfigReader, num_layers: int) -> dict:
     if family == "mixtral":
-        return {"num_experts": read.int("num_experts"),
-                "num_experts_per_tok": read.int("num_experts_per_tok"),
-                "moe_intermediate_size": read.int("intermediate_size"),
+        return {"num_experts": read.count("num_experts"),
+                "num_experts_per_tok": read.count("num_experts_per_tok"),
+                "moe_intermediate_size": read.count("intermediate_size"),
                 "moe_layers": tuple(range(num_layers))}
     if family in ("qwen2_moe", "qwen3_moe"):
         step = read.int("decoder_sparse_step", default=1)
@@ -184,9 +184,9 @@ def _moe_fields(family: str, read: ConfigReader, num_layers: int) -> dict:
             raise read.bad("decoder_sparse_step", step, "a positive integer")
         dense = set(read.ints("mlp_only_layers"))
         layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
-        return {"num_experts": read.int("num_experts"),
-                "num_experts_per_tok": read.int("num_experts_per_tok"),
-                "moe_intermediate_size": read.int("moe_intermediate_size"),
+        return {"num_experts": read.count("num_experts"),
+                "num_experts_per_tok": read.count("num_experts_per_tok"),
+                "moe_intermediate_size": read.count("moe_intermediate_size"),
                 "shared_expert_intermediate_size":
                     read.int("shared_expert_intermediate_size", default=0) or None,
                 "moe_layers": layers}

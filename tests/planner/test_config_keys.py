@@ -63,6 +63,7 @@ BAD = [
     ({"hidden_size": "big"}, "config.json hidden_size is 'big'; expected an integer"),
     ({"num_local_experts": "8"}, "config.json num_local_experts is '8'; expected an integer"),
     ({"num_hidden_layers": 2.5}, "config.json num_hidden_layers is 2.5; expected an integer"),
+    ({"num_attention_heads": 0}, "config.json num_attention_heads is 0; expected a positive integer"),
     ({"num_local_experts": None}, "config.json has no num_local_experts or num_experts or "
                                   "n_routed_experts (required)"),
     ({"mlp_only_layers": "1,2"}, "config.json mlp_only_layers is '1,2'; expected a list"),
