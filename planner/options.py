@@ -43,10 +43,10 @@ def resolve_settings(options: PlanOptions, spec: ModelSpec, gpu: GpuSpec) -> Run
     dtype = _resolve_dtype(options.dtype, spec, gpu)
     if options.kv_cache_dtype == "fp8" and not (gpu.has_fp8 or gpu.is_cpu):
         raise PlanError(f"kv_cache_dtype fp8 needs a GPU with fp8 support; {gpu.name} has none")
-    max_len = options.max_model_len or spec.max_position_embeddings
-    if max_len > spec.max_position_embeddings:
+    max_len = options.max_model_len or spec.max_context_len
+    if max_len > spec.max_context_len:
         raise PlanError(f"max_model_len {max_len} is beyond the model's "
-                        f"{spec.max_position_embeddings} positions: lower --max-model-len")
+                        f"{spec.max_context_len} positions: lower --max-model-len")
     batched = resolved_max_num_batched_tokens(options.max_num_batched_tokens, options.max_num_seqs)
     kv_pool = options.kv_cache_memory_bytes
     if gpu.is_cpu and kv_pool is None:

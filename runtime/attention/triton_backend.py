@@ -15,8 +15,8 @@ class TritonAttentionBackend:
     name = "triton"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
         store_kv(k, v, kv_cache, meta.slot_mapping)
         if meta.is_decode_only:
-            return paged_decode(q, kv_cache, meta, scale)
-        return paged_prefill(q, kv_cache, meta, scale)
+            return paged_decode(q, kv_cache, meta, scale, sliding_window=sliding_window)
+        return paged_prefill(q, kv_cache, meta, scale, sliding_window=sliding_window)

@@ -269,3 +269,21 @@ def test_the_models_generation_config_fills_what_a_request_leaves_out(tmp_path):
             stop_server(proc)
     assert texts["auto"][0] == texts["auto"][1]
     assert texts["vllm"][0] != texts["vllm"][1]
+
+
+@pytest.mark.slow
+def test_model_id_from_the_local_hugging_face_cache_is_served_under_its_name(tmp_path):
+    from tests.runtime.runtime_checkpoints import save_checkpoint
+
+    repo = tmp_path / "models--acme--tiny-qwen2"
+    save_checkpoint(str(repo / "snapshots" / "abc123"), "qwen2")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    proc, url = start_server("--model", "acme/tiny-qwen2", env={"HF_HUB_CACHE": str(tmp_path)})
+    models = http(f"{url}/v1/models")
+    completion = http(f"{url}/v1/completions", {"model": "acme/tiny-qwen2", "prompt": "The quick",
+                                                "max_tokens": 4})
+    code, out = stop_server(proc)
+    assert models[0] == 200 and json.loads(models[1])["data"][0]["id"] == "acme/tiny-qwen2"
+    assert completion[0] == 200 and json.loads(completion[1])["usage"]["completion_tokens"] == 4
+    assert code == 0, out

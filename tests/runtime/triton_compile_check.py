@@ -14,7 +14,8 @@ from shardserve.runtime.attention import triton_kernels as kernels
 from shardserve.runtime.layers import triton_norm
 
 INDEX = {"query_start_ptr": "*i32", "seq_lens_ptr": "*i32", "tables_ptr": "*i32", "table_stride": "i32",
-         "scale": "fp32", "num_heads": "i32", "num_kv_heads": "i32", "head_dim": "i32", "block_size": "i32"}
+         "scale": "fp32", "num_heads": "i32", "num_kv_heads": "i32", "head_dim": "i32", "block_size": "i32",
+         "window": "i32"}
 
 
 def compile_kernel(fn, types: dict, constexprs: dict) -> None:
@@ -32,12 +33,14 @@ def main() -> None:
                                                   "v_cache_ptr": dtype, "slot_ptr": "*i64", "row_size": "i32"},
                        {"BLOCK": 1024})
         tensors = {"q_ptr": dtype, "k_cache_ptr": dtype, "v_cache_ptr": dtype}
-        compile_kernel(kernels._prefill_kernel, {**tensors, "out_ptr": dtype, **INDEX},
-                       {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_D": 128, "IS_FP32": is_fp32})
         parts = {"part_out_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32"}
-        compile_kernel(kernels._decode_split_kernel,
-                       {**tensors, **parts, **INDEX, "num_splits": "i32"},
-                       {"BLOCK_N": 16, "BLOCK_D": 128})
+        for has_window in (False, True):
+            compile_kernel(kernels._prefill_kernel, {**tensors, "out_ptr": dtype, **INDEX},
+                           {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_D": 128, "IS_FP32": is_fp32,
+                            "HAS_WINDOW": has_window})
+            compile_kernel(kernels._decode_split_kernel,
+                           {**tensors, **parts, **INDEX, "num_splits": "i32"},
+                           {"BLOCK_N": 16, "BLOCK_D": 128, "HAS_WINDOW": has_window})
         compile_kernel(kernels._decode_reduce_kernel,
                        {**parts, "out_ptr": dtype, "query_start_ptr": "*i32", "num_heads": "i32",
                         "head_dim": "i32", "num_splits": "i32"}, {"BLOCK_S": 4, "BLOCK_D": 128})
