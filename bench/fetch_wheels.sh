@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Download, into .whl/ (git-ignored), the wheels bench/run_gpu.sh part 5 needs on the GPU machine
-# (the server and its client): the versions this checkout's .venv runs, with their dependencies,
+# Download, into .whl/ (git-ignored), the wheels bench/run_gpu.sh needs on the GPU machine (the
+# server, its client, xgrammar): the versions this checkout's .venv runs, with their dependencies,
 # built for the image's Python 3.12 on x86-64. The device tool carries them (`carry: [".whl"]`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,10 +8,14 @@ py=${PYTHON:-.venv/bin/python}
 pins=$("$py" - <<'PY'
 import re
 from importlib.metadata import PackageNotFoundError, requires, version
-seen, todo = {}, ["fastapi", "uvicorn", "openai", "pydantic", "prometheus-client"]
+seen, todo = {}, ["fastapi", "uvicorn", "openai", "pydantic", "prometheus-client", "xgrammar"]
+# the GPU image has these (its own CUDA builds): never carry them
+image = {"torch", "triton", "numpy", "transformers", "tokenizers", "safetensors", "huggingface-hub", "pyyaml",
+         "regex", "requests", "tqdm", "filelock", "fsspec", "jinja2", "markupsafe", "sympy", "networkx",
+         "packaging", "hf-xet", "mpmath", "setuptools"}
 while todo:
     name = todo.pop().lower().replace("_", "-")
-    if name in seen:
+    if name in seen or name in image or name.startswith("nvidia-"):
         continue
     try:
         seen[name] = version(name)

@@ -6,6 +6,7 @@ import asyncio
 import hmac
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -13,7 +14,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from shardserve.launch import __version__
 from shardserve.launch.metrics import ServerMetrics
 from shardserve.launch.openai_serving import OpenAIServing, PreparedRequest
-from shardserve.launch.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from shardserve.launch.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                        TokenizeRequest)
 from shardserve.launch.replicas import ReplicaSet
 
 
@@ -45,36 +47,20 @@ class InFlightLimit:
 
 
 def build_app(replicas: ReplicaSet, serving: OpenAIServing, metrics: ServerMetrics,
-              api_key: str | None, max_queued_requests: int) -> FastAPI:
+              api_key: str | None, max_queued_requests: int,
+              allowed_origins: list[str] | None = None) -> FastAPI:
     app = FastAPI(title="shardserve", version=__version__)
     app.add_middleware(InFlightLimit, limit=max_queued_requests, metrics=metrics)
-
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError):
-        if e.status < 500 or e.error_type == "service_unavailable":
-            metrics.outcome("rejected" if e.status < 500 else "unavailable")
-        return JSONResponse(e.body(), status_code=e.status)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, e: StarletteHTTPException):
-        # unknown routes and wrong methods: the same error shape as everything else
-        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), e.status_code)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, e: RequestValidationError):
-        metrics.outcome("rejected")
-        errors = e.errors()
-        if any(err["type"] == "json_invalid" for err in errors):
-            return JSONResponse(APIError(400, "the request body is not valid JSON").body(), 400)
-        fields = [".".join(str(p) for p in err["loc"][1:]) for err in errors]
-        message = "; ".join(f"{f}: {err['msg']}" if f else err["msg"]
-                            for f, err in zip(fields, errors))
-        return JSONResponse(APIError(400, message or "invalid request",
-                                     fields[0] if fields and fields[0] else None).body(), 400)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials="*" not in allowed_origins)
+    _install_error_handlers(app, metrics)
+    _add_token_routes(app, serving)
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1"):
+        path = request.url.path
+        if api_key and request.method != "OPTIONS" and path.startswith(("/v1", "/tokenize", "/detokenize")):
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 return JSONResponse(APIError(401, "missing or wrong API key: send "
@@ -116,6 +102,45 @@ def build_app(replicas: ReplicaSet, serving: OpenAIServing, metrics: ServerMetri
         return await respond(serving.prepare_chat(body), body, request)
 
     return app
+
+
+def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    """Every error leaves as OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError):
+        if e.status < 500 or e.error_type == "service_unavailable":
+            metrics.outcome("rejected" if e.status < 500 else "unavailable")
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException):
+        # unknown routes and wrong methods: the same error shape as everything else
+        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), e.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, e: RequestValidationError):
+        metrics.outcome("rejected")
+        errors = e.errors()
+        if any(err["type"] == "json_invalid" for err in errors):
+            return JSONResponse(APIError(400, "the request body is not valid JSON").body(), 400)
+        fields = [".".join(str(p) for p in err["loc"][1:]) for err in errors]
+        message = "; ".join(f"{f}: {err['msg']}" if f else err["msg"]
+                            for f, err in zip(fields, errors))
+        return JSONResponse(APIError(400, message or "invalid request",
+                                     fields[0] if fields and fields[0] else None).body(), 400)
+
+
+def _add_token_routes(app: FastAPI, serving: OpenAIServing) -> None:
+    """vLLM's /tokenize and /detokenize, through the same input processor as generation."""
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        return serving.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return serving.detokenize(body)
 
 
 def _streaming(events, metrics: ServerMetrics) -> StreamingResponse:

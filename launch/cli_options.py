@@ -36,7 +36,8 @@ def _parameter(setting: Setting) -> inspect.Parameter:
     if setting.type is bool:
         decls = [f"{setting.flag}/--no-{setting.flag[2:]}"]
     option = typer.Option(*decls, help=_help(setting), show_default=False)
-    annotation = Annotated[Optional[setting.type], option]
+    kind = list[str] if setting.type is list else setting.type  # a list: the flag given once per item
+    annotation = Annotated[Optional[kind], option]
     return inspect.Parameter(setting.name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
 
 

@@ -22,7 +22,7 @@ class _DeployConfigBase(BaseModel):
 
 def _pydantic_field(setting: Setting) -> tuple:
     """A setting as an optional pydantic field (a profile is partial) with the table's checks."""
-    kind = {tuple: list[int], dict: dict[str, str]}.get(setting.type, setting.type)
+    kind = {tuple: list[int], list: list[str], dict: dict[str, str]}.get(setting.type, setting.type)
     if setting.choices is not None:
         kind = Literal[setting.choices]
     bounds = {"ge": setting.minimum, "le": setting.maximum, "gt": setting.above}

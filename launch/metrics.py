@@ -28,13 +28,19 @@ class EngineCollector:
         preempt = CounterMetricFamily("shardserve_num_preemptions",
                                       "Requests preempted for lack of KV blocks.",
                                       labels=["model", "replica"])
+        hits = CounterMetricFamily("shardserve_prefix_cache_hit_tokens",
+                                   "Prompt tokens served from the prefix cache.", labels=["model", "replica"])
+        queries = CounterMetricFamily("shardserve_prefix_cache_query_tokens",
+                                      "Prompt tokens looked up in the prefix cache.", labels=["model", "replica"])
         for replica, s in enumerate(self.stats()):
             labels = [self.model, str(replica)]
             running.add_metric(labels, s["num_running"])
             waiting.add_metric(labels, s["num_waiting"])
             kv.add_metric(labels, s["kv_cache_usage"])
             preempt.add_metric(labels, s["num_preemptions"])
-        yield from (running, waiting, kv, preempt)
+            hits.add_metric(labels, s["num_prefix_hit_tokens"])
+            queries.add_metric(labels, s["num_prefix_query_tokens"])
+        yield from (running, waiting, kv, preempt, hits, queries)
 
 
 class ServerMetrics:
@@ -57,6 +63,12 @@ class ServerMetrics:
         self.e2e = Histogram("shardserve_e2e_request_latency_seconds",
                              "Request latency, arrival to last token.", labels,
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.queue_time = Histogram("shardserve_request_queue_time_seconds",
+                                    "Time a sample waited before its first step.", labels,
+                                    buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.prefill_time = Histogram("shardserve_request_prefill_time_seconds",
+                                      "Time from a sample's first step to its first token.", labels,
+                                      buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.registry.register(EngineCollector(model, stats))
 
     def outcome(self, outcome: str) -> None:

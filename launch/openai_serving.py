@@ -9,9 +9,11 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from shardserve.launch.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from shardserve.launch.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                        TokenizeRequest)
 from shardserve.launch.replicas import ReplicaSet
-from shardserve.launch.response_format import chat_logprobs, completion_logprobs, sse, usage
+from shardserve.launch.response_format import (chat_logprobs, completion_logprobs, prompt_logprobs_json, sse,
+                                               usage)
 from shardserve.runtime.input_processor import InvalidPromptError, ProcessedPrompt
 from shardserve.runtime.outputs import PromptDelta, RequestOutputBuilder, SampleDelta
 from shardserve.runtime.sampling_params import SamplingParams
@@ -28,6 +30,9 @@ class PreparedRequest:
     prompts: list[ProcessedPrompt]
     params: SamplingParams
     echo_texts: list[str] | None = None  # per prompt, when the completion echoes its prompt
+    # per prompt, the text of its first token, when echo comes with logprobs (that token has no score)
+    first_token_texts: list[str] | None = None
+    prompt_logprobs: int | None = None  # vLLM's extra: the choices carry the prompt's logprobs
     created: int = field(default_factory=lambda: int(time.time()))
 
     def prompt_id(self, prompt_index: int) -> str:
@@ -38,12 +43,14 @@ class PreparedRequest:
 
 
 @contextmanager
-def _as_api_error(prompt_param: str) -> Iterator[None]:
-    """The runtime's refusals as 400s; `prompt_param` names the prompt in this endpoint."""
+def _as_api_error(prompt_param: str, structured_param: str | None = None) -> Iterator[None]:
+    """The runtime's refusals as 400s; `prompt_param` names the prompt in this endpoint and
+    `structured_param` the field that asked for a grammar."""
     try:
         yield
     except InvalidPromptError as e:
-        raise APIError(400, str(e), prompt_param if e.field == "prompt" else e.field) from None
+        names = {"prompt": prompt_param, "response_format": structured_param or "response_format"}
+        raise APIError(400, str(e), names.get(e.field, e.field)) from None
     except ValueError as e:  # SamplingParams' own checks
         raise APIError(400, str(e)) from None
 
@@ -65,32 +72,61 @@ class OpenAIServing:
 
     def prepare_completion(self, body: CompletionRequest) -> PreparedRequest:
         self.check_ready(body.model)
+        body.check_extra_fields()
         if body.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
         if body.best_of not in (None, body.n):
             raise APIError(400, "best_of must equal n (or be left out)", "best_of")
-        if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo with logprobs (prompt logprobs) is not supported",
-                           "logprobs")
+        if body.stream and body.prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs is not supported with stream: use echo with logprobs",
+                           "prompt_logprobs")
+        scored = body.echo and body.logprobs is not None  # the echoed prompt comes with its logprobs
         processor = self.replicas.input_processor
-        with _as_api_error("prompt"):
-            params = body.sampling_params(body.max_tokens, body.logprobs)
+        with _as_api_error("prompt", body.structured_field):
+            wanted = max(body.prompt_logprobs or 0, body.logprobs) if scored else body.prompt_logprobs
+            params = body.sampling_params(body.max_tokens, body.logprobs, self.replicas.sampling_defaults, wanted)
             prompts = [processor.process(p, params) for p in body.prompts()]
-        echo_texts = None
+        echo_texts = first_texts = None
         if body.echo:
             echo_texts = [p.prompt if p.prompt is not None else processor.decode(p.prompt_token_ids)
                           for p in prompts]
+        if scored:
+            first_texts = [processor.decode(p.prompt_token_ids[:1]) for p in prompts]
         return PreparedRequest("completion", f"cmpl-{uuid.uuid4().hex}", self.served_model_name,
-                               prompts, params, echo_texts)
+                               prompts, params, echo_texts, first_texts, body.prompt_logprobs)
+
+    def tokenize(self, body: TokenizeRequest) -> dict:
+        self.check_ready(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give either prompt or messages", "prompt")
+        processor = self.replicas.input_processor
+        with _as_api_error("prompt" if body.messages is None else "messages"):
+            if body.messages is None:
+                ids = processor.tokenize(body.prompt, body.add_special_tokens)
+            else:
+                text = processor.apply_chat_template(body.conversation(), body.add_generation_prompt)
+                ids = processor.tokenize(text, add_special_tokens=False)
+        return {"count": len(ids), "max_model_len": processor.max_model_len, "tokens": ids}
+
+    def detokenize(self, body: DetokenizeRequest) -> dict:
+        self.check_ready(body.model)
+        processor = self.replicas.input_processor
+        with _as_api_error("tokens"):
+            processor.check_token_ids(body.tokens)
+        return {"prompt": processor.decode(body.tokens)}
 
     def prepare_chat(self, body: ChatCompletionRequest) -> PreparedRequest:
         self.check_ready(body.model)
-        with _as_api_error("messages"):
-            params = body.sampling_params(body.requested_max_tokens(), body.num_logprobs())
+        body.check_extra_fields()
+        if body.stream and body.prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs is not supported with stream", "prompt_logprobs")
+        with _as_api_error("messages", body.structured_field):
+            params = body.sampling_params(body.requested_max_tokens(), body.num_logprobs(),
+                                          self.replicas.sampling_defaults)
             prompt = self.replicas.input_processor.process_chat(
                 body.conversation(), params, body.add_generation_prompt, body.chat_template_kwargs)
         return PreparedRequest("chat", f"chatcmpl-{uuid.uuid4().hex}", self.served_model_name,
-                               [prompt], params)
+                               [prompt], params, prompt_logprobs=body.prompt_logprobs)
 
     # ---- running ---------------------------------------------------------------------------
     async def _deltas(self, request: PreparedRequest) -> AsyncIterator[tuple[int, PromptDelta]]:
@@ -132,11 +168,18 @@ class OpenAIServing:
         choices, num_completion_tokens = [], 0
         for prompt_index, output in enumerate(b.build() for b in builders):
             echo = request.echo_texts[prompt_index] if request.echo_texts else ""
+            scored = request.first_token_texts is not None
             for c in output.outputs:
                 num_completion_tokens += len(c.token_ids)
-                choices.append(_choice(request, request.choice_index(prompt_index, c.index),
-                                       echo + c.text, c.token_ids, c.logprobs or [], 0,
-                                       c.finish_reason))
+                token_ids, logprobs = c.token_ids, c.logprobs or []
+                if scored:  # the echoed prompt's tokens come first, the first one unscored
+                    token_ids, logprobs = output.prompt_token_ids + token_ids, output.prompt_logprobs + logprobs
+                choice = _choice(request, request.choice_index(prompt_index, c.index), echo + c.text, token_ids,
+                                 logprobs, 0, c.finish_reason, request.first_token_texts[prompt_index] if scored
+                                 else None)
+                if request.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
+                choices.append(choice)
         num_prompt_tokens = sum(p.num_prompt_tokens for p in request.prompts)
         obj = "text_completion" if request.kind == "completion" else "chat.completion"
         return {"id": request.request_id, "object": obj, "created": request.created,
@@ -186,7 +229,13 @@ class _ChunkMapper:
         request = self.request
         self.num_completion_tokens += len(sample.new_token_ids)
         index = request.choice_index(prompt_index, sample.sample_index)
+        is_first = index not in self.text_offsets
+        if index not in self.waiting and is_first and request.first_token_texts is not None:
+            # echo with logprobs: the prompt's tokens lead, the first unscored; its scores arrive first
+            self.waiting[index] = (list(request.prompts[prompt_index].prompt_token_ids), [None])
         token_ids, logprobs = self.waiting.setdefault(index, ([], []))
+        if request.first_token_texts is not None:
+            logprobs.extend(sample.new_prompt_logprobs or ())
         token_ids.extend(sample.new_token_ids)
         logprobs.extend(sample.new_logprobs or ())
         if not sample.new_text and sample.finish_reason is None:
@@ -196,7 +245,8 @@ class _ChunkMapper:
         if request.echo_texts and index not in self.text_offsets:
             text = request.echo_texts[prompt_index] + text
         offset = self.text_offsets.get(index, 0)
-        choice = _choice(request, index, text, token_ids, logprobs, offset, sample.finish_reason)
+        first_text = request.first_token_texts[prompt_index] if request.first_token_texts and is_first else None
+        choice = _choice(request, index, text, token_ids, logprobs, offset, sample.finish_reason, first_text)
         lp = choice["logprobs"]
         if request.kind == "completion" and lp and lp["tokens"]:
             offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
@@ -208,10 +258,10 @@ class _ChunkMapper:
 
 
 def _choice(request: PreparedRequest, index: int, text: str, token_ids, logprobs,
-            text_offset: int, finish: str | None) -> dict:
+            text_offset: int, finish: str | None, first_text: str | None = None) -> dict:
     k = request.params.logprobs
     if request.kind == "completion":
-        lp = completion_logprobs(token_ids, logprobs, k, text_offset) if k is not None else None
+        lp = completion_logprobs(token_ids, logprobs, k, text_offset, first_text) if k is not None else None
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
     lp = chat_logprobs(token_ids, logprobs, k) if k is not None else None
     return {"index": index, "message": {"role": "assistant", "content": text},

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from shardserve.runtime.sampling_params import SamplingParams
+from shardserve.runtime.structured_output import StructuredOutputs
 
 MAX_LOGPROBS = 20
 
@@ -32,9 +34,31 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# Fields OpenAI clients send that change nothing in what is generated: accepted and not used.
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+                            "parallel_tool_calls"})
+_NOT_SERVED = {  # what a refused field would need, so the message says what to do instead
+    "tools": "tool calls are not served yet: leave tools out",
+    "tool_choice": "tool calls are not served yet: leave tool_choice out (or 'none')",
+}
+
+
+def _is_neutral(name: str, value: Any) -> bool:
+    """An extra field whose value asks for nothing (an empty list, response_format text, ...)."""
+    if name in IGNORED_FIELDS or value is None or value == [] or value == {}:
+        return True
+    return name == "tool_choice" and value == "none"
+
+
+_GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+           ("guided_grammar", "grammar"))
+# request fields where "not given" (None) lets the model's sampling defaults apply
+_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
 class _SamplingFields(BaseModel):
-    """Fields both endpoints share; unknown extra fields are accepted as OpenAI clients send
-    them (user, logit_bias with no entries, metadata, ...)."""
+    """Fields both endpoints share. An extra field is accepted only where it asks for nothing
+    (IGNORED_FIELDS, or an empty value): anything else is refused by name, never ignored."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -56,32 +80,70 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: Optional[dict[int, float]] = None  # OpenAI sends token ids as JSON strings
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extra
+    response_format: Optional[dict[str, Any]] = None  # {"type": "text" | "json_object" | "json_schema"}
+    guided_json: Optional[Union[str, dict[str, Any]]] = None  # vLLM's structured-output extras
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
 
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, value):
-        if value:
-            raise ValueError("logit_bias is not supported")
-        return value
+    @property
+    def structured_field(self) -> str | None:
+        """The field that asks for a grammar, to name in an error."""
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            return "response_format"
+        return next((name for name, _ in _GUIDED if getattr(self, name) is not None), None)
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """max_tokens None: up to max_model_len."""
-        return SamplingParams(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k,
-            min_p=self.min_p or 0.0, seed=self.seed, stop=self.stop,
-            stop_token_ids=self.stop_token_ids, include_stop_str_in_output=
-            self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=self.repetition_penalty or 1.0, max_tokens=max_tokens,
-            min_tokens=self.min_tokens, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens)
+    def structured_outputs(self) -> StructuredOutputs | None:
+        """The one grammar the request asks for (response_format or a guided_* extra), or None."""
+        asked = [(name, kind, getattr(self, name)) for name, kind in _GUIDED if getattr(self, name) is not None]
+        form = self.response_format or {}
+        if form.get("type") == "json_object":
+            asked.append(("response_format", "json_object", None))
+        elif form.get("type") == "json_schema":
+            schema = (form.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise APIError(400, "response_format json_schema needs json_schema.schema", "response_format")
+            asked.append(("response_format", "json", schema))
+        elif form.get("type") not in (None, "text"):
+            raise APIError(400, f"response_format type {form.get('type')!r}: use text, json_object or json_schema",
+                           "response_format")
+        if len(asked) > 1:
+            raise APIError(400, f"ask for one structured output, not {' and '.join(a[0] for a in asked)}", asked[1][0])
+        if not asked:
+            return None
+        name, kind, spec = asked[0]
+        try:
+            return StructuredOutputs(kind, json.loads(spec) if kind == "json" and isinstance(spec, str) else spec)
+        except ValueError as error:
+            raise APIError(400, f"{name}: {error}", name) from None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """The request's fields over the model's sampling defaults (generation_config.json); a field
+        the request leaves out and the defaults lack takes SamplingParams' own default.
+        max_tokens None: up to max_model_len."""
+        given = {name: getattr(self, name) for name in _DEFAULTED if getattr(self, name) is not None}
+        if max_tokens is None:
+            max_tokens = defaults.get("max_tokens")
+        return SamplingParams(**{**defaults, **given}, n=self.n, seed=self.seed, stop=self.stop,
+                              stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+                              include_stop_str_in_output=self.include_stop_str_in_output, max_tokens=max_tokens,
+                              min_tokens=self.min_tokens, logprobs=logprobs,
+                              skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias,
+                              prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+                              structured_outputs=self.structured_outputs())
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def check_extra_fields(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            if not _is_neutral(name, value):
+                hint = _NOT_SERVED.get(name) or "this server does not know it"
+                raise APIError(400, f"{name} is not supported: {hint}", name)
 
 
 PromptInput = Union[str, list[str], list[int], list[list[int]]]
@@ -89,7 +151,7 @@ PromptInput = Union[str, list[str], list[int], list[list[int]]]
 
 class CompletionRequest(_SamplingFields):
     prompt: PromptInput
-    max_tokens: Optional[int] = Field(16, ge=1)
+    max_tokens: Optional[int] = Field(16, ge=0)  # 0: the prompt alone (echo, prompt logprobs)
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: Optional[str] = None
@@ -143,3 +205,23 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    def conversation(self) -> list[dict]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages or ()]
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: Optional[str] = None
+    tokens: list[int]

@@ -36,6 +36,11 @@ class ReplicaSet:
         return self.replicas[0].engine.input_processor
 
     @property
+    def sampling_defaults(self) -> dict:
+        """The model's generation_config.json sampling fields (every replica serves the same model)."""
+        return self.replicas[0].engine.engine.sampling_defaults
+
+    @property
     def max_model_len(self) -> int:
         return self.replicas[0].engine.engine.config.model.max_model_len
 
@@ -64,6 +69,8 @@ class ReplicaSet:
             async for delta in replica.engine.generate(prompt, params, prompt_id):
                 now = time.monotonic()
                 num_new = sum(len(sample.new_token_ids) for sample in delta.samples)
+                if labels:
+                    self._observe_times(delta, labels)
                 if labels and num_new:
                     first = num_tokens == 0
                     (self.metrics.ttft if first else self.metrics.itl).labels(*labels).observe(
@@ -76,6 +83,12 @@ class ReplicaSet:
                 self.metrics.e2e.labels(*labels).observe(time.monotonic() - start)
         finally:
             replica.num_active -= 1
+
+    def _observe_times(self, delta: PromptDelta, labels: tuple[str, str]) -> None:
+        for sample in delta.samples:
+            if sample.times is not None:
+                self.metrics.queue_time.labels(*labels).observe(sample.times.queue_s)
+                self.metrics.prefill_time.labels(*labels).observe(sample.times.prefill_s)
 
     def start(self) -> None:
         """Every engine watches its ranks from now on, busy or not."""

@@ -29,15 +29,16 @@ def _top(entries: dict[int, Logprob], k: int) -> list[tuple[str, float]]:
     return [(_token_text(tid, e), e.logprob) for _, tid, e in ranked]
 
 
-def completion_logprobs(token_ids, logprobs, k: int, text_offset: int) -> dict:
-    """The legacy completions shape: parallel lists, top_logprobs as {token: logprob}."""
+def completion_logprobs(token_ids, logprobs, k: int, text_offset: int, first_text: str | None = None) -> dict:
+    """The legacy completions shape: parallel lists, top_logprobs as {token: logprob}. An entry of
+    None (an echoed prompt's first token, which nothing scores) has null logprobs and first_text."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     offset = text_offset
     for token_id, entries in zip(token_ids, logprobs):
-        text = _token_text(token_id, entries[token_id])
+        text = first_text if entries is None else _token_text(token_id, entries[token_id])
         out["tokens"].append(text)
-        out["token_logprobs"].append(entries[token_id].logprob)
-        out["top_logprobs"].append(dict(_top(entries, k)))
+        out["token_logprobs"].append(None if entries is None else entries[token_id].logprob)
+        out["top_logprobs"].append(None if entries is None else dict(_top(entries, k)))
         out["text_offset"].append(offset)
         offset += len(text)
     return out
@@ -53,3 +54,10 @@ def chat_logprobs(token_ids, logprobs, k: int) -> dict:
                         "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())}
                                          for t, lp in _top(entries, k)]})
     return {"content": content}
+
+
+def prompt_logprobs_json(entries) -> list:
+    """vLLM's prompt_logprobs: per prompt token, null for the first, then {token id: {logprob, rank,
+    decoded_token}}."""
+    return [None if e is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                                    for t, lp in e.items()} for e in entries]

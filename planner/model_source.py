@@ -65,7 +65,10 @@ def hf_cache_dir() -> Path:
     return Path(home) / "hub"
 
 
-def _cached_snapshot(model_id: str) -> Path | None:
+def cached_snapshot(model_id: str) -> Path | None:
+    """The folder of `org/name` in the local Hugging Face cache (refs/main, else the newest)."""
+    if "/" not in model_id or model_id.startswith(("/", "./", "../", "~")):
+        return None
     repo = hf_cache_dir() / ("models--" + model_id.replace("/", "--"))
     snapshots = repo / "snapshots"
     if not snapshots.is_dir():
@@ -89,7 +92,7 @@ def load_model(model: str, quantization: str | None = None) -> ModelInfo:
         return _from_folder(path, str(path), "folder", quantization)
     if model.startswith(("/", "./", "../", "~")):
         raise PlanError(f"model folder {model} does not exist")
-    snapshot = _cached_snapshot(model) if "/" in model else None
+    snapshot = cached_snapshot(model)
     if snapshot is not None:
         return _from_folder(snapshot, model, "hf-cache", quantization)
     found = find_model(model)

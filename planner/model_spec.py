@@ -5,20 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardserve.planner.errors import PlanError
-from shardserve.planner.settings import SERVED_QUANTIZATION, SettingError
+from shardserve.planner.hf_config import REQUIRED, ConfigReader, max_context_length
+from shardserve.planner.served import ARCHITECTURES, QUANTIZATION_FORMATS
+from shardserve.planner.settings import SettingError
 
-# architectures entry in config.json -> family name used across shardserve.
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "MixtralForCausalLM": "mixtral",
-    "Qwen2MoeForCausalLM": "qwen2_moe",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "GPT2LMHeadModel": "gpt2",
-    "OPTForCausalLM": "opt",
-}
+# architectures entry in config.json -> family name used across shardserve: what the runtime serves.
+SUPPORTED_ARCHITECTURES = {arch: served.family for arch, served in ARCHITECTURES.items()}
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1}
 _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16",
@@ -34,7 +26,7 @@ def canonical_dtype(name: str) -> str:
 
 
 def refuse_quantization(method: str, where: str = "quantization_config.quant_method") -> PlanError:
-    return PlanError(f"{where} {method!r} is not served; served formats: {', '.join(SERVED_QUANTIZATION)}")
+    return PlanError(f"{where} {method!r} is not served; served formats: {', '.join(QUANTIZATION_FORMATS)}")
 
 
 @dataclass(frozen=True)
@@ -116,14 +108,17 @@ class ModelSpec:
     intermediate_size: int
     vocab_size: int
     max_position_embeddings: int
+    max_context_len: int  # max_position_embeddings stretched by the rope scaling
     tie_word_embeddings: bool
-    dtype: str  # the checkpoint's dtype (config torch_dtype)
+    dtype: str  # the checkpoint's dtype (config dtype, or torch_dtype before transformers 5)
     quantization: QuantSpec | None
     num_experts: int | None = None
     num_experts_per_tok: int | None = None
     moe_intermediate_size: int | None = None
     shared_expert_intermediate_size: int | None = None
     moe_layers: tuple[int, ...] = ()
+    rope_type: str | None = None  # None: no rotary embedding (learned positions)
+    sliding_window: int | None = None  # tokens each query attends back; None: the whole context
 
     @property
     def is_moe(self) -> bool:
@@ -140,48 +135,36 @@ class ModelSpec:
     @staticmethod
     def from_config(model_id: str, config: dict, quantization: str | None = None) -> "ModelSpec":
         """`quantization`: the --quantization setting, overriding quantization_config's quant_method."""
-        archs = config.get("architectures") or []
-        if not archs and config.get("model_type"):
-            # a bare config (no weights saved with it): the family names are HF's model_types
-            archs = [a for a, f in SUPPORTED_ARCHITECTURES.items() if f == config["model_type"]]
-            archs = archs or [f"model_type {config['model_type']}"]
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            named = ", ".join(archs) if archs else "no 'architectures' entry"
-            raise PlanError(f"{model_id}: architecture {named} is not supported; supported: "
-                            + ", ".join(SUPPORTED_ARCHITECTURES))
+        arch = _architecture(model_id, config)
         family = SUPPORTED_ARCHITECTURES[arch]
-        fields = _FIELD_NAMES.get(family, _FIELD_NAMES["llama"])
-
-        def need(key: str) -> int:
-            for name in fields.get(key, (key,)):
-                if config.get(name) is not None:
-                    return config[name]
-            raise PlanError(f"{model_id}: config.json has no {' or '.join(fields.get(key, (key,)))}"
-                            " (required)")
-
-        hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
-        num_layers = int(need("num_hidden_layers"))
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-        head_dim = int(config.get("head_dim") or hidden // heads)
-        inter = config.get(fields["intermediate_size"][0]) or (
-            4 * hidden if family == "gpt2" else need("intermediate_size"))
-        quant = config.get("quantization_config")
-        moe = _moe_fields(family, config, num_layers)
+        read = ConfigReader(model_id, config)
+        names = _FIELD_NAMES.get(family, {})
+        hidden = read.count(*names.get("hidden_size", ("hidden_size",)))
+        heads = read.count(*names.get("num_attention_heads", ("num_attention_heads",)))
+        num_layers = read.count(*names.get("num_hidden_layers", ("num_hidden_layers",)))
+        inter = read.count(*names.get("intermediate_size", ("intermediate_size",)),
+                           default=4 * hidden if family == "gpt2" else REQUIRED)
+        quant = read.get("quantization_config", default=None)
+        if quant is not None and not isinstance(quant, dict):
+            raise read.bad("quantization_config", quant, "a mapping")
+        max_positions = read.count(*names.get("max_position_embeddings", ("max_position_embeddings",)))
+        rope = read.rope_parameters() if family not in ("gpt2", "opt") else None
         return ModelSpec(
             id=model_id, architecture=arch, family=family, num_layers=num_layers,
-            hidden_size=hidden, num_attention_heads=heads, num_kv_heads=kv_heads,
-            head_dim=head_dim, intermediate_size=int(inter), vocab_size=int(need("vocab_size")),
-            max_position_embeddings=int(need("max_position_embeddings")),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings",
-                                                family in ("gpt2", "opt"))),
-            dtype=canonical_dtype(config.get("torch_dtype") or config.get("dtype") or "float32"),
+            hidden_size=hidden, num_attention_heads=heads,
+            num_kv_heads=read.count("num_key_value_heads", default=heads),
+            head_dim=read.count("head_dim", default=max(1, hidden // heads)), intermediate_size=inter,
+            vocab_size=read.count("vocab_size"),
+            max_position_embeddings=max_positions,
+            max_context_len=max_context_length(max_positions, rope),
+            tie_word_embeddings=read.bool("tie_word_embeddings", family in ("gpt2", "opt")),
+            dtype=_dtype(read),
             quantization=QuantSpec.from_config(quant or {}, quantization) if quant or quantization else None,
-            **moe)
+            rope_type=rope["rope_type"] if rope else None,
+            sliding_window=_sliding_window(read), **_moe_fields(family, read, num_layers))
 
 
 _FIELD_NAMES = {
-    "llama": {"intermediate_size": ("intermediate_size",)},
     "gpt2": {"hidden_size": ("n_embd", "hidden_size"), "num_attention_heads": ("n_head",),
              "num_hidden_layers": ("n_layer",), "intermediate_size": ("n_inner",),
              "max_position_embeddings": ("n_positions", "n_ctx")},
@@ -189,20 +172,54 @@ _FIELD_NAMES = {
 }
 
 
-def _moe_fields(family: str, config: dict, num_layers: int) -> dict:
+def _architecture(model_id: str, config: dict) -> str:
+    archs = config.get("architectures") or []
+    if not isinstance(archs, list):
+        raise PlanError(f"{model_id}: config.json architectures is {archs!r}; expected a list")
+    if not archs and config.get("model_type"):
+        # a bare config (no weights saved with it): the family names are HF's model_types
+        archs = [a for a, f in SUPPORTED_ARCHITECTURES.items() if f == config["model_type"]]
+        archs = archs or [f"model_type {config['model_type']}"]
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        named = ", ".join(map(str, archs)) if archs else "no 'architectures' entry"
+        raise PlanError(f"{model_id}: architecture {named} is not supported; supported: "
+                        + ", ".join(SUPPORTED_ARCHITECTURES))
+    return arch
+
+
+def _dtype(read: ConfigReader) -> str:
+    saved = read.get("dtype", default="float32")
+    try:
+        return canonical_dtype(saved)
+    except SettingError:
+        raise read.bad("dtype", saved, "float32, float16 or bfloat16") from None
+
+
+def _sliding_window(read: ConfigReader) -> int | None:
+    """The attention window, when the model attends through one (Qwen2 only with use_sliding_window)."""
+    window = read.int("sliding_window", default=None)
+    if not window or not read.bool("use_sliding_window", True):
+        return None
+    return window
+
+
+def _moe_fields(family: str, read: ConfigReader, num_layers: int) -> dict:
     if family == "mixtral":
-        return {"num_experts": int(config["num_local_experts"]),
-                "num_experts_per_tok": int(config["num_experts_per_tok"]),
-                "moe_intermediate_size": int(config["intermediate_size"]),
+        return {"num_experts": read.count("num_experts"),
+                "num_experts_per_tok": read.count("num_experts_per_tok"),
+                "moe_intermediate_size": read.count("intermediate_size"),
                 "moe_layers": tuple(range(num_layers))}
     if family in ("qwen2_moe", "qwen3_moe"):
-        step = int(config.get("decoder_sparse_step") or 1)
-        dense = set(config.get("mlp_only_layers") or [])
+        step = read.int("decoder_sparse_step", default=1)
+        if step < 1:
+            raise read.bad("decoder_sparse_step", step, "a positive integer")
+        dense = set(read.ints("mlp_only_layers"))
         layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
-        return {"num_experts": int(config["num_experts"]),
-                "num_experts_per_tok": int(config["num_experts_per_tok"]),
-                "moe_intermediate_size": int(config["moe_intermediate_size"]),
+        return {"num_experts": read.count("num_experts"),
+                "num_experts_per_tok": read.count("num_experts_per_tok"),
+                "moe_intermediate_size": read.count("moe_intermediate_size"),
                 "shared_expert_intermediate_size":
-                    int(config.get("shared_expert_intermediate_size") or 0) or None,
+                    read.int("shared_expert_intermediate_size", default=0) or None,
                 "moe_layers": layers}
     return {}

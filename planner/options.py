@@ -49,16 +49,17 @@ def resolve_settings(options: PlanOptions, spec: ModelSpec, gpu: GpuSpec) -> Run
     is_fp8_kv = options.kv_cache_dtype.startswith("fp8")
     if is_fp8_kv and not (gpu.has_fp8 or gpu.is_cpu):
         raise PlanError(f"kv_cache_dtype {options.kv_cache_dtype} needs a GPU with fp8 support; {gpu.name} has none")
-    max_len = options.max_model_len or spec.max_position_embeddings
-    if max_len > spec.max_position_embeddings:
+    max_len = options.max_model_len or spec.max_context_len
+    if max_len > spec.max_context_len:
         raise PlanError(f"max_model_len {max_len} is beyond the model's "
-                        f"{spec.max_position_embeddings} positions: lower --max-model-len")
+                        f"{spec.max_context_len} positions: lower --max-model-len")
     batched = resolved_max_num_batched_tokens(options.max_num_batched_tokens, options.max_num_seqs)
     kv_pool = options.kv_cache_memory_bytes
     if gpu.is_cpu and kv_pool is None:
         kv_pool = DEFAULT_CPU_KV_CACHE_BYTES
     return RuntimeSettings(
-        dtype=dtype, quantization=options.quantization, kv_cache_dtype=options.kv_cache_dtype if is_fp8_kv else dtype, max_model_len=max_len, max_num_seqs=options.max_num_seqs,
+        dtype=dtype, quantization=options.quantization, kv_cache_dtype=options.kv_cache_dtype if is_fp8_kv else dtype,
+        max_model_len=max_len, max_num_seqs=options.max_num_seqs,
         max_num_batched_tokens=batched, block_size=options.block_size,
         gpu_memory_utilization=options.gpu_memory_utilization,
         enable_prefix_caching=options.enable_prefix_caching, kv_cache_memory_bytes=kv_pool)

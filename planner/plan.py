@@ -12,6 +12,7 @@ from shardserve.planner.rationale import alternatives, rationale, warnings
 from shardserve.planner.rules import Layout, nodes_used
 from shardserve.planner.plan_file import PlanFile
 from shardserve.planner.schema import plan_record
+from shardserve.planner.served import check_served
 from shardserve.planner.search import Candidate, candidate_layouts, choose, evaluate
 from shardserve.planner.sharding import total_weight_bytes
 
@@ -36,6 +37,7 @@ class Plan:
 
 
 def make_plan(model: ModelInfo, hardware: Hardware, options: PlanOptions) -> Plan:
+    check_served(model.spec)
     settings = resolve_settings(options, model.spec, hardware.gpu)
     candidates = _search(model, hardware, options, settings)
     pinned = _pinned_problem(candidates, options)

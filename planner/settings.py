@@ -19,12 +19,11 @@ from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any, Optional
 
 from shardserve.planner.errors import PlanError
+from shardserve.planner.served import QUANTIZATION_FORMATS
 
 INPUT, PLAN, ENGINE, SERVER, PROFILE = "input", "plan", "engine", "server", "profile"
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # at least max_num_seqs (see resolved_max_num_batched_tokens)
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3  # the KV pool per rank on CPU when none is given
-# checkpoint weight formats served (quantization_config.quant_method, vLLM's --quantization names)
-SERVED_QUANTIZATION = ("awq", "gptq", "fp8", "compressed-tensors")
 
 
 class SettingError(PlanError, ValueError):
@@ -34,7 +33,7 @@ class SettingError(PlanError, ValueError):
 @dataclass(frozen=True)
 class Setting:
     name: str
-    type: type  # int, float, bool, str, dict or tuple (of ints)
+    type: type  # int, float, bool, str, dict (str -> str), tuple (of ints) or list (of strings)
     default: Any
     help: str
     layers: frozenset[str]
@@ -74,11 +73,13 @@ class Setting:
         if kind is tuple and isinstance(value, (list, tuple)) and all(
                 isinstance(v, int) and not isinstance(v, bool) for v in value):
             return tuple(value)
+        if kind is list and isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            return list(value)
         if kind is dict and isinstance(value, dict):
             return {str(k): str(v) for k, v in value.items()}
         if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
             return value
-        wanted = {tuple: "a list of integers", dict: "a mapping"}.get(kind, kind.__name__)
+        wanted = {tuple: "a list of integers", list: "a list of strings", dict: "a mapping"}.get(kind, kind.__name__)
         raise SettingError(f"{self.name}={value!r} must be {wanted}")
 
 
@@ -107,8 +108,8 @@ SETTINGS: tuple[Setting, ...] = (
        "plan engine", minimum=1),
     _s("dtype", str, "auto", "auto (bf16 where the GPU has it, else fp16; the checkpoint's "
        "dtype, float32 on CPU), bfloat16, float16 or float32.", "plan engine"),
-    _s("quantization", str, None, "The checkpoint's weight format: " + ", ".join(SERVED_QUANTIZATION)
-       + " (default: config.json's quantization_config).", "plan engine", choices=SERVED_QUANTIZATION),
+    _s("quantization", str, None, "The checkpoint's weight format: " + ", ".join(QUANTIZATION_FORMATS)
+       + " (default: config.json's quantization_config).", "plan engine", choices=QUANTIZATION_FORMATS),
     _s("kv_cache_dtype", str, "auto", "auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2: half the "
        "bytes of bf16 per KV token.", "plan engine", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2")),
     _s("gpu_memory_utilization", float, 0.9, "Fraction of each GPU's memory for weights, "
@@ -125,6 +126,10 @@ SETTINGS: tuple[Setting, ...] = (
        "plan engine"),
     _s("enforce_eager", bool, False, "No CUDA graphs: every decode step runs eagerly.", "engine"),
     _s("seed", int, 0, "Seed for requests that bring none.", "engine"),
+    _s("chat_template", str, None, "A Jinja chat template, or the path of a file holding one, used instead of "
+       "the tokenizer's.", "engine"),
+    _s("generation_config", str, "auto", "Sampling defaults for requests that set none: auto (the model's "
+       "generation_config.json), vllm (none), or a folder holding a generation_config.json.", "engine"),
     _s("skip_tokenizer_init", bool, False, "No tokenizer: prompts are token ids, outputs carry "
        "no text.", "engine", in_profile=False),
     _s("target_concurrency", int, 1, "KV room for this many requests of max_model_len.", "plan",
@@ -134,6 +139,8 @@ SETTINGS: tuple[Setting, ...] = (
     _s("served_model_name", str, None, "The model name clients use (default: --model).", "server"),
     _s("max_queued_requests", int, None, "Requests in flight before the server answers 503 "
        "(default: 4 x max_num_seqs per replica).", "server", minimum=1),
+    _s("allowed_origins", list, None, "Origins a browser may call the API from (CORS), such as "
+       "https://app.example; '*' for any. Default: none (no CORS headers).", "server"),
     _s("env", dict, None, "Variables set for the engine and every rank, on every node.", "server"),
     _s("description", str, None, "What the profile is for.", "profile"),
 )

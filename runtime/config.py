@@ -10,8 +10,11 @@ from typing import Any
 
 import torch
 
+from shardserve.planner.hf_config import max_context_length
+from shardserve.planner.model_source import cached_snapshot, hf_cache_dir
 from shardserve.planner.model_spec import canonical_dtype
 from shardserve.runtime.layers.quantization.config import QuantConfig
+from shardserve.runtime.layers.rotary import rope_parameters
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -27,6 +30,8 @@ class ModelConfig:
     skip_tokenizer_init: bool = False
     enforce_eager: bool = False  # True: no CUDA graphs, every step runs eagerly
     quantization: QuantConfig | None = None  # the checkpoint's weight format; None: float weights
+    chat_template: str | None = None  # replaces the tokenizer's (inline Jinja or a file's path)
+    generation_config: str = "auto"  # where sampling defaults come from (runtime/generation_config.py)
 
     @property
     def num_layers(self) -> int:
@@ -52,9 +57,11 @@ def load_model_config(model: str, dtype: str = "auto", max_model_len: int | None
                       quantization: str | None = None) -> ModelConfig:
     from transformers import AutoConfig
 
+    model = local_folder(model)
     config_path = os.path.join(model, "config.json")
     if not os.path.isfile(config_path):
-        raise ValueError(f"model must be a local folder with a config.json; {config_path!r} does not exist")
+        raise ValueError(f"model must be a local folder with a config.json or an id in the local Hugging Face "
+                         f"cache ({hf_cache_dir()}); {config_path!r} does not exist")
     with open(config_path) as f:
         architectures = json.load(f).get("architectures") or []
     if len(architectures) != 1:
@@ -75,12 +82,24 @@ def load_model_config(model: str, dtype: str = "auto", max_model_len: int | None
                                                           quantization))
 
 
+def local_folder(model: str) -> str:
+    """A folder as given; an `org/name` id in the local Hugging Face cache -> its snapshot folder."""
+    if os.path.isdir(model):
+        return model
+    snapshot = cached_snapshot(model)
+    return str(snapshot) if snapshot is not None else model
+
+
 def _max_positions(hf_config) -> int:
-    for name in ("max_position_embeddings", "n_positions"):
-        value = getattr(hf_config, name, None)
-        if value:
-            return int(value)
-    raise ValueError("config.json names no max_position_embeddings; pass max_model_len")
+    """The model's positions (stretched by linear, dynamic and yarn rope scaling, as the planner counts)."""
+    learned = getattr(hf_config, "n_positions", None)  # GPT-2: no rotary embedding
+    if learned:
+        return int(learned)
+    positions = getattr(hf_config, "max_position_embeddings", None)
+    if not positions:
+        raise ValueError("config.json names no max_position_embeddings; pass max_model_len")
+    has_rope = any(getattr(hf_config, key, None) for key in ("rope_parameters", "rope_scaling", "rope_theta"))
+    return max_context_length(int(positions), rope_parameters(hf_config) if has_rope else None)
 
 
 def _resolve_dtype(dtype: str | torch.dtype, hf_config) -> torch.dtype:

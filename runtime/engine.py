@@ -10,6 +10,7 @@ from shardserve.runtime.block_manager import BlockManager
 from shardserve.runtime.config import EngineConfig
 from shardserve.runtime.errors import EngineDeadError
 from shardserve.runtime.executor import make_executor
+from shardserve.runtime.generation_config import sampling_defaults
 from shardserve.runtime.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from shardserve.runtime.kv_sizing import size_kv_cache
 from shardserve.runtime.messages import ModelRunnerOutput, SchedulerOutput
@@ -30,6 +31,7 @@ class EngineStats:
     kv_cache_usage: float  # fraction of KV blocks held by requests (cached-but-free blocks count as free)
     num_preemptions: int  # since start
     num_prefix_hit_tokens: int  # since start
+    num_prefix_query_tokens: int  # prompt tokens looked up in the prefix cache, since start
 
 
 class LLMEngine:
@@ -37,6 +39,7 @@ class LLMEngine:
         self.config = config
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
+        self.sampling_defaults = sampling_defaults(config.model)  # for requests that set none
         self.executor = make_executor(config)
         self.kv_cache_info = size_kv_cache(config, self.executor)
         self.executor.initialize_kv_cache(self.kv_cache_info.num_blocks)
@@ -66,6 +69,10 @@ class LLMEngine:
         """Free everything the prompt's requests hold, wherever they are."""
         self.scheduler.finish_requests(self.output_processor.request_ids(prompt_id), RequestStatus.FINISHED_ABORTED)
         self.output_processor.abort(prompt_id)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation defaults (vLLM's get_default_sampling_params)."""
+        return SamplingParams(**self.sampling_defaults)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests or bool(self.in_flight)
@@ -106,7 +113,8 @@ class LLMEngine:
         return EngineStats(num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
                            kv_cache_usage=1.0 - pool.num_free_blocks / pool.num_blocks,
                            num_preemptions=scheduler.num_preemptions,
-                           num_prefix_hit_tokens=scheduler.num_prefix_hit_tokens)
+                           num_prefix_hit_tokens=scheduler.num_prefix_hit_tokens,
+                           num_prefix_query_tokens=scheduler.num_prefix_query_tokens)
 
     def check_health(self) -> None:
         """Raise EngineDeadError if a worker rank has died; call it between steps."""

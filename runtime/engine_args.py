@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from shardserve.planner.settings import ENGINE, SettingError, check_names, resolved_max_num_batched_tokens, settings_dataclass
 from shardserve.runtime.config import (CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, load_model_config,
                                        resolve_device)
@@ -21,8 +23,9 @@ class EngineArgs(settings_dataclass(ENGINE, "EngineArgsFields")):
     def create_engine_config(self) -> EngineConfig:
         if not self.model:
             raise SettingError("model: give a local folder with config.json and safetensors")
-        model = load_model_config(self.model, self.dtype, self.max_model_len, self.skip_tokenizer_init,
-                                  self.enforce_eager, self.quantization)
+        model = replace(load_model_config(self.model, self.dtype, self.max_model_len, self.skip_tokenizer_init,
+                                          self.enforce_eager, self.quantization), chat_template=self.chat_template,
+                        generation_config=self.generation_config)
         return EngineConfig(
             model=model,
             cache=CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,

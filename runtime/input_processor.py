@@ -16,7 +16,7 @@ PromptType = Union[str, list[int], dict]
 
 
 class InvalidPromptError(ValueError):
-    """A prompt the engine cannot take. `field` names what to change: "prompt", "max_tokens" or "stop"."""
+    """A prompt the engine cannot take. `field` names what to change: "prompt", "max_tokens", "stop", "logit_bias" or "response_format"."""
 
     def __init__(self, message: str, field: str):
         super().__init__(message)
@@ -47,7 +47,7 @@ class InputProcessor:
 
     def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
         if isinstance(prompt, str):
-            return self._check(prompt, self._tokenize(prompt, add_special_tokens=True), params)
+            return self._check(prompt, self.tokenize(prompt, add_special_tokens=True), params)
         if isinstance(prompt, list):
             return self._check(None, prompt, params)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -60,22 +60,38 @@ class InputProcessor:
     def process_chat(self, conversation: list[dict], params: SamplingParams, add_generation_prompt: bool = True,
                      chat_template_kwargs: dict[str, Any] | None = None) -> ProcessedPrompt:
         """One conversation (OpenAI messages: role and text content) through the chat template."""
+        text = self.apply_chat_template(conversation, add_generation_prompt, chat_template_kwargs)
+        return self._check(text, self.tokenize(text, add_special_tokens=False), params)
+
+    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
+                            chat_template_kwargs: dict[str, Any] | None = None) -> str:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise InvalidPromptError("this model's tokenizer has no chat_template: give plain prompts, "
-                                     "not messages", "prompt")
+                                     "not messages (or start with --chat-template)", "prompt")
         try:
-            text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
+            return self.tokenizer.apply_chat_template(conversation, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt,
                                                       **(chat_template_kwargs or {}))
         except Exception as error:  # jinja's errors (raise_exception in templates) are the caller's
             raise InvalidPromptError(f"the chat template rejected the messages: {error}", "prompt") from None
-        return self._check(text, self._tokenize(text, add_special_tokens=False), params)
+
+    def check_token_ids(self, token_ids: list[int]) -> None:
+        if not all(0 <= t < self.vocab_size for t in token_ids):
+            raise InvalidPromptError(f"token ids must be integers in [0, {self.vocab_size})", "prompt")
 
     def decode(self, token_ids: tuple[int, ...] | list[int]) -> str:
         """A prompt's text from its token ids (for echo), or "" without a tokenizer."""
         return "" if self.tokenizer is None else self.tokenizer.decode(list(token_ids))
 
-    def _tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+    def _check_structured_outputs(self, outputs) -> None:
+        if self.tokenizer is None:
+            raise InvalidPromptError("structured outputs need a tokenizer (this engine skipped it)", "response_format")
+        try:
+            outputs.grammar()
+        except ValueError as error:
+            raise InvalidPromptError(str(error), "response_format") from None
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise InvalidPromptError("this engine was started with skip_tokenizer_init=True; "
                                      "give prompts as {'prompt_token_ids': [...]}", "prompt")
@@ -86,6 +102,10 @@ class InputProcessor:
             raise InvalidPromptError("stop strings need a tokenizer; use stop_token_ids with "
                                      "skip_tokenizer_init=True", "stop")
         vocab, limit = self.vocab_size, self.max_model_len
+        if params.structured_outputs is not None:
+            self._check_structured_outputs(params.structured_outputs)
+        if any(token >= vocab for token, _ in params.logit_bias):
+            raise InvalidPromptError(f"logit_bias token ids must lie in [0, {vocab})", "logit_bias")
         try:
             ids = tuple(operator.index(t) for t in token_ids)
         except TypeError:

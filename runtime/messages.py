@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shardserve.runtime.outputs import SampleTimes
 from shardserve.runtime.sampling_params import SamplingParams
 
 
@@ -64,6 +65,9 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # request id -> (index of the first prompt token scored, its entries and the next ones'): this
+    # step's share of the prompt logprobs of requests that ask for them
+    prompt_logprobs: dict[str, tuple[int, tuple[TokenLogprobs, ...]]] = field(default_factory=dict)
 
 
 @dataclass(slots=True, frozen=True)
@@ -75,3 +79,5 @@ class RequestUpdate:
     new_logprobs: tuple[TokenLogprobs, ...]
     finish_reason: str | None  # "stop", "length" or None while running
     stop_reason: int | str | None = None
+    times: SampleTimes | None = None  # with the sample's first token only
+    new_prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # prompt tokens scored since the last update

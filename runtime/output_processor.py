@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardserve.runtime.detokenizer import IncrementalDetokenizer
+from shardserve.runtime.detokenizer import IncrementalDetokenizer, StreamDetokenizer, make_detokenizer
 from shardserve.runtime.messages import RequestUpdate, TokenLogprobs
 from shardserve.runtime.outputs import Logprob, PromptDelta, SampleDelta
 from shardserve.runtime.sampling_params import SamplingParams
@@ -16,7 +16,7 @@ class _Sample:
 
     prompt_id: str
     sample_index: int
-    detokenizer: IncrementalDetokenizer | None
+    detokenizer: StreamDetokenizer | IncrementalDetokenizer | None
     num_tokens: int = 0
     held_text: str = ""  # detokenized, not yet emitted: it may begin a stop string
     is_finished: bool = False
@@ -43,7 +43,7 @@ class OutputProcessor:
         for index, request_id in enumerate(request_ids):
             detokenizer = None
             if self.tokenizer is not None:
-                detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+                detokenizer = make_detokenizer(self.tokenizer, params.skip_special_tokens)
             self._samples[request_id] = _Sample(prompt_id, index, detokenizer)
 
     def has_prompt(self, prompt_id: str) -> bool:
@@ -90,7 +90,9 @@ class OutputProcessor:
             finish_reason, stop_reason = "stop", stop
         sample.is_finished = finish_reason is not None
         logprobs = None if params.logprobs is None else self._logprob_dicts(update.new_logprobs)
-        return SampleDelta(sample.sample_index, update.new_token_ids, text, logprobs, finish_reason, stop_reason)
+        prompt_logprobs = self._logprob_dicts(update.new_prompt_logprobs) if update.new_prompt_logprobs else None
+        return SampleDelta(sample.sample_index, update.new_token_ids, text, logprobs, finish_reason, stop_reason,
+                           update.times, prompt_logprobs)
 
     @staticmethod
     def _new_text(sample: _Sample, params: SamplingParams, token_ids: tuple[int, ...],

@@ -18,6 +18,14 @@ class Logprob:
 
 
 @dataclass(slots=True, frozen=True)
+class SampleTimes:
+    """Where a sample's time went before its first token (vLLM's queue and prefill times)."""
+
+    queue_s: float  # arrival -> first scheduled
+    prefill_s: float  # first scheduled -> first token (chunked prefill and preemptions included)
+
+
+@dataclass(slots=True, frozen=True)
 class SampleDelta:
     """What one sample gained in one step; its size does not grow with the generation."""
 
@@ -27,6 +35,8 @@ class SampleDelta:
     new_logprobs: tuple[dict[int, Logprob], ...] | None  # one per new token, when logprobs were asked
     finish_reason: str | None = None  # "stop" or "length" on the sample's last delta
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    times: SampleTimes | None = None  # on the delta that carries the sample's first token
+    new_prompt_logprobs: tuple[dict[int, Logprob], ...] | None = None  # prompt tokens scored this step
 
 
 @dataclass(slots=True, frozen=True)
@@ -62,6 +72,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    # per prompt token when prompt_logprobs was asked: None for the first, then {token: Logprob}
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class RequestOutputBuilder:
@@ -70,12 +82,15 @@ class RequestOutputBuilder:
     def __init__(self, prompt_id: str, prompt: ProcessedPrompt, params: SamplingParams):
         completions = [CompletionOutput(i, "", [], None, [] if params.logprobs is not None else None)
                        for i in range(params.n)]
-        self.output = RequestOutput(prompt_id, prompt.prompt, list(prompt.prompt_token_ids), completions)
+        self.output = RequestOutput(prompt_id, prompt.prompt, list(prompt.prompt_token_ids), completions,
+                                    prompt_logprobs=None if params.prompt_logprobs is None else [None])
         self._texts: list[list[str]] = [[] for _ in range(params.n)]  # joined once, in build()
 
     def add(self, delta: PromptDelta) -> None:
         for sample in delta.samples:
             completion = self.output.outputs[sample.sample_index]
+            if sample.new_prompt_logprobs and sample.sample_index == 0:  # every sample scores the same prompt
+                self.output.prompt_logprobs.extend(sample.new_prompt_logprobs)
             completion.token_ids.extend(sample.new_token_ids)
             self._texts[sample.sample_index].append(sample.new_text)
             if completion.logprobs is not None and sample.new_logprobs:

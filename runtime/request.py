@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 
 from shardserve.runtime.sampling_params import SamplingParams
 
@@ -27,7 +28,8 @@ class Request:
 
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling_params", "seed",
                  "eos_token_ids", "status", "stop_reason", "num_computed_tokens", "num_synced_tokens", "num_synced_blocks",
-                 "block_hashes", "num_preemptions")
+                 "block_hashes", "num_preemptions", "arrival_time", "first_scheduled_time",
+                 "num_prompt_logprobs_sent")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  seed: int, eos_token_ids: frozenset[int] = frozenset()) -> None:
@@ -44,6 +46,9 @@ class Request:
         self.num_synced_blocks = 0  # blocks the worker has been told about
         self.block_hashes: list[bytes] = []  # one per full block of all_token_ids, filled lazily
         self.num_preemptions = 0
+        self.arrival_time = time.monotonic()
+        self.first_scheduled_time: float | None = None  # set when first admitted to a batch
+        self.num_prompt_logprobs_sent = 1  # prompt tokens scored and handed on (token 0 has no score)
 
     @property
     def all_token_ids(self) -> list[int]:

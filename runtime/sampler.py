@@ -43,6 +43,7 @@ class SamplingTensors:
 
     temperature: torch.Tensor  # float32
     top_k: torch.Tensor | None  # int64 in [1, vocab]; None when no row sets top_k
+    max_top_k: int | None  # the largest top_k of the batch, known on the host (no device read)
     top_p: torch.Tensor | None  # float32; 1.0 (no filter) for rows without top_p
     min_p: torch.Tensor | None  # float32
     uniform: torch.Tensor  # float64, the seeded draw of each row
@@ -61,27 +62,36 @@ class SamplingTensors:
                                              dtype=np.uint64))
         packed[5] = greedy
         values = host_to_device(packed, device)
+        has_top_k = any(p.top_k is not None for p in params)
         return cls(temperature=values[0].float(),
-                   top_k=values[1].long() if any(p.top_k is not None for p in params) else None,
+                   top_k=values[1].long() if has_top_k else None,
+                   max_top_k=int(packed[1].max()) if has_top_k else None,
                    top_p=values[2].float() if any(p.top_p < 1.0 for p in params) else None,
                    min_p=values[3].float() if any(p.min_p > 0.0 for p in params) else None,
                    uniform=values[4], is_greedy=values[5].bool())
 
 
-def sample(logits: torch.Tensor, states: list[RequestState]) -> tuple[list[int], dict[str, TokenLogprobs]]:
-    """logits: [num_sampled, vocab_size] float32, rows in the order of `states`."""
-    tokens = sample_on_device(logits, states)
+def sample(logits: torch.Tensor, states: list[RequestState],
+           token_bitmask: torch.Tensor | None = None) -> tuple[list[int], dict[str, TokenLogprobs]]:
+    """logits: [num_sampled, vocab_size] float32, rows in the order of `states`; token_bitmask:
+    xgrammar's [rows, vocab / 32] allowed tokens of constrained rows (logprobs stay the raw ones)."""
+    tokens = sample_on_device(logits, states, token_bitmask)
     token_list = tokens.tolist()  # the step's one device->host copy
     return token_list, _logprobs(logits, states, tokens)
 
 
-def sample_on_device(logits: torch.Tensor, states: list[RequestState]) -> torch.Tensor:
+def sample_on_device(logits: torch.Tensor, states: list[RequestState],
+                     token_bitmask: torch.Tensor | None = None) -> torch.Tensor:
     """[num_sampled] int64 token ids on the logits' device. Without penalties or min_tokens it waits
     for nothing on the device: the decisions on the host come from the sampling parameters alone."""
-    if any(_edits_logits(s) for s in states):
+    if token_bitmask is not None or any(_edits_logits(s) for s in states):
         logits = logits.clone()
         _apply_penalties(logits, states)
+        _apply_logit_bias(logits, states)
         _mask_stop_tokens_before_min(logits, states)
+        if token_bitmask is not None:
+            import xgrammar as xgr
+            xgr.apply_token_bitmask_inplace(logits, token_bitmask.to(logits.device, non_blocking=True))
     tokens = logits.argmax(dim=-1)
     if all(s.sampling_params.is_greedy for s in states):
         return tokens
@@ -91,7 +101,8 @@ def sample_on_device(logits: torch.Tensor, states: list[RequestState]) -> torch.
 
 def _edits_logits(state: RequestState) -> bool:
     params = state.sampling_params
-    return params.has_penalties or (state.num_output_tokens < params.min_tokens and bool(state.stop_token_ids))
+    return (params.has_penalties or bool(params.logit_bias)
+            or (state.num_output_tokens < params.min_tokens and bool(state.stop_token_ids)))
 
 
 def _apply_penalties(logits: torch.Tensor, states: list[RequestState]) -> None:
@@ -111,6 +122,20 @@ def _apply_penalties(logits: torch.Tensor, states: list[RequestState]) -> None:
             logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
 
 
+def _apply_logit_bias(logits: torch.Tensor, states: list[RequestState]) -> None:
+    """OpenAI's logit_bias, added before greedy and sampling alike (+100 forces a token, -100 bans it);
+    every row's biases go to the device in one copy."""
+    rows, tokens, biases = [], [], []
+    for row, state in enumerate(states):
+        for token, bias in state.sampling_params.logit_bias:
+            rows.append(row)
+            tokens.append(token)
+            biases.append(bias)
+    if rows:
+        packed = host_to_device(np.array([rows, tokens, biases], dtype=np.float64), logits.device)
+        logits.index_put_((packed[0].long(), packed[1].long()), packed[2].to(logits.dtype), accumulate=True)
+
+
 def _mask_stop_tokens_before_min(logits: torch.Tensor, states: list[RequestState]) -> None:
     for row, state in enumerate(states):
         if state.num_output_tokens < state.sampling_params.min_tokens and state.stop_token_ids:
@@ -120,16 +145,29 @@ def _mask_stop_tokens_before_min(logits: torch.Tensor, states: list[RequestState
 
 def _sample_random(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     logits = logits / params.temperature[:, None]
-    if params.top_k is not None or params.top_p is not None:
+    if params.top_p is not None:
         logits = _top_k_top_p(logits, params.top_k, params.top_p)
+    elif params.top_k is not None:
+        logits = _top_k(logits, params.top_k, params.max_top_k)
     probs = torch.softmax(logits, dim=-1)
     if params.min_p is not None:
         threshold = params.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < threshold, 0.0)
-    # Inverse CDF with one seeded uniform per row. right=True never lands on a zero-probability token.
-    cdf = probs.double().cumsum(dim=-1)  # [rows, vocab]
-    targets = params.uniform[:, None] * cdf[:, -1:]
+    # Inverse CDF with one seeded uniform per row, in float32. NOTE: the draw is scaled below the
+    # row's total (u <= 1 - 2^-23 keeps target < cdf[-1] after rounding), so right=True always lands
+    # on a step of the CDF: a token of non-zero probability.
+    cdf = probs.cumsum(dim=-1)  # [rows, vocab] float32
+    uniform = params.uniform.clamp(max=1.0 - 2.0**-23).to(cdf.dtype)
+    targets = uniform[:, None] * cdf[:, -1:]
     return torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+
+
+def _top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Keep each row's top_k logits (ties at the k-th kept). NOTE: topk(max_top_k), not a sort of
+    the whole vocabulary: a batch's largest k is known on the host."""
+    largest = logits.topk(max_top_k, dim=-1).values  # [rows, max_top_k], descending
+    kth = largest.gather(1, (top_k - 1)[:, None])  # [rows, 1]
+    return logits.masked_fill(logits < kth, _MASK)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
@@ -156,19 +194,24 @@ def _logprobs(raw: torch.Tensor, states: list[RequestState], tokens: torch.Tenso
     if not rows:
         return {}
     index = host_to_device(np.array(rows, dtype=np.int64), raw.device)
-    logprobs = torch.log_softmax(raw[index].float(), dim=-1)  # [num_rows, vocab]
-    chosen = tokens[index]
-    sampled = logprobs.gather(1, chosen[:, None])  # [num_rows, 1]
-    ranks = (logprobs > sampled).sum(dim=-1, keepdim=True) + 1
-    k = max(states[row].sampling_params.logprobs for row in rows)
+    entries = token_logprobs(raw[index], tokens[index], [states[row].sampling_params.logprobs for row in rows])
+    return {states[row].request_id: entry for row, entry in zip(rows, entries)}
+
+
+def token_logprobs(raw: torch.Tensor, chosen: torch.Tensor, wanted: list[int]) -> list[TokenLogprobs]:
+    """raw: [rows, vocab] logits; chosen: [rows] the token each row scores; wanted[i]: how many of
+    row i's most likely tokens to add. One copy to the host for all rows."""
+    logprobs = torch.log_softmax(raw.float(), dim=-1)  # [rows, vocab]
+    picked = logprobs.gather(1, chosen[:, None])  # [rows, 1]
+    ranks = (logprobs > picked).sum(dim=-1, keepdim=True) + 1
+    k = max(wanted)
     top = logprobs.topk(k, dim=-1)
-    # [num_rows, 3 + 2k] float64: token, logprob, rank, top ids, top logprobs (ids are exact below 2^53)
-    packed = torch.cat([chosen[:, None].double(), sampled.double(), ranks.double(), top.indices.double(),
+    # [rows, 3 + 2k] float64: token, logprob, rank, top ids, top logprobs (ids are exact below 2^53)
+    packed = torch.cat([chosen[:, None].double(), picked.double(), ranks.double(), top.indices.double(),
                         top.values.double()], dim=1).tolist()
-    result = {}
-    for values, row in zip(packed, rows):
-        wanted = states[row].sampling_params.logprobs
-        ids = (int(values[0]),) + tuple(int(i) for i in values[3: 3 + wanted])
-        logs = (values[1],) + tuple(values[3 + k: 3 + k + wanted])
-        result[states[row].request_id] = TokenLogprobs(ids, logs, int(values[2]))
+    result = []
+    for values, num in zip(packed, wanted):
+        ids = (int(values[0]),) + tuple(int(i) for i in values[3: 3 + num])
+        logs = (values[1],) + tuple(values[3 + k: 3 + k + num])
+        result.append(TokenLogprobs(ids, logs, int(values[2])))
     return result

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from shardserve.runtime.block_manager import BlockManager
 from shardserve.runtime.config import SchedulerConfig
 from shardserve.runtime.messages import (CachedRequestData, ModelRunnerOutput, NewRequestData, RequestUpdate,
                                          SchedulerOutput)
+from shardserve.runtime.outputs import SampleTimes
 from shardserve.runtime.request import Request, RequestStatus
 
 
@@ -35,6 +37,7 @@ class Scheduler:
         self.in_flight: set[str] = set()  # scheduled in a batch whose output is not back yet
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0  # prompt tokens served from the prefix cache
+        self.num_prefix_query_tokens = 0  # prompt tokens looked up in it
 
     def add_request(self, request: Request) -> None:
         self.check_can_ever_fit(request)
@@ -117,7 +120,9 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
                and len(num_scheduled) < limit):
             request = self.waiting[0]
-            hits = self.block_manager.find_cached_prefix(request)
+            # NOTE: a request that scores its prompt recomputes it all: cached positions would go unscored
+            hits = [] if request.sampling_params.prompt_logprobs is not None else \
+                self.block_manager.find_cached_prefix(request)
             num_cached = len(hits) * self.block_manager.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.block_manager.allocate_slots(request, num_cached + num_new, hits):
@@ -126,6 +131,9 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
             self.num_prefix_hit_tokens += num_cached
+            self.num_prefix_query_tokens += request.num_tokens
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             request.num_synced_tokens = request.num_tokens
             request.num_synced_blocks = len(self.block_manager.block_ids(request.request_id))
             self.running.append(request)
@@ -169,19 +177,30 @@ class Scheduler:
                 continue  # aborted while the step ran
             request.num_computed_tokens += num_tokens
             self.block_manager.cache_full_blocks(request)
-            token = runner_output.sampled_token_ids.get(request_id)
-            if token is None:
-                continue  # mid-prefill: nothing sampled yet
-            request.output_token_ids.append(token)
-            finish = self._check_stop(request, token)
-            if finish is not None:
-                self._finish(request, finish)
-            logprobs = runner_output.logprobs.get(request_id)
-            updates.append(RequestUpdate(request_id=request_id, new_token_ids=(token,),
-                                         new_logprobs=(logprobs,) if logprobs else (),
-                                         finish_reason=finish.value if finish else None,
-                                         stop_reason=request.stop_reason))
+            update = self._update_request(request, runner_output)
+            if update is not None:
+                updates.append(update)
         return updates
+
+    def _update_request(self, request: Request, runner_output: ModelRunnerOutput) -> RequestUpdate | None:
+        request_id = request.request_id
+        prompt_logprobs = _unsent_prompt_logprobs(request, runner_output.prompt_logprobs.get(request_id))
+        token = runner_output.sampled_token_ids.get(request_id)
+        if token is None:  # mid-prefill: nothing sampled yet
+            return RequestUpdate(request_id, (), (), None, new_prompt_logprobs=prompt_logprobs) \
+                if prompt_logprobs else None
+        if request.sampling_params.max_tokens == 0:  # the prompt alone was asked for (its logprobs)
+            self._finish(request, RequestStatus.FINISHED_LENGTH)
+            return RequestUpdate(request_id, (), (), "length", new_prompt_logprobs=prompt_logprobs)
+        request.output_token_ids.append(token)
+        finish = self._check_stop(request, token)
+        if finish is not None:
+            self._finish(request, finish)
+        logprobs = runner_output.logprobs.get(request_id)
+        return RequestUpdate(request_id=request_id, new_token_ids=(token,),
+                             new_logprobs=(logprobs,) if logprobs else (),
+                             finish_reason=finish.value if finish else None, stop_reason=request.stop_reason,
+                             times=_first_token_times(request), new_prompt_logprobs=prompt_logprobs)
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -211,3 +230,22 @@ class Scheduler:
         self.block_manager.free(request)
         self._finished_ids.add(request.request_id)
         del self.requests[request.request_id]
+
+
+def _first_token_times(request: Request) -> SampleTimes | None:
+    """Queue and prefill time, on the update that carries the request's first output token."""
+    if request.num_output_tokens != 1 or request.first_scheduled_time is None:
+        return None
+    scheduled = request.first_scheduled_time
+    return SampleTimes(queue_s=scheduled - request.arrival_time, prefill_s=time.monotonic() - scheduled)
+
+
+def _unsent_prompt_logprobs(request: Request, scored) -> tuple:
+    """The entries of (first token index, entries) not yet handed on: a preempted request scores its
+    prompt again when it is recomputed, and those repeats are dropped here."""
+    if scored is None:
+        return ()
+    start, entries = scored
+    fresh = entries[max(0, request.num_prompt_logprobs_sent - start):]
+    request.num_prompt_logprobs_sent = max(request.num_prompt_logprobs_sent, start + len(entries))
+    return fresh

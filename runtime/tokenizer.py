@@ -20,7 +20,21 @@ def load_tokenizer(model_config: ModelConfig):
                          "prompts as {'prompt_token_ids': [...]}")
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if model_config.chat_template is not None:
+        tokenizer.chat_template = read_chat_template(model_config.chat_template)
+    return tokenizer
+
+
+def read_chat_template(value: str) -> str:
+    """chat_template as given: inline Jinja, or the path of a file holding it."""
+    if "{{" in value or "{%" in value:
+        return value
+    if os.path.isfile(value):
+        with open(value) as f:
+            return f.read()
+    raise ValueError(f"chat_template {value!r} is neither a Jinja template nor a file: give the template "
+                     "itself or the path of a .jinja file")
 
 
 def eos_token_ids(model_config: ModelConfig, tokenizer) -> frozenset[int]:

@@ -7,9 +7,9 @@ import logging
 
 import torch
 
+from shardserve.planner.settings import DEFAULT_CPU_KV_CACHE_BYTES
 from shardserve.runtime.attention.layer import Attention
 from shardserve.runtime.attention.torch_backend import TorchAttentionBackend
-from shardserve.planner.settings import DEFAULT_CPU_KV_CACHE_BYTES
 from shardserve.runtime.config import EngineConfig
 from shardserve.runtime.cuda_graphs import DecodeGraphRunner, capture_sizes, cuda_graphs_disabled_reason
 from shardserve.runtime.forward_context import ForwardContext, forward_context
@@ -19,7 +19,10 @@ from shardserve.runtime.loader import load_model
 from shardserve.runtime.messages import ModelRunnerOutput, SchedulerOutput
 from shardserve.runtime.parallel_state import get_parallel_state
 from shardserve.runtime.pipeline import IntermediateTensors, recv_intermediate, send_intermediate
+from shardserve.runtime.prompt_logprobs import score_prompts, wants_prompt_logprobs
 from shardserve.runtime.sampler import sample
+from shardserve.runtime.structured_output import GrammarMatchers, sync_matchers
+from shardserve.runtime.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +52,7 @@ class Worker:
         self.states: dict[str, RequestState] = {}
         self.kv_cache: torch.Tensor | None = None
         self.cuda_graphs: DecodeGraphRunner | None = None  # built with the KV cache
+        self.matchers: GrammarMatchers | None = None  # the sampling rank's, made at the first grammar
 
     @property
     def bytes_per_block(self) -> int:
@@ -153,24 +157,40 @@ class Worker:
     def _step(self, output: SchedulerOutput) -> ModelRunnerOutput | None:
         state = self.parallel_state
         batch = apply_scheduler_output(self.states, output)
+        if state.is_output_rank:
+            self._sync_matchers(output)
         if not batch:
             return ModelRunnerOutput() if state.is_output_rank else None
         host = build_host_inputs(batch, output.num_scheduled_tokens, self.config.cache.block_size)
+        # NOTE: filled on the host before the forward is queued, so it overlaps the device's work
+        bitmask = self.matchers.bitmask([s.request_id for s in host.sampled_states]) if self.matchers else None
         hidden = self._forward(host)  # [num_tokens, hidden_size]
         if not state.is_last_stage:
             send_intermediate(hidden)
             return None
+        prompt_logprobs = (score_prompts(self.model, host, batch, hidden, state.is_output_rank)
+                           if wants_prompt_logprobs(batch) else {})
         if not host.sampled_states:
-            return ModelRunnerOutput() if state.is_output_rank else None
+            return ModelRunnerOutput(prompt_logprobs=prompt_logprobs) if state.is_output_rank else None
         if not host.samples_every_token:
             hidden = hidden[host_to_device(host.logits_indices, self.device)]
         # every TP rank of the last stage joins the logits gather; the output rank alone samples
         logits = self.model.compute_logits(hidden).float()  # [num_sampled, vocab]
         if not state.is_output_rank:
             return None
-        tokens, logprobs = sample(logits, host.sampled_states)
+        tokens, logprobs = sample(logits, host.sampled_states, bitmask)
+        if self.matchers is not None:
+            self.matchers.accept([s.request_id for s in host.sampled_states], tokens)
         sampled = {state.request_id: token for state, token in zip(host.sampled_states, tokens)}
-        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+
+    def _sync_matchers(self, output: SchedulerOutput) -> None:
+        if self.matchers is None and any(d.sampling_params.structured_outputs for d in output.new_requests):
+            tokenizer = load_tokenizer(self.config.model)
+            self.matchers = GrammarMatchers(tokenizer, self.config.model.vocab_size,
+                                            eos_token_ids(self.config.model, tokenizer))
+        if self.matchers is not None:
+            sync_matchers(self.matchers, output, self.states)
 
     def _forward(self, host: HostInputs):
         """A captured graph for a decode step that has one; the model run eagerly otherwise."""

@@ -11,12 +11,15 @@ from shardserve.runtime.forward_context import get_forward_context
 class Attention(nn.Module):
     """Holds this layer's slice of the KV pool, bound by the worker after start-up:
     kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim] (keys, values).
+    sliding_window: a query at position i sees keys at positions (i - sliding_window, i]; None: all.
     An fp8 pool stores k / k_scale and v / v_scale; k_scale and v_scale are 1.0 unless the checkpoint
     ships them (read as optional buffers, fixed as floats once loaded)."""
 
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
+                 sliding_window: int | None = None):
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads, self.scale = num_heads, head_dim, num_kv_heads, scale
+        self.sliding_window = sliding_window
         self.kv_cache: torch.Tensor | None = None
         self.register_buffer("k_scale", torch.ones((), dtype=torch.float32))
         self.register_buffer("v_scale", torch.ones((), dtype=torch.float32))
@@ -32,10 +35,11 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if context.attn_metadata is None:  # profiling run without a cache: plain causal attention
+        if context.attn_metadata is None:  # profiling run without a cache: plain causal attention (no window)
             out = _causal_attention(q, k, v, self.scale)
         else:
-            out = context.backend.forward(q, k, v, self.kv_cache, context.attn_metadata, self.scale, self.kv_scales)
+            out = context.backend.forward(q, k, v, self.kv_cache, context.attn_metadata, self.scale,
+                                          self.sliding_window, self.kv_scales)
         return out.reshape(-1, self.num_heads * self.head_dim)
 
 

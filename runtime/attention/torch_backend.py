@@ -49,18 +49,19 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    kv_scales: tuple[float, float] = NO_SCALES) -> torch.Tensor:
-    """q: [num_tokens, num_heads, head_dim]; attends each request's queries over its cached K/V.
+                    sliding_window: int | None = None, kv_scales: tuple[float, float] = NO_SCALES) -> torch.Tensor:
+    """q: [num_tokens, num_heads, head_dim]; attends each request's queries over its cached K/V
+    (with a sliding window, the query at position i over positions (i - sliding_window, i]).
     NOTE: single-token (decode) requests are done together in one padded batch; the rest one by one,
     since padding prompts to a common length would cost O(batch x longest^2) memory."""
     out = torch.empty_like(q)
     starts = meta.query_start_loc_cpu
     decodes = [r for r in range(meta.num_requests) if starts[r + 1] - starts[r] == 1]
     if decodes:
-        _decode_batch(q, kv_cache, meta, scale, decodes, out, kv_scales)
+        _decode_batch(q, kv_cache, meta, scale, decodes, out, sliding_window, kv_scales)
     for r in range(meta.num_requests):
         if starts[r + 1] - starts[r] != 1:
-            _attend_one(q, kv_cache, meta, scale, r, out, kv_scales)
+            _attend_one(q, kv_cache, meta, scale, r, out, sliding_window, kv_scales)
     return out
 
 
@@ -69,19 +70,22 @@ def _grouped(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return q.unflatten(-2, (num_kv_heads, q.shape[-2] // num_kv_heads))
 
 
-def _attend_one(q, kv_cache, meta, scale, r, out, kv_scales) -> None:
+def _attend_one(q, kv_cache, meta, scale, r, out, sliding_window, kv_scales) -> None:
     start, end = meta.query_start_loc_cpu[r], meta.query_start_loc_cpu[r + 1]
     seq_len = meta.seq_lens_cpu[r]
     keys, values = gather_kv(kv_cache, meta.block_tables[r], seq_len, kv_scales)  # [seq_len, kv_heads, head_dim]
     query = _grouped(q[start:end], kv_cache.shape[3]).float()  # [query_len, kv_heads, group, head_dim]
     scores = torch.einsum("qkgd,lkd->kgql", query, keys) * scale
     query_positions = torch.arange(seq_len - (end - start), seq_len, device=q.device)
-    future = torch.arange(seq_len, device=q.device)[None, :] > query_positions[:, None]  # [query_len, seq_len]
-    probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+    key_positions = torch.arange(seq_len, device=q.device)[None, :]
+    hidden = key_positions > query_positions[:, None]  # [query_len, seq_len]: the future
+    if sliding_window is not None:
+        hidden |= key_positions <= query_positions[:, None] - sliding_window
+    probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
     out[start:end] = torch.einsum("kgql,lkd->qkgd", probs, values).flatten(1, 2).to(q.dtype)
 
 
-def _decode_batch(q, kv_cache, meta, scale, rows: list[int], out, kv_scales) -> None:
+def _decode_batch(q, kv_cache, meta, scale, rows: list[int], out, sliding_window, kv_scales) -> None:
     block_size = kv_cache.shape[2]
     seq_lens = torch.tensor([meta.seq_lens_cpu[r] for r in rows], device=q.device)
     max_len = int(max(meta.seq_lens_cpu[r] for r in rows))
@@ -91,8 +95,11 @@ def _decode_batch(q, kv_cache, meta, scale, rows: list[int], out, kv_scales) -> 
     tokens = torch.tensor([meta.query_start_loc_cpu[r] for r in rows], device=q.device)
     query = _grouped(q[tokens], kv_cache.shape[3]).float()  # [batch, kv_heads, group, head_dim]
     scores = torch.einsum("bkgd,blkd->bkgl", query, keys) * scale
-    padding = torch.arange(max_len, device=q.device)[None, :] >= seq_lens[:, None]  # [batch, max_len]
-    probs = torch.softmax(scores.masked_fill(padding[:, None, None, :], float("-inf")), dim=-1)
+    key_positions = torch.arange(max_len, device=q.device)[None, :]
+    hidden = key_positions >= seq_lens[:, None]  # [batch, max_len]: padding
+    if sliding_window is not None:
+        hidden |= key_positions < seq_lens[:, None] - sliding_window
+    probs = torch.softmax(scores.masked_fill(hidden[:, None, None, :], float("-inf")), dim=-1)
     out[tokens] = torch.einsum("bkgl,blkd->bkgd", probs, values).flatten(1, 2).to(q.dtype)
 
 
@@ -100,6 +107,6 @@ class TorchAttentionBackend:
     name = "torch"
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
-                kv_scales: tuple[float, float] = NO_SCALES) -> torch.Tensor:
+                sliding_window: int | None = None, kv_scales: tuple[float, float] = NO_SCALES) -> torch.Tensor:
         write_kv(k, v, kv_cache, meta.slot_mapping, kv_scales)
-        return paged_attention(q, kv_cache, meta, scale, kv_scales)
+        return paged_attention(q, kv_cache, meta, scale, sliding_window, kv_scales)

@@ -15,8 +15,9 @@ class TritonAttentionBackend:
     name = "triton"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
+                kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
         store_kv(k, v, kv_cache, meta.slot_mapping, kv_scales)
         if meta.is_decode_only:
-            return paged_decode(q, kv_cache, meta, scale, kv_scales=kv_scales)
-        return paged_prefill(q, kv_cache, meta, scale, kv_scales=kv_scales)
+            return paged_decode(q, kv_cache, meta, scale, sliding_window=sliding_window, kv_scales=kv_scales)
+        return paged_prefill(q, kv_cache, meta, scale, sliding_window=sliding_window, kv_scales=kv_scales)

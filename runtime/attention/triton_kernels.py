@@ -62,15 +62,17 @@ def _load_kv_tile(cache_ptr, table_row_ptr, positions, kv_head, dims, seq_len, b
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_ptr, seq_lens_ptr, tables_ptr,
-                    table_stride, scale, num_heads, num_kv_heads, head_dim, block_size, k_scale, v_scale,
+                    table_stride, scale, num_heads, num_kv_heads, head_dim, block_size, window, k_scale, v_scale,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IS_FP32: tl.constexpr,
-                    IS_FP8: tl.constexpr):
+                    HAS_WINDOW: tl.constexpr, IS_FP8: tl.constexpr):
     """One (request, head, query tile): online softmax over keys [0, last query position].
     Dots take the cache dtype (bf16/fp16 on tensor cores); fp32 models use exact fp32 dots, not TF32.
 
         positions:  0 ........ context_len-1 | context_len ...... seq_len-1
                     (cached prefix, all seen) | (this step's queries, causal)
-    """
+
+    With HAS_WINDOW the query at position i sees only (i - window, i]: the loop starts at the first
+    key block the tile's earliest query still sees."""
     request, head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(query_start_ptr + request)
     q_len = tl.load(query_start_ptr + request + 1) - q_start
@@ -90,8 +92,12 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_ptr, s
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     end = tl.minimum(seq_len, context_len + (tile + 1) * BLOCK_M)
+    if HAS_WINDOW:
+        first = tl.maximum(context_len + tile * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+    else:
+        first = context_len * 0
     table_row = tables_ptr + request * table_stride
-    for start in range(0, end, BLOCK_N):
+    for start in range(first, end, BLOCK_N):
         positions = start + tl.arange(0, BLOCK_N)
         k = _load_kv_tile(k_cache_ptr, table_row, positions, kv_head, dims, seq_len, block_size,
                           num_kv_heads, head_dim)
@@ -105,6 +111,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_ptr, s
         else:
             scores = tl.dot(q, tl.trans(k)) * scale
         allowed = (positions[None, :] <= query_pos[:, None]) & (positions[None, :] < seq_len)
+        if HAS_WINDOW:
+            allowed = allowed & (positions[None, :] > query_pos[:, None] - window)
         scores = tl.where(allowed, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -123,15 +131,20 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_ptr, s
 @triton.jit
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
                          query_start_ptr, seq_lens_ptr, tables_ptr, table_stride, scale, num_heads,
-                         num_kv_heads, head_dim, block_size, num_splits, k_scale, v_scale,
-                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One (request, head, split): partial softmax over keys [split * split_len, +split_len).
+                         num_kv_heads, head_dim, block_size, num_splits, window, k_scale, v_scale,
+                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """One (request, head, split): partial softmax over keys [first + split * split_len, +split_len),
+    first = 0, or seq_len - window with HAS_WINDOW.
     NOTE: split_len comes from this request's own length (its keys / num_splits, rounded up to
     BLOCK_N), not from the batch's longest, so the host passes only num_splits: a CUDA graph fixes
     it at capture and every replay still spreads each request over all its splits."""
     request, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + request)
-    split_len = ((seq_len + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    if HAS_WINDOW:
+        first = tl.maximum(seq_len - window, 0)
+    else:
+        first = seq_len * 0
+    split_len = ((seq_len - first + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     token = tl.load(query_start_ptr + request)
     kv_head = head // (num_heads // num_kv_heads)
     dims = tl.arange(0, BLOCK_D)
@@ -141,7 +154,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_max
     m_i = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), axis=0)  # fp32 scalars, loop-carried
     l_i = tl.sum(tl.zeros([BLOCK_N], tl.float32), axis=0)
     acc = tl.zeros([BLOCK_D], tl.float32)
-    split_start = split * split_len
+    split_start = first + split * split_len
     split_end = tl.minimum(seq_len, split_start + split_len)
     table_row = tables_ptr + request * table_stride
     for start in range(split_start, split_end, BLOCK_N):
@@ -188,15 +201,17 @@ def _block_d(head_dim: int) -> int:
 
 
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, block_m: int = 16,
-                  block_n: int = 16, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+                  block_n: int = 16, sliding_window: int | None = None,
+                  kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim] for any mix of prefill chunks and decodes."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, whatever q's strides
     grid = (meta.num_requests, num_heads, triton.cdiv(meta.max_query_len, block_m))
     _prefill_kernel[grid](q.contiguous(), kv_cache[0], kv_cache[1], out, meta.query_start_loc, meta.seq_lens,
                           meta.block_tables, meta.block_tables.stride(0), scale, num_heads, kv_cache.shape[3],
-                          head_dim, kv_cache.shape[2], kv_scales[0], kv_scales[1], BLOCK_M=block_m, BLOCK_N=block_n,
-                          BLOCK_D=_block_d(head_dim), IS_FP32=q.dtype == torch.float32, IS_FP8=_is_fp8(kv_cache.dtype))
+                          head_dim, kv_cache.shape[2], sliding_window or 0, kv_scales[0], kv_scales[1],
+                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block_d(head_dim), IS_FP32=q.dtype == torch.float32,
+                          HAS_WINDOW=sliding_window is not None, IS_FP8=_is_fp8(kv_cache.dtype))
     return out
 
 
@@ -208,12 +223,14 @@ def default_num_splits(num_requests: int, num_heads: int, max_seq_len: int, num_
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, num_splits: int | None = None,
-                 block_n: int = 16, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+                 block_n: int = 16, sliding_window: int | None = None,
+                 kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """q: [num_requests, num_heads, head_dim], one query token per request (split-KV decode).
     Reads no tensor value on the host, so it can be captured in a CUDA graph."""
     num_requests, num_heads, head_dim = meta.num_requests, q.shape[1], q.shape[2]
     if num_splits is None:
-        num_splits = default_num_splits(num_requests, num_heads, meta.max_seq_len)
+        longest = min(meta.max_seq_len, sliding_window or meta.max_seq_len)
+        num_splits = default_num_splits(num_requests, num_heads, longest)
     block_d = _block_d(head_dim)
     part_out = torch.empty((num_requests, num_heads, num_splits, block_d), dtype=torch.float32, device=q.device)
     part_max = torch.empty((num_requests, num_heads, num_splits), dtype=torch.float32, device=q.device)
@@ -222,7 +239,8 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, nu
     _decode_split_kernel[(num_requests, num_heads, num_splits)](
         q.contiguous(), kv_cache[0], kv_cache[1], part_out, part_max, part_sum, meta.query_start_loc,
         meta.seq_lens, meta.block_tables, meta.block_tables.stride(0), scale, num_heads, kv_cache.shape[3],
-        head_dim, kv_cache.shape[2], num_splits, kv_scales[0], kv_scales[1], BLOCK_N=block_n, BLOCK_D=block_d)
+        head_dim, kv_cache.shape[2], num_splits, sliding_window or 0, kv_scales[0], kv_scales[1], BLOCK_N=block_n,
+        BLOCK_D=block_d, HAS_WINDOW=sliding_window is not None)
     _decode_reduce_kernel[(num_requests, num_heads)](
         part_out, part_max, part_sum, out, meta.query_start_loc, num_heads, head_dim, num_splits,
         BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -9,6 +11,19 @@ from torch import nn
 from shardserve.runtime.checkpoint import CheckpointTensor
 from shardserve.runtime.layers.weights import copy_into, shard_range
 from shardserve.runtime.parallel_state import get_parallel_state, tensor_parallel_all_reduce
+
+_EXPERT_WEIGHT = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
+
+
+def expert_weight(name: str, kinds: dict[str, str]) -> tuple[str, tuple[int, str]] | None:
+    """`<prefix>.experts.<e>.<proj>.weight` -> (`<prefix>.experts.w13` or `.w2`, (e, "w1"|"w3"|"w2")),
+    `kinds` naming the checkpoint's gate (w1), up (w3) and down (w2) projections; None otherwise."""
+    found = _EXPERT_WEIGHT.search(name)
+    if not found or found.group(2) not in kinds:
+        return None
+    kind = kinds[found.group(2)]
+    param = "w2" if kind == "w2" else "w13"
+    return f"{name[:found.start()]}.experts.{param}", (int(found.group(1)), kind)
 
 
 class FusedMoE(nn.Module):
@@ -37,10 +52,7 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """hidden: [num_tokens, hidden_size], router_logits: [num_tokens, num_experts]."""
-        weights = F.softmax(router_logits, dim=-1, dtype=torch.float32)
-        weights, experts = torch.topk(weights, self.top_k, dim=-1)  # [num_tokens, top_k]
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, experts = self.route(router_logits)  # [num_tokens, top_k]
         weights = weights.to(hidden.dtype)
         out = torch.zeros_like(hidden)
         for expert in experts.unique().tolist():
@@ -50,3 +62,12 @@ class FusedMoE(nn.Module):
             y = F.linear(F.silu(gate) * up, self.w2[expert]) * weights[token_index, slot, None]
             out.index_add_(0, token_index, y)
         return tensor_parallel_all_reduce(out)
+
+    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Softmax over all experts, then the top k (renormalized to sum 1 when asked): float32
+        weights and expert ids, each [num_tokens, top_k]."""
+        weights = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(weights, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, experts

@@ -1,4 +1,5 @@
-"""Rotary position embedding (NeoX half-rotation layout) with default, linear and llama3 scaling."""
+"""Rotary position embedding (NeoX half-rotation layout) with default, linear, llama3, yarn, dynamic
+and longrope scaling, as transformers computes each."""
 
 from __future__ import annotations
 
@@ -7,31 +8,74 @@ import math
 import torch
 from torch import nn
 
-_SUPPORTED = ("default", "linear", "llama3")
+from shardserve.planner import hf_config
+from shardserve.planner.served import ROPE_TYPES as SUPPORTED_ROPE_TYPES
 
 
-def rope_parameters(hf_config) -> dict:
-    """The rope settings of a transformers config, old (rope_theta + rope_scaling) or new style."""
-    params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    legacy = getattr(hf_config, "rope_scaling", None)
-    if legacy and not params.get("rope_type"):
-        params.update(legacy)
-    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
-    if params["rope_type"] not in _SUPPORTED:
-        raise ValueError(f"rope_type {params['rope_type']!r} is not supported; supported: {_SUPPORTED}")
+def rope_parameters(config) -> dict:
+    """The rope settings of a transformers config (either spelling), checked against what is served."""
+    values = {key: getattr(config, key, None) for key in
+              ("rope_parameters", "rope_scaling", "rope_theta", "max_position_embeddings",
+               "original_max_position_embeddings")}
+    params = hf_config.rope_parameters(values)
+    if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_type {params['rope_type']!r} is not supported; "
+                         f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     return params
 
 
+def default_frequencies(rotary_dim: int, base) -> torch.Tensor:  # [rotary_dim // 2] or [n, rotary_dim // 2]
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    if isinstance(base, torch.Tensor):
+        return 1.0 / (base[:, None] ** exponents)
+    return 1.0 / (base ** exponents)
+
+
+def rotation_angles(rotary_dim: int, num_positions: int, params: dict) -> torch.Tensor:
+    """Angle of every (position, frequency): [num_positions, rotary_dim // 2], float32.
+    NOTE: dynamic and longrope change the frequencies with the length; transformers recomputes them
+    for the longest position of each forward. Here a token's rotation depends only on its own
+    position, computed as transformers does when that token is the newest: equal to transformers
+    for every generated token and every prompt within the pretraining length, and a prefix cache
+    never holds keys that depend on which prompt wrote them."""
+    positions = torch.arange(num_positions, dtype=torch.float32)
+    kind = params["rope_type"]
+    if kind == "dynamic":
+        return positions[:, None] * _dynamic_frequencies(rotary_dim, num_positions, params)
+    if kind == "longrope":
+        return positions[:, None] * _longrope_frequencies(rotary_dim, num_positions, params)
+    return torch.outer(positions, inverse_frequencies(rotary_dim, params))
+
+
 def inverse_frequencies(rotary_dim: int, params: dict) -> torch.Tensor:  # [rotary_dim // 2], float32
-    base = float(params["rope_theta"])
-    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    inv_freq = default_frequencies(rotary_dim, float(params["rope_theta"]))
     kind = params["rope_type"]
     if kind == "linear":
         return inv_freq / float(params["factor"])
     if kind == "llama3":
         return _llama3_scale(inv_freq, params)
+    if kind == "yarn":
+        return _yarn_frequencies(rotary_dim, params)
     return inv_freq
+
+
+def attention_factor(params: dict) -> float:
+    """The scale yarn and longrope put on cos and sin (so on every attention logit, squared)."""
+    kind, given = params["rope_type"], params.get("attention_factor")
+    if kind not in ("yarn", "longrope") or given is not None:
+        return 1.0 if given is None else float(given)
+    factor = float(params["factor"])
+    if kind == "longrope":
+        old_len = params["original_max_position_embeddings"]
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_len))
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+    return _yarn_mscale(factor)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def _llama3_scale(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
@@ -47,6 +91,49 @@ def _llama3_scale(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_frequencies(dim: int, params: dict) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than beta_slow times over the pretraining length are
+    interpolated by `factor`, those turning more than beta_fast times kept, a linear ramp between."""
+    base, factor = float(params["rope_theta"]), float(params["factor"])
+    old_len = params["original_max_position_embeddings"]
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(old_len / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def _dynamic_frequencies(dim: int, num_positions: int, params: dict) -> torch.Tensor:
+    """Dynamic NTK: past the pretraining length L, position p uses base * (factor (p+1) / L -
+    (factor - 1)) ** (dim / (dim - 2)). [num_positions, dim // 2]."""
+    base, factor = float(params["rope_theta"]), float(params["factor"])
+    old_len = params["original_max_position_embeddings"]
+    lengths = torch.clamp(torch.arange(1, num_positions + 1), min=old_len)
+    stretched = base * ((factor * lengths / old_len) - (factor - 1)) ** (dim / (dim - 2))
+    original = default_frequencies(dim, base).expand(num_positions, -1)
+    return torch.where((lengths > old_len)[:, None], default_frequencies(dim, stretched), original)
+
+
+def _longrope_frequencies(dim: int, num_positions: int, params: dict) -> torch.Tensor:
+    """LongRoPE: per-frequency short factors within the pretraining length, long ones past it."""
+    old_len = params["original_max_position_embeddings"]
+    base_freqs = float(params["rope_theta"]) ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    short = 1.0 / (torch.tensor(params["short_factor"], dtype=torch.float32) * base_freqs)
+    long = 1.0 / (torch.tensor(params["long_factor"], dtype=torch.float32) * base_freqs)
+    is_long = (torch.arange(1, num_positions + 1) > old_len)[:, None]
+    return torch.where(is_long, long, short)
+
+
 class RotaryEmbedding(nn.Module):
     """Rotates the first rotary_dim features of each head by position.
     q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]."""
@@ -55,11 +142,10 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim or head_dim
-        inv_freq = inverse_frequencies(self.rotary_dim, params)
-        positions = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)  # [max_position, rotary_dim // 2]
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        angles = rotation_angles(self.rotary_dim, max_position, params)  # [max_position, rotary_dim // 2]
+        scale = attention_factor(params)
+        self.register_buffer("cos", angles.cos() * scale, persistent=False)
+        self.register_buffer("sin", angles.sin() * scale, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, rotary_dim // 2]

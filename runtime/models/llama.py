@@ -26,14 +26,27 @@ class LlamaVariant:
 
     qkv_bias: bool | None = None  # None: config.attention_bias
     qk_norm: bool = False  # Qwen3
+    has_sliding_window: bool = False  # config.sliding_window applies (Mistral, Qwen2, Qwen3; not Llama)
 
 
 LLAMA_PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
+def layer_sliding_window(config, index: int) -> int | None:
+    """The attention window of layer `index`: config.sliding_window on every layer (Mistral, Mixtral),
+    or on the layers `layer_types` marks "sliding_attention" (Qwen2 with use_sliding_window)."""
+    window = getattr(config, "sliding_window", None)
+    if not window or not getattr(config, "use_sliding_window", True):
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and layer_types[index] != "sliding_attention":
+        return None
+    return window
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config, variant: LlamaVariant, max_position: int):
+    def __init__(self, config, variant: LlamaVariant, max_position: int, sliding_window: int | None):
         super().__init__()
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -49,7 +62,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
         self.has_qk_norm = variant.qk_norm
         self.rotary_emb = RotaryEmbedding(head_dim, max_position, rope_parameters(config))
-        self.attn = Attention(self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads)
+        self.attn = Attention(self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads, sliding_window)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]
@@ -63,11 +76,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, intermediate_size: int | None = None):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
+        size = intermediate_size or config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias)
         if config.hidden_act != "silu":
             get_activation(config.hidden_act)  # raises for unknown names
             raise ValueError(f"Llama-style MLP supports hidden_act='silu', got {config.hidden_act!r}")
@@ -78,10 +92,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, variant: LlamaVariant, max_position: int, mlp: nn.Module):
+    def __init__(self, config, variant: LlamaVariant, max_position: int, mlp: nn.Module, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, variant, max_position)
+        window = layer_sliding_window(config, index) if variant.has_sliding_window else None
+        self.self_attn = LlamaAttention(config, variant, max_position, window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
 
@@ -103,7 +118,7 @@ class LlamaModel(nn.Module):
         if self.is_first_stage:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers, self.start_layer, self.end_layer = make_layers(
-            config.num_hidden_layers, lambda i: LlamaDecoderLayer(config, variant, max_position, build_mlp(i)))
+            config.num_hidden_layers, lambda i: LlamaDecoderLayer(config, variant, max_position, build_mlp(i), i))
         if self.is_last_stage:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -119,13 +134,6 @@ class LlamaModel(nn.Module):
         return self.norm(hidden, residual)[0] if residual is not None else self.norm(hidden)
 
 
-def check_sliding_window(config, max_model_len: int) -> None:
-    window = getattr(config, "sliding_window", None)
-    if getattr(config, "use_sliding_window", True) and window and window < max_model_len:
-        raise ValueError(f"this model uses sliding-window attention ({window} tokens), which the runtime "
-                         f"does not implement; set max_model_len <= {window}")
-
-
 class LlamaForCausalLM(nn.Module):
     packed_modules = LLAMA_PACKED
     supports_cuda_graphs = True  # the forward reads no tensor value on the host
@@ -134,7 +142,6 @@ class LlamaForCausalLM(nn.Module):
                  build_mlp: Callable[[int], nn.Module] | None = None):
         super().__init__()
         config = model_config.hf_config
-        check_sliding_window(config, model_config.max_model_len)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.model = LlamaModel(config, variant, model_config.max_model_len,
                                 build_mlp or (lambda i: LlamaMLP(config)))

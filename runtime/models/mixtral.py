@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 
 from shardserve.runtime.config import ModelConfig
 from shardserve.runtime.layers.linear import ReplicatedLinear
-from shardserve.runtime.layers.moe import FusedMoE
+from shardserve.runtime.layers.moe import FusedMoE, expert_weight
 from shardserve.runtime.models.llama import LlamaForCausalLM, LlamaVariant
 from shardserve.runtime.models.weight_map import WeightTarget
 
-_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
+_EXPERT_KINDS = {"w1": "w1", "w3": "w3", "w2": "w2"}
 
 
 class MixtralMoE(nn.Module):
@@ -36,7 +34,7 @@ class MixtralForCausalLM(nn.Module):
     def __init__(self, model_config: ModelConfig):
         super().__init__()
         config = model_config.hf_config
-        self.inner = LlamaForCausalLM(model_config, LlamaVariant(), build_mlp=lambda i: MixtralMoE(config))
+        self.inner = LlamaForCausalLM(model_config, LlamaVariant(has_sliding_window=True), build_mlp=lambda i: MixtralMoE(config))
         self.layer_range = self.inner.layer_range
 
     def forward(self, input_ids, positions, intermediate=None):
@@ -46,13 +44,11 @@ class MixtralForCausalLM(nn.Module):
         return self.inner.compute_logits(hidden)
 
     def checkpoint_target(self, name: str) -> WeightTarget | None:
-        expert = _EXPERT.search(name)
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        expert = expert_weight(name, _EXPERT_KINDS)
         if expert:
-            index, kind = int(expert.group(1)), expert.group(2)
-            param = "w2" if kind == "w2" else "w13"
-            prefix = name[: expert.start()]
-            return WeightTarget(f"inner.{prefix}.mlp.experts.{param}", (index, kind))
-        target = self.inner.checkpoint_target(name.replace(".block_sparse_moe.", ".mlp."))
+            return WeightTarget("inner." + expert[0], expert[1])
+        target = self.inner.checkpoint_target(name)
         if target is None or target.skip:
             return target
         return WeightTarget("inner." + target.param_name, target.shard_id)

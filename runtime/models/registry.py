@@ -1,4 +1,5 @@
-"""The supported architectures, keyed by the `architectures` entry of config.json."""
+"""How each served architecture is built, keyed by the `architectures` entry of config.json; which
+architectures and features are served is the planner's table (planner/served.py)."""
 
 from __future__ import annotations
 
@@ -6,29 +7,33 @@ from typing import Callable
 
 from torch import nn
 
+from shardserve.planner.served import ARCHITECTURES
 from shardserve.runtime.config import ModelConfig
 from shardserve.runtime.models.gpt2 import GPT2LMHeadModel
 from shardserve.runtime.models.llama import LlamaForCausalLM, LlamaVariant
 from shardserve.runtime.models.mixtral import MixtralForCausalLM
 from shardserve.runtime.models.opt import OPTForCausalLM
+from shardserve.runtime.models.qwen_moe import qwen2_moe, qwen3_moe
 
-_REGISTRY: dict[str, Callable[[ModelConfig], nn.Module]] = {
+MODEL_BUILDERS: dict[str, Callable[[ModelConfig], nn.Module]] = {
     "LlamaForCausalLM": lambda c: LlamaForCausalLM(c, LlamaVariant()),
-    "MistralForCausalLM": lambda c: LlamaForCausalLM(c, LlamaVariant()),
-    "Qwen2ForCausalLM": lambda c: LlamaForCausalLM(c, LlamaVariant(qkv_bias=True)),
-    "Qwen3ForCausalLM": lambda c: LlamaForCausalLM(c, LlamaVariant(qk_norm=True)),
+    "MistralForCausalLM": lambda c: LlamaForCausalLM(c, LlamaVariant(has_sliding_window=True)),
+    "Qwen2ForCausalLM": lambda c: LlamaForCausalLM(c, LlamaVariant(qkv_bias=True, has_sliding_window=True)),
+    "Qwen3ForCausalLM": lambda c: LlamaForCausalLM(c, LlamaVariant(qk_norm=True, has_sliding_window=True)),
     "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": qwen2_moe,
+    "Qwen3MoeForCausalLM": qwen3_moe,
     "GPT2LMHeadModel": GPT2LMHeadModel,
     "OPTForCausalLM": OPTForCausalLM,
 }
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted(ARCHITECTURES)
 
 
 def build_model(model_config: ModelConfig) -> nn.Module:
-    builder = _REGISTRY.get(model_config.architecture)
+    builder = MODEL_BUILDERS.get(model_config.architecture) if model_config.architecture in ARCHITECTURES else None
     if builder is None:
         raise ValueError(f"architecture {model_config.architecture!r} is not supported; "
                          f"supported: {', '.join(supported_architectures())}")

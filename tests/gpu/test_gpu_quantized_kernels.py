@@ -24,13 +24,13 @@ def test_fp8_cache_kernels_match_the_reference(dtype):
     write_kv(k, v, expected_cache, meta.slot_mapping, SCALES)
     triton_kernels.store_kv(k, v, cache, meta.slot_mapping, SCALES)
     assert torch.equal(cache.view(torch.uint8), expected_cache.view(torch.uint8))  # the GPU rounds like torch
-    expected = paged_attention(q.float(), cache, meta, 128**-0.5, SCALES)
+    expected = paged_attention(q.float(), cache, meta, 128**-0.5, kv_scales=SCALES)
     torch.testing.assert_close(triton_kernels.paged_prefill(q, cache, meta, 128**-0.5, kv_scales=SCALES).float(),
                                expected, **BF16)
     meta, q, k, v, cache = random_case([(3000, 1), (16, 1), (0, 1)], seed=3)
     cache = cache.to(dtype)
     write_kv(k, v, cache, meta.slot_mapping, SCALES)
-    expected = paged_attention(q.float(), cache, meta, 0.1, SCALES)
+    expected = paged_attention(q.float(), cache, meta, 0.1, kv_scales=SCALES)
     torch.testing.assert_close(triton_kernels.paged_decode(q, cache, meta, 0.1, kv_scales=SCALES).float(),
                                expected, **BF16)
 

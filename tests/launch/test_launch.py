@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -226,3 +227,63 @@ def test_env_variables_from_profile_and_flags_add_up():
     assert config.env == {"A": "1", "NCCL_IB_HCA": "mlx5", "EMPTY": ""}
     with pytest.raises(PlanError, match="write NAME=VALUE"):
         parse_env(["no-equals"])
+
+
+@pytest.mark.slow
+def test_allowed_origins_answer_a_browser_preflight():
+    proc, url = start_server("--profile", "demo", "--allowed-origins", "https://app.example")
+    try:
+        request = urllib.request.Request(f"{url}/v1/chat/completions", method="OPTIONS", headers={
+            "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert response.status == 200
+            assert response.headers["access-control-allow-origin"] == "https://app.example"
+        other = urllib.request.Request(f"{url}/v1/models", headers={"Origin": "https://evil.example"})
+        with urllib.request.urlopen(other, timeout=30) as response:
+            assert "access-control-allow-origin" not in response.headers
+    finally:
+        code, out = stop_server(proc)
+    assert code == 0, out
+
+
+@pytest.mark.slow
+def test_the_models_generation_config_fills_what_a_request_leaves_out(tmp_path):
+    """generation_config.json asks for greedy: two requests with different seeds and no temperature
+    agree; with --generation-config vllm the same requests sample at temperature 1 and differ."""
+    import shutil
+
+    from shardserve.launch.demo import DEMO_MODEL_DIR
+    folder = tmp_path / "model"
+    shutil.copytree(DEMO_MODEL_DIR, folder)
+    config = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps(config | {"temperature": 0.0}))
+    texts = {}
+    for source in ("auto", "vllm"):
+        proc, url = start_server("--model", str(folder), "--served-model-name", "m", "--generation-config", source)
+        try:
+            texts[source] = [json.loads(http(f"{url}/v1/completions", {"model": "m", "prompt": "The list",
+                                                                       "max_tokens": 12, "seed": seed})[1])
+                             ["choices"][0]["text"] for seed in (1, 2)]
+        finally:
+            stop_server(proc)
+    assert texts["auto"][0] == texts["auto"][1]
+    assert texts["vllm"][0] != texts["vllm"][1]
+
+
+@pytest.mark.slow
+def test_model_id_from_the_local_hugging_face_cache_is_served_under_its_name(tmp_path):
+    from tests.runtime.runtime_checkpoints import save_checkpoint
+
+    repo = tmp_path / "models--acme--tiny-qwen2"
+    save_checkpoint(str(repo / "snapshots" / "abc123"), "qwen2")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    proc, url = start_server("--model", "acme/tiny-qwen2", env={"HF_HUB_CACHE": str(tmp_path)})
+    models = http(f"{url}/v1/models")
+    completion = http(f"{url}/v1/completions", {"model": "acme/tiny-qwen2", "prompt": "The quick",
+                                                "max_tokens": 4})
+    code, out = stop_server(proc)
+    assert models[0] == 200 and json.loads(models[1])["data"][0]["id"] == "acme/tiny-qwen2"
+    assert completion[0] == 200 and json.loads(completion[1])["usage"]["completion_tokens"] == 4
+    assert code == 0, out

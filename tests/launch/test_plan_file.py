@@ -9,9 +9,8 @@ import sys
 import pytest
 import yaml
 
-from conftest import http, start_server, stop_server
-
 from shardserve.launch.demo import DEMO_MODEL_DIR
+from tests.launch.conftest import http, start_server, stop_server
 
 CPU_PP2 = ["--hardware", "2xcpu", "--pipeline-parallel-size", "2", "--max-model-len", "256",
            "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(1 << 24)]

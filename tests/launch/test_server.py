@@ -156,6 +156,7 @@ def test_min_tokens_and_ignore_eos(client):
      400, "messages"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "min_tokens": 5},
      400, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "stop": [""]}, 400, None),
 ])
 def test_bad_input_is_openai_shaped_and_server_stays_healthy(server, path, body, status,
                                                              param):
@@ -209,11 +210,27 @@ def test_streamed_logprobs_cover_held_back_tokens(client):
             getattr(full.logprobs, name), name
 
 
-def test_unknown_fields_are_accepted(server):
-    code, data = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi",
-                                                  "max_tokens": 2, "user": "u1",
-                                                  "metadata": {"a": 1}, "whatever": True})
+def test_fields_that_ask_for_nothing_are_accepted(server):
+    code, data = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "user": "u1",
+                                                  "metadata": {"a": 1}, "tools": [], "response_format": None})
     assert code == 200 and data["choices"]
+    code, data = post(server, "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "response_format": {"type": "text"}, "tool_choice": "none", "store": False})
+    assert code == 200 and data["choices"]
+
+
+@pytest.mark.parametrize("route, field, value", [
+    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("/v1/chat/completions", "tool_choice", "required"),
+    ("/v1/completions", "whatever", True),
+])
+def test_fields_the_server_cannot_honour_are_refused_by_name(server, route, field, value):
+    """Never a 200 with the field silently ignored: a 400 that names it."""
+    body = {"model": MODEL, "max_tokens": 2, field: value}
+    body |= {"prompt": "hi"} if route == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    code, data = post(server, route, body)
+    assert code == 400 and data["error"]["param"] == field and field in data["error"]["message"]
 
 
 def test_auth(server):
@@ -280,3 +297,156 @@ def test_metrics_count_requests_and_tokens(server, client):
                  "shardserve_num_requests_waiting", "shardserve_num_preemptions_total"):
         assert name in text, name
     assert 'outcome="rejected"' in text
+
+
+def test_metrics_time_the_queue_and_prefill_and_count_prefix_cache_hits(server, client):
+    counts = {name: metric(server, name) for name in (
+        "shardserve_request_queue_time_seconds_count", "shardserve_request_prefill_time_seconds_count",
+        "shardserve_prefix_cache_hit_tokens_total", "shardserve_prefix_cache_query_tokens_total")}
+    prompt = "The function returns a list of the values it was given, " * 4  # several full blocks
+    for _ in range(2):  # the second finds the first's blocks in the prefix cache
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, n=2, temperature=0)
+    after = {name: metric(server, name) for name in counts}
+    assert after["shardserve_request_queue_time_seconds_count"] == counts[
+        "shardserve_request_queue_time_seconds_count"] + 4  # one per sample
+    assert after["shardserve_request_prefill_time_seconds_count"] == counts[
+        "shardserve_request_prefill_time_seconds_count"] + 4
+    queried = after["shardserve_prefix_cache_query_tokens_total"] - counts["shardserve_prefix_cache_query_tokens_total"]
+    hit = after["shardserve_prefix_cache_hit_tokens_total"] - counts["shardserve_prefix_cache_hit_tokens_total"]
+    assert queried > 0 and 0 < hit < queried
+
+
+def test_tokenize_and_detokenize_use_the_served_tokenizer(server):
+    from transformers import AutoTokenizer
+
+    from shardserve.launch.demo import DEMO_MODEL_DIR
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
+    code, data = post(server, "/tokenize", {"model": MODEL, "prompt": "A list is"})
+    assert code == 200 and data["tokens"] == tokenizer("A list is").input_ids
+    assert data["count"] == len(data["tokens"]) and data["max_model_len"] == 1024
+    messages = [{"role": "user", "content": "What is a list?"}]
+    code, chat = post(server, "/tokenize", {"model": MODEL, "messages": messages})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert code == 200 and chat["tokens"] == tokenizer(text, add_special_tokens=False).input_ids
+    code, back = post(server, "/detokenize", {"model": MODEL, "tokens": data["tokens"]})
+    assert code == 200 and back["prompt"] == tokenizer.decode(data["tokens"])
+    assert post(server, "/detokenize", {"model": MODEL, "tokens": [10**9]})[0] == 400
+    assert post(server, "/tokenize", {"model": MODEL})[0] == 400
+    assert post(server, "/tokenize", {"model": MODEL, "prompt": "x"}, headers={})[0] == 401
+
+
+def test_logit_bias_through_the_api(client, server):
+    forced = client.completions.create(model=MODEL, prompt="The list", max_tokens=4, temperature=1.0, seed=5,
+                                       logit_bias={"42": 100}, extra_body={"ignore_eos": True})
+    plain = client.completions.create(model=MODEL, prompt="The list", max_tokens=4, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    code, data = post(server, "/v1/completions", {"model": MODEL, "prompt": "The list", "max_tokens": 4,
+                                                  "temperature": 0, "logprobs": 0, "logit_bias": {"42": 100}})
+    assert code == 200 and forced.choices[0].text == data["choices"][0]["text"] != plain.choices[0].text
+    code, data = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                                  "logit_bias": {"99999999": 5}})
+    assert code == 400 and data["error"]["param"] == "logit_bias"
+
+
+def hf_prompt_logprobs(ids: list[int]) -> list[float]:
+    """transformers' log-probability of each prompt token after the first, in float32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from shardserve.launch.demo import DEMO_MODEL_DIR
+    model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.float32)
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return [logprobs[i, ids[i + 1]].item() for i in range(len(ids) - 1)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_scores_the_prompt_like_transformers(server, stream):
+    """The loglikelihood request evaluation harnesses send: token ids, echo, logprobs 1, max_tokens 0."""
+    ids = [17, 250, 1033, 88, 402, 9, 611, 73, 1200, 5]
+    body = {"model": MODEL, "prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 0, "temperature": 0}
+    if stream:
+        events = http(f"{server}/v1/completions", body | {"stream": True}, AUTH)[1]
+        chunks = [json.loads(line[6:]) for line in events.splitlines() if line.startswith("data: {")]
+        lp = {"token_logprobs": [x for c in chunks for x in c["choices"][0]["logprobs"]["token_logprobs"]]}
+    else:
+        code, data = post(server, "/v1/completions", body)
+        assert code == 200 and data["choices"][0]["finish_reason"] == "length"
+        lp = data["choices"][0]["logprobs"]
+        assert len(lp["tokens"]) == len(ids) and lp["top_logprobs"][0] is None and len(lp["top_logprobs"][1]) >= 1
+    assert lp["token_logprobs"][0] is None and len(lp["token_logprobs"]) == len(ids)
+    assert lp["token_logprobs"][1:] == pytest.approx(hf_prompt_logprobs(ids), abs=1e-3)
+
+
+def test_prompt_logprobs_extra_and_a_completion_after_the_echo(server):
+    ids = [17, 250, 1033, 88, 402]
+    code, data = post(server, "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 3, "temperature": 0,
+                                                  "prompt_logprobs": 2, "echo": True, "logprobs": 0})
+    choice = data["choices"][0]
+    assert code == 200 and choice["prompt_logprobs"][0] is None and len(choice["prompt_logprobs"]) == len(ids)
+    scored = choice["prompt_logprobs"][1]
+    assert str(ids[1]) in scored and scored[str(ids[1])]["logprob"] == pytest.approx(hf_prompt_logprobs(ids)[0], abs=1e-3)
+    assert len(choice["logprobs"]["tokens"]) == len(ids) + 3  # the echoed prompt, then the completion
+    code, data = post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                       "max_tokens": 2, "prompt_logprobs": 0})
+    assert code == 200 and data["choices"][0]["prompt_logprobs"][0] is None
+    code, data = post(server, "/v1/completions", {"model": MODEL, "prompt": ids, "prompt_logprobs": 1, "stream": True})
+    assert code == 400 and data["error"]["param"] == "prompt_logprobs"
+
+
+PET = {"type": "object", "additionalProperties": False, "required": ["name", "age", "kind"],
+       "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0,
+                                                                          "maximum": 30},
+                      "kind": {"enum": ["cat", "dog", "fish"]}}}
+
+
+def test_json_schema_outputs_always_parse_and_validate(client):
+    import jsonschema
+    form = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET, "strict": True}}
+    for seed in range(20):  # temperature 1: only the grammar keeps a tiny model's text valid
+        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A pet?"}],
+                                               max_tokens=60, temperature=1.0, seed=seed, response_format=form)
+        jsonschema.validate(json.loads(reply.choices[0].message.content), PET)
+    obj = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=60,
+                                         temperature=0, response_format={"type": "json_object"})
+    choice = obj.choices[0]  # any object: it may run out of max_tokens, and then says so
+    assert choice.message.content.startswith("{") and (
+        choice.finish_reason == "length" or isinstance(json.loads(choice.message.content), dict))
+
+
+def test_parse_with_a_pydantic_model_and_streaming_agree(client):
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Pet(BaseModel):
+        name: str = Field(max_length=8)
+        kind: Literal["cat", "dog"]
+
+    parsed = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "A pet?"}],
+                                           max_tokens=40, temperature=0, response_format=Pet)
+    pet = parsed.choices[0].message.parsed
+    assert isinstance(pet, Pet)
+    form = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET}}
+    args = dict(model=MODEL, messages=[{"role": "user", "content": "A pet?"}], max_tokens=60, temperature=0,
+                response_format=form)
+    full = client.chat.completions.create(**args).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **args)
+                       if c.choices)
+    assert streamed == full and json.loads(full)["kind"] in ("cat", "dog", "fish")
+
+
+def test_guided_extras_on_completions(server, client):
+    choice = client.completions.create(model=MODEL, prompt="Yes or no:", max_tokens=5, temperature=1.0,
+                                       extra_body={"guided_choice": ["yes", "no"]})
+    assert choice.choices[0].text in ("yes", "no")
+    regex = client.completions.create(model=MODEL, prompt="Code:", max_tokens=10, temperature=1.0,
+                                      extra_body={"guided_regex": "[0-9]{3}-[a-z]{2}"})
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", regex.choices[0].text)
+    for field, value in (("guided_regex", "([0-9"), ("guided_json", "{not json"),
+                         ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}})):
+        code, data = post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2, field: value})
+        assert code == 400 and data["error"]["param"] == field, (field, data)
+    code, data = post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "guided_regex": "a",
+                                                  "guided_choice": ["a"]})
+    assert code == 400 and "one structured output" in data["error"]["message"]

@@ -34,6 +34,21 @@ def build_tokenizer(folder: str):
     return fast
 
 
+LONGROPE_FACTORS = {"short_factor": [1.0, 1.0, 1.1, 1.2, 1.5, 2.0, 2.5, 3.0],
+                    "long_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0]}
+# family -> (rope_parameters, max_position_embeddings)
+ROPE_SCALING = {
+    "llama-yarn": ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}, 64),
+    "llama-yarn-mscale": ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                           "mscale": 0.8, "mscale_all_dim": 0.5, "beta_fast": 8, "beta_slow": 2,
+                           "truncate": False}, 64),
+    "llama-dynamic": ({"rope_type": "dynamic", "factor": 4.0}, 16),
+    "llama-longrope": ({"rope_type": "longrope", "original_max_position_embeddings": 16,
+                        **LONGROPE_FACTORS}, 64),
+    "llama-linear": ({"rope_type": "linear", "factor": 2.0}, 16),
+}
+
+
 def family_config(family: str, num_layers: int = 2, max_position_embeddings: int = 256):
     import transformers as tf
 
@@ -47,14 +62,28 @@ def family_config(family: str, num_layers: int = 2, max_position_embeddings: int
     if family == "llama2-linear-tied":
         rope = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
         return tf.LlamaConfig(rope_parameters=rope, tie_word_embeddings=True, attention_bias=True, **llama_like)
+    if family in ROPE_SCALING:  # pretraining length 16: prompts up to 16 tokens, generation past it
+        rope, positions = ROPE_SCALING[family]
+        return tf.LlamaConfig(rope_parameters={"rope_theta": 10000.0, **rope},
+                              **{**llama_like, "max_position_embeddings": positions})
     if family == "mistral":
         return tf.MistralConfig(sliding_window=None, head_dim=16, **llama_like)
+    if family == "mistral-window":  # every layer attends over the last 8 positions
+        return tf.MistralConfig(sliding_window=8, head_dim=16, **llama_like)
+    if family == "qwen2-window":  # layers from max_window_layers on attend over the last 8 positions
+        return tf.Qwen2Config(use_sliding_window=True, sliding_window=8, max_window_layers=1, **llama_like)
     if family == "qwen2":
         return tf.Qwen2Config(tie_word_embeddings=True, **llama_like)
     if family == "qwen3":
         return tf.Qwen3Config(head_dim=24, tie_word_embeddings=False, **llama_like)
     if family == "mixtral":
         return tf.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **llama_like)
+    if family == "qwen2_moe":  # layer 1 dense (mlp_only_layers); top-k weights not renormalized
+        return tf.Qwen2MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                 shared_expert_intermediate_size=48, mlp_only_layers=[1], **llama_like)
+    if family == "qwen3_moe":  # decoder_sparse_step 2: odd layers sparse; renormalized top-k
+        return tf.Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                 decoder_sparse_step=2, norm_topk_prob=True, head_dim=24, **llama_like)
     if family == "gpt2":
         return tf.GPT2Config(n_embd=64, n_layer=num_layers, n_head=4, n_positions=256, **common)
     if family == "opt":
@@ -67,7 +96,8 @@ def family_config(family: str, num_layers: int = 2, max_position_embeddings: int
     raise KeyError(family)
 
 
-FAMILIES = ["llama3", "llama2-linear-tied", "mistral", "qwen2", "qwen3", "mixtral", "gpt2", "opt", "opt-postln-proj"]
+FAMILIES = ["llama3", "llama2-linear-tied", "mistral", "mistral-window", "qwen2", "qwen2-window", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
+            "gpt2", "opt", "opt-postln-proj"]
 
 
 def save_checkpoint(folder: str, family: str, with_tokenizer: bool = True, seed: int = 0,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from shardserve.runtime import LLM, SamplingParams
-from shardserve.runtime.detokenizer import IncrementalDetokenizer
+from shardserve.runtime.detokenizer import IncrementalDetokenizer, StreamDetokenizer, make_detokenizer
 
 TEXT = "naïve café — 日本語のテキスト 🙂🚀 and plain words"
 
@@ -20,23 +20,45 @@ def llm(checkpoint):
     return LLM(checkpoint[0], device="cpu", kv_cache_memory_bytes=2**24)
 
 
-def test_streamed_text_never_splits_a_character(llm):
+def window_detokenizer(tokenizer, skip_special_tokens=True):
+    return IncrementalDetokenizer(tokenizer, skip_special_tokens)
+
+
+DETOKENIZERS = [window_detokenizer, make_detokenizer]  # the fallback, and the Rust stream for fast tokenizers
+
+
+def test_a_fast_tokenizer_gets_the_stream_decoder(llm):
+    assert isinstance(make_detokenizer(llm.get_tokenizer()), StreamDetokenizer)
+
+
+@pytest.mark.parametrize("make", DETOKENIZERS)
+def test_streamed_text_never_splits_a_character(llm, make):
     tokenizer = llm.get_tokenizer()
     ids = tokenizer(TEXT, add_special_tokens=False).input_ids
     assert any("\ufffd" in tokenizer.decode([t]) for t in ids), "control: some tokens are partial characters"
-    detokenizer = IncrementalDetokenizer(tokenizer)
+    detokenizer = make(tokenizer)
     pieces = [detokenizer.push(t) for t in ids] + [detokenizer.flush()]
     assert all("\ufffd" not in piece for piece in pieces)
     assert "".join(pieces) == TEXT
     assert "" in pieces[:-1]  # some tokens were held back until their character completed
 
 
-def test_special_tokens_are_skipped_unless_asked(llm):
+@pytest.mark.parametrize("make", DETOKENIZERS)
+def test_special_tokens_are_skipped_unless_asked(llm, make):
     tokenizer = llm.get_tokenizer()
     ids = tokenizer("plain words", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
     for skip, expected in ((True, "plain words"), (False, "plain words</s>")):
-        detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
+        detokenizer = make(tokenizer, skip_special_tokens=skip)
         assert "".join(detokenizer.push(t) for t in ids) + detokenizer.flush() == expected
+
+
+@pytest.mark.parametrize("make", DETOKENIZERS)
+def test_ids_outside_the_vocabulary_are_dropped_without_stalling(llm, make):
+    tokenizer = llm.get_tokenizer()
+    ids = tokenizer("plain words", add_special_tokens=False).input_ids
+    detokenizer = make(tokenizer)
+    pieces = [detokenizer.push(t) for t in ids[:1] + [len(tokenizer) + 5] + ids[1:]] + [detokenizer.flush()]
+    assert "".join(pieces) == "plain words"
 
 
 def test_output_text_equals_decode_of_output_tokens(llm):
@@ -59,3 +81,15 @@ def test_chat_applies_the_template(llm):
     assert chat.outputs[0].token_ids == plain.outputs[0].token_ids
     two = llm.chat([messages, [{"role": "user", "content": "café"}]], SamplingParams(max_tokens=2))
     assert len(two) == 2
+
+
+def test_a_chat_template_given_inline_or_as_a_file_replaces_the_tokenizers(checkpoint, tmp_path):
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    for value in (template, str(path)):
+        llm = LLM(checkpoint[0], device="cpu", kv_cache_memory_bytes=2**22, chat_template=value)
+        (out,) = llm.chat([{"role": "user", "content": "café"}], SamplingParams(max_tokens=1))
+        assert out.prompt == "[user] café\n"
+    with pytest.raises(ValueError, match="neither a Jinja template nor a file"):
+        LLM(checkpoint[0], device="cpu", kv_cache_memory_bytes=2**22, chat_template=str(tmp_path / "missing.jinja"))

@@ -119,17 +119,20 @@ def test_weights_and_cache_are_converted_to_the_requested_dtype(checkpoint_facto
         LLM(folder, device="cpu", dtype="float8")
 
 
-def test_sliding_window_models_are_limited_to_the_window(checkpoint_factory, tmp_path):
-    import json
+def test_model_id_in_the_local_hugging_face_cache(checkpoint_factory, tmp_path, monkeypatch):
+    """LLM("org/name") serves the snapshot refs/main names, tokenizer included."""
     import shutil
 
-    folder, _ = checkpoint_factory("mistral")
-    for name in os.listdir(folder):
-        shutil.copy(os.path.join(folder, name), tmp_path)
-    config = json.loads((tmp_path / "config.json").read_text())
-    config["sliding_window"] = 64
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="sliding-window.*set max_model_len <= 64"):
-        LLM(str(tmp_path), device="cpu", kv_cache_memory_bytes=2**22)
-    llm = LLM(str(tmp_path), device="cpu", kv_cache_memory_bytes=2**22, max_model_len=64)
-    assert llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=2))[0].finished
+    folder, _ = checkpoint_factory("qwen2")
+    repo = tmp_path / "models--acme--tiny-qwen2"
+    shutil.copytree(folder, repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    cached = LLM("acme/tiny-qwen2", device="cpu", kv_cache_memory_bytes=2**22)
+    assert cached.engine.config.model.model == str(repo / "snapshots" / "abc123")
+    expected = LLM(folder, device="cpu", kv_cache_memory_bytes=2**22).generate("The quick", params)
+    assert cached.generate("The quick", params)[0].outputs[0].text == expected[0].outputs[0].text
+    with pytest.raises(ValueError, match="or an id in the local Hugging Face cache"):
+        LLM("acme/not-cached", device="cpu")

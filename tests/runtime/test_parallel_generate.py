@@ -22,6 +22,12 @@ LAYOUTS = [
     ("qwen2", 2, 2, 1),  # qkv biases sharded with the output
     ("gpt2", 2, 2, 1),  # fused, transposed c_attn
     ("mixtral", 2, 2, 1),  # experts split by tensor parallel
+    ("qwen2_moe", 2, 2, 1),  # experts and the shared expert split by tensor parallel
+    ("qwen3_moe", 2, 2, 1),
+    ("qwen2_moe", 2, 1, 2),  # the sparse layer and the dense one on different stages
+    ("qwen3_moe", 2, 1, 2),
+    ("mistral-window", 2, 2, 1),  # every layer's window
+    ("qwen2-window", 2, 1, 2),  # the full-attention layer and the windowed one on different stages
     ("mistral", 2, 4, 1),  # 2 KV heads on 4 ranks: replicated
     ("qwen2", 2, 1, 2),
     ("llama3", 4, 1, 3),  # the plan's uneven split: (1, 2, 1)

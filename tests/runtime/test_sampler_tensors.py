@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from shardserve.runtime.inputs import RequestState
-from shardserve.runtime.sampler import (SamplingTensors, _top_k_top_p, sample, sample_on_device, sample_seed,
-                                        seeded_uniforms)
+from shardserve.runtime.sampler import (SamplingTensors, _sample_random, _top_k, _top_k_top_p, sample,
+                                        sample_on_device, sample_seed, seeded_uniforms)
 from shardserve.runtime.sampling_params import SamplingParams
 
 VOCAB = 50
@@ -92,3 +92,22 @@ def test_logprobs_of_several_rows_come_back_together():
     third = logprobs["r2"]
     assert third.token_ids == (tokens[2],) and third.logprobs == pytest.approx((expected[2, tokens[2]].item(),))
     assert third.sampled_rank == int((expected[2] > expected[2, tokens[2]]).sum()) + 1
+
+
+def test_top_k_alone_needs_no_sort_and_matches_the_reference():
+    logits = torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(2)) * 3
+    top_k = [VOCAB, 5, 1, 20, 3]
+    actual = _top_k(logits, torch.tensor(top_k), max(top_k))
+    expected = reference_top_k_top_p(logits, top_k, [1.0] * 5)
+    assert torch.equal(actual.isinf(), expected.isinf())
+    assert (~actual.isinf()).sum(dim=-1).tolist() == top_k
+
+
+def test_a_draw_never_lands_on_a_token_of_zero_probability():
+    """The float32 inverse CDF with the largest possible uniform still picks a kept token."""
+    logits = torch.full((2, VOCAB), float("-inf"))
+    logits[:, 3] = 0.0  # only token 3 has probability; everything after it has none
+    params = SamplingTensors(temperature=torch.ones(2), top_k=None, max_top_k=None, top_p=None, min_p=None,
+                             uniform=torch.tensor([1.0 - 2.0**-53, 0.0], dtype=torch.float64),
+                             is_greedy=torch.zeros(2, dtype=torch.bool))
+    assert _sample_random(logits, params).tolist() == [3, 3]

@@ -250,3 +250,19 @@ def test_streamed_text_never_shows_a_stop_string_that_gets_cut(llm):
     final = text[: text.find(stop)]
     assert seen[-1] == final
     assert all(final.startswith(partial) for partial in seen)  # text only ever grows toward the final one
+
+
+def test_logit_bias_bans_and_forces_tokens(llm):
+    greedy = tokens(run(llm, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)))
+    banned = {t for row in greedy for t in row}
+    avoided = tokens(run(llm, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                                             logit_bias={t: -100 for t in banned})))
+    assert all(t not in banned for row in avoided for t in row)
+    forced = tokens(run(llm, SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True,
+                                            logit_bias={"42": 250.0})))  # clamped to 100: still forced
+    assert all(row == [42] * 6 for row in forced)
+    mixed = run(llm, [SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logit_bias={42: 100})]
+                + [SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)] * 5)
+    assert tokens(mixed)[0] == [42] * 3 and tokens(mixed)[1:] == [row[:3] for row in greedy[1:]]  # per row
+    with pytest.raises(ValueError, match="logit_bias token ids must lie in"):
+        run(llm, SamplingParams(max_tokens=2, logit_bias={10**6: 1.0}))

@@ -75,13 +75,46 @@ def test_backend_matches_torch_backend(shapes, dtype):
     assert torch.equal(cache, reference_cache)
 
 
+@pytest.mark.parametrize("window", [1, 5, 16])
+def test_prefill_kernel_with_sliding_window_matches_reference(window):
+    """Windows shorter than a tile, than the cached prefix, and than the whole sequence."""
+    meta, q, k, v, cache = random_case([(0, 7), (21, 3), (9, 1), (13, 18)], head_dim=16)
+    write_kv(k, v, cache, meta.slot_mapping)
+    expected = paged_attention(q, cache, meta, scale=0.3, sliding_window=window)
+    actual = triton_kernels.paged_prefill(q, cache, meta, scale=0.3, sliding_window=window)
+    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)
+    assert not torch.allclose(expected, paged_attention(q, cache, meta, scale=0.3), atol=1e-3)
+
+
+@pytest.mark.parametrize("window, num_splits", [(1, 1), (6, 3), (17, 2), (64, 3)])
+def test_split_kv_decode_with_sliding_window_matches_reference(window, num_splits):
+    meta, q, k, v, cache = random_case([(20, 1), (2, 1), (37, 1)], num_heads=4, num_kv_heads=1)
+    write_kv(k, v, cache, meta.slot_mapping)
+    expected = paged_attention(q, cache, meta, scale=0.2, sliding_window=window)
+    actual = triton_kernels.paged_decode(q, cache, meta, scale=0.2, num_splits=num_splits,
+                                         sliding_window=window)
+    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_sliding_window_reference_sees_only_the_window():
+    """The torch reference against dense attention over the last `window` keys of each query."""
+    meta, q, k, v, cache = random_case([(10, 4)], num_heads=2, num_kv_heads=2, head_dim=8)
+    write_kv(k, v, cache, meta.slot_mapping)
+    out = paged_attention(q, cache, meta, scale=0.5, sliding_window=3)
+    keys, values = (cache[i, meta.block_tables[0, :4].long()].flatten(0, 1)[:14] for i in (0, 1))
+    for j, position in enumerate(range(10, 14)):
+        seen = slice(position - 2, position + 1)
+        probs = torch.softmax(torch.einsum("hd,lhd->hl", q[j], keys[seen]) * 0.5, dim=-1)
+        torch.testing.assert_close(out[j], torch.einsum("hl,lhd->hd", probs, values[seen]))
+
+
 def test_default_split_count_grows_with_length_not_batch():
     assert triton_kernels.default_num_splits(1, 8, 4096) > 1
     assert triton_kernels.default_num_splits(256, 32, 4096) == 1
     assert triton_kernels.default_num_splits(1, 8, 100) == 1
 
 
-@pytest.mark.parametrize("family", ["gpt2", "qwen3"])  # q/k/v as strided views; head_dim 24
+@pytest.mark.parametrize("family", ["gpt2", "qwen3", "mistral-window"])  # strided q/k/v; head_dim 24; window 8
 def test_models_on_the_triton_backend_match_transformers(family, checkpoint_factory):
     from runtime_forward import PROMPT, run_chunks
 
@@ -122,12 +155,12 @@ def test_kernels_read_an_fp8_cache_like_the_reference(dtype):
     meta, q, k, v, cache = random_case([(0, 7), (5, 3), (9, 1)])
     cache = cache.to(dtype)
     write_kv(k, v, cache, meta.slot_mapping, FP8_SCALES)
-    expected = paged_attention(q, cache, meta, 0.3, FP8_SCALES)
+    expected = paged_attention(q, cache, meta, 0.3, kv_scales=FP8_SCALES)
     actual = triton_kernels.paged_prefill(q, cache, meta, 0.3, kv_scales=FP8_SCALES)
     torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)
     meta, q, k, v, cache = random_case([(20, 1), (2, 1), (37, 1)], num_kv_heads=1)
     cache = cache.to(dtype)
     write_kv(k, v, cache, meta.slot_mapping, FP8_SCALES)
-    expected = paged_attention(q, cache, meta, 0.2, FP8_SCALES)
+    expected = paged_attention(q, cache, meta, 0.2, kv_scales=FP8_SCALES)
     actual = triton_kernels.paged_decode(q, cache, meta, 0.2, num_splits=3, kv_scales=FP8_SCALES)
     torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)

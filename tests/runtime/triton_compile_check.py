@@ -15,7 +15,8 @@ from shardserve.runtime.layers import triton_norm
 from shardserve.runtime.layers.quantization import triton_packed_int
 
 INDEX = {"query_start_ptr": "*i32", "seq_lens_ptr": "*i32", "tables_ptr": "*i32", "table_stride": "i32",
-         "scale": "fp32", "num_heads": "i32", "num_kv_heads": "i32", "head_dim": "i32", "block_size": "i32"}
+         "scale": "fp32", "num_heads": "i32", "num_kv_heads": "i32", "head_dim": "i32", "block_size": "i32",
+         "window": "i32"}
 
 
 def compile_kernel(fn, types: dict, constexprs: dict) -> None:
@@ -34,11 +35,13 @@ def compile_attention(dtype: str, cache: str, is_fp32: bool) -> None:
                                               "v_cache_ptr": cache, "slot_ptr": "*i64", "row_size": "i32",
                                               **scales, "largest": "fp32"}, {"BLOCK": 1024, "IS_FP8": is_fp8})
     tensors = {"q_ptr": dtype, "k_cache_ptr": cache, "v_cache_ptr": cache}
-    compile_kernel(kernels._prefill_kernel, {**tensors, "out_ptr": dtype, **INDEX, **scales},
-                   {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_D": 128, "IS_FP32": is_fp32, "IS_FP8": is_fp8})
     parts = {"part_out_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32"}
-    compile_kernel(kernels._decode_split_kernel, {**tensors, **parts, **INDEX, "num_splits": "i32", **scales},
-                   {"BLOCK_N": 16, "BLOCK_D": 128})
+    for has_window in (False, True):
+        compile_kernel(kernels._prefill_kernel, {**tensors, "out_ptr": dtype, **INDEX, **scales},
+                       {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_D": 128, "IS_FP32": is_fp32, "HAS_WINDOW": has_window,
+                        "IS_FP8": is_fp8})
+        compile_kernel(kernels._decode_split_kernel, {**tensors, **parts, **INDEX, "num_splits": "i32", **scales},
+                       {"BLOCK_N": 16, "BLOCK_D": 128, "HAS_WINDOW": has_window})
     compile_kernel(kernels._decode_reduce_kernel,
                    {**parts, "out_ptr": dtype, "query_start_ptr": "*i32", "num_heads": "i32",
                     "head_dim": "i32", "num_splits": "i32"}, {"BLOCK_S": 4, "BLOCK_D": 128})

@@ -88,23 +88,19 @@ def current_linear_method():
 
 
 
-# Mixtral's experts and GPT-2's transposed Conv1D weights have no quantized layers yet
-_DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                        "OPTForCausalLM")
-
-
 def check_quantized_layout(model_config, tp_size: int) -> None:
     """Refuse what the quantized layers cannot build, before loading: the tensor-parallel check is the
     planner's own (rules.tensor_parallel_problem), so plan and runtime agree on every group split."""
     from shardserve.planner.model_spec import ModelSpec
     from shardserve.planner.rules import tensor_parallel_problem
+    from shardserve.planner.served import quantizable_architectures
 
     quant = model_config.quantization
     if quant is None:
         return
-    if model_config.architecture not in _DENSE_ARCHITECTURES:
+    if model_config.architecture not in quantizable_architectures():
         raise ValueError(f"{model_config.architecture} is not served quantized ({quant.format}); quantized "
-                         f"architectures: {', '.join(_DENSE_ARCHITECTURES)}")
+                         f"architectures: {', '.join(quantizable_architectures())}")
     spec = replace(ModelSpec.from_config(model_config.model, model_config.hf_config.to_dict()), quantization=quant.spec)
     problem = tensor_parallel_problem(spec, tp_size)
     if problem:

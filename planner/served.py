@@ -1,0 +1,59 @@
+"""What the runtime serves: architectures and the model features each can use (torch-free: the planner
+refuses the rest by name at plan time, and the runtime's model registry is checked against it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from shardserve.planner.errors import PlanError
+
+if TYPE_CHECKING:
+    from shardserve.planner.model_spec import ModelSpec
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+# checkpoint weight formats (quantization_config.quant_method, vLLM's --quantization names)
+QUANTIZATION_FORMATS = ("awq", "gptq", "fp8", "compressed-tensors")
+QUANTIZATION_METHODS = ("awq", "gptq", "fp8")  # the weight schemes they carry (QuantSpec.method)
+
+
+@dataclass(frozen=True)
+class ServedArchitecture:
+    family: str  # shardserve's family name; for a bare config.json, transformers' model_type
+    rope_types: tuple[str, ...] = ROPE_TYPES  # empty: learned positions
+    is_quantizable: bool = True  # False: no quantized layers yet (MoE experts, GPT-2's Conv1D)
+
+
+# config.json `architectures` entry -> what the runtime serves of it
+ARCHITECTURES: dict[str, ServedArchitecture] = {
+    "LlamaForCausalLM": ServedArchitecture("llama"),
+    "MistralForCausalLM": ServedArchitecture("mistral"),
+    "Qwen2ForCausalLM": ServedArchitecture("qwen2"),
+    "Qwen3ForCausalLM": ServedArchitecture("qwen3"),
+    "MixtralForCausalLM": ServedArchitecture("mixtral", is_quantizable=False),
+    "Qwen2MoeForCausalLM": ServedArchitecture("qwen2_moe", is_quantizable=False),
+    "Qwen3MoeForCausalLM": ServedArchitecture("qwen3_moe", is_quantizable=False),
+    "GPT2LMHeadModel": ServedArchitecture("gpt2", rope_types=(), is_quantizable=False),
+    "OPTForCausalLM": ServedArchitecture("opt", rope_types=()),
+}
+
+
+def check_served(spec: ModelSpec) -> None:
+    """Raise a PlanError naming the first feature of this model the runtime cannot serve."""
+    served = ARCHITECTURES.get(spec.architecture)
+    if served is None:
+        raise PlanError(f"{spec.id}: architecture {spec.architecture} is not served by the runtime; "
+                        f"served: {', '.join(ARCHITECTURES)}")
+    if spec.rope_type is not None and spec.rope_type not in served.rope_types:
+        raise PlanError(f"{spec.id}: rope_type {spec.rope_type} is not served by the runtime; served: "
+                        f"{', '.join(served.rope_types)}")
+    if spec.quantization and spec.quantization.method not in QUANTIZATION_METHODS:
+        raise PlanError(f"{spec.id}: {spec.quantization.method} quantization is not served; served formats: "
+                        + ", ".join(QUANTIZATION_FORMATS))
+    if spec.quantization and not served.is_quantizable:
+        raise PlanError(f"{spec.id}: {spec.architecture} is not served quantized ({spec.quantization.method}); "
+                        "quantized architectures: " + ", ".join(quantizable_architectures()))
+
+
+def quantizable_architectures() -> tuple[str, ...]:
+    return tuple(arch for arch, served in ARCHITECTURES.items() if served.is_quantizable)

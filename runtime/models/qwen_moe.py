@@ -1,0 +1,88 @@
+"""Qwen2-MoE and Qwen3-MoE: the Llama decoder with routed experts in the sparse layers (and Qwen2-MoE's
+sigmoid-gated shared expert); dense layers keep the Llama MLP."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardserve.runtime.config import ModelConfig
+from shardserve.runtime.layers.linear import ReplicatedLinear
+from shardserve.runtime.layers.moe import FusedMoE, expert_weight
+from shardserve.runtime.models.llama import LlamaForCausalLM, LlamaMLP, LlamaVariant
+from shardserve.runtime.models.weight_map import WeightTarget
+
+_EXPERT_KINDS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+class QwenSparseMoeBlock(nn.Module):
+    """Routed experts, plus (Qwen2-MoE) one shared expert every token passes through, scaled by
+    sigmoid(shared_expert_gate(x)). NOTE: experts and shared expert each all-reduce their partial
+    sums; one reduction of the sum would save a collective per layer, at the cost of a switch in
+    FusedMoE and RowParallelLinear."""
+
+    def __init__(self, config, has_shared_expert: bool):
+        super().__init__()
+        self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
+                                config.moe_intermediate_size,
+                                renormalize=bool(getattr(config, "norm_topk_prob", False)))
+        self.shared_expert = self.shared_expert_gate = None
+        if has_shared_expert:
+            self.shared_expert = LlamaMLP(config, config.shared_expert_intermediate_size)
+            self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
+        out = self.experts(hidden, self.gate(hidden))
+        if self.shared_expert is None:
+            return out
+        return out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
+
+
+def is_sparse_layer(config, index: int) -> bool:
+    """transformers' rule: routed experts unless listed in mlp_only_layers or off decoder_sparse_step."""
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return (index not in (getattr(config, "mlp_only_layers", None) or [])
+            and config.num_experts > 0 and (index + 1) % step == 0)
+
+
+class QwenMoeForCausalLM(nn.Module):
+    """Composes LlamaForCausalLM with a QwenSparseMoeBlock as the MLP of each sparse layer."""
+
+    supports_cuda_graphs = False  # FusedMoE lists the chosen experts on the host
+
+    def __init__(self, model_config: ModelConfig, variant: LlamaVariant, has_shared_expert: bool):
+        super().__init__()
+        config = model_config.hf_config
+
+        def build_mlp(index: int) -> nn.Module:
+            if is_sparse_layer(config, index):
+                return QwenSparseMoeBlock(config, has_shared_expert)
+            return LlamaMLP(config)
+
+        self.inner = LlamaForCausalLM(model_config, variant, build_mlp=build_mlp)
+        self.layer_range = self.inner.layer_range
+
+    def forward(self, input_ids, positions, intermediate=None):
+        return self.inner(input_ids, positions, intermediate)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.inner.compute_logits(hidden)
+
+    def checkpoint_target(self, name: str) -> WeightTarget | None:
+        expert = expert_weight(name, _EXPERT_KINDS)
+        if expert:
+            return WeightTarget("inner." + expert[0], expert[1])
+        target = self.inner.checkpoint_target(name)
+        if target is None or target.skip:
+            return target
+        return WeightTarget("inner." + target.param_name, target.shard_id)
+
+
+def qwen2_moe(model_config: ModelConfig) -> QwenMoeForCausalLM:
+    qkv_bias = bool(getattr(model_config.hf_config, "qkv_bias", True))
+    return QwenMoeForCausalLM(model_config, LlamaVariant(qkv_bias=qkv_bias, has_sliding_window=True), has_shared_expert=True)
+
+
+def qwen3_moe(model_config: ModelConfig) -> QwenMoeForCausalLM:
+    return QwenMoeForCausalLM(model_config, LlamaVariant(qk_norm=True, has_sliding_window=True), has_shared_expert=False)
