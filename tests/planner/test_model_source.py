@@ -104,14 +104,13 @@ def test_catalog_parameter_counts_match_published(model, billions):
 
 
 def test_quantized_weight_bytes():
-    """Sized exactly, though plans refuse them until the runtime loads quantized checkpoints."""
+    """Sized exactly, and planned with those bytes."""
     fp8, bf16 = (load_model(m) for m in ("meta-llama/Llama-3.1-405B-Instruct-FP8",
                                          "meta-llama/Llama-3.1-405B-Instruct"))
     ratio = (total_weight_bytes(fp8.spec, fp8.groups, "bfloat16")
              / total_weight_bytes(bf16.spec, bf16.groups, "bfloat16"))
     assert 0.5 < ratio < 0.53  # embeddings stay 16-bit
-    with pytest.raises(PlanError, match="fp8 quantization is not served by the runtime yet"):
-        plan_for("meta-llama/Llama-3.1-405B-Instruct-FP8", "8xH100")
+    assert plan_for("meta-llama/Llama-3.1-405B-Instruct-FP8", "2x8xH100").model.spec.quantization.method == "fp8"
     awq = load_model("Qwen/Qwen2.5-72B-Instruct-AWQ")
     assert awq.spec.quantization.bits == 4 and awq.spec.quantization.group_size == 128
 
