@@ -212,7 +212,8 @@ def serve_once(config: DeployConfig, plan: PlanFile, host: str, port: int, api_k
     metrics = ServerMetrics(name, replicas.stats)
     replicas.metrics = metrics
     limit = config.max_queued_requests or 4 * setting(config, "max_num_seqs") * len(engines)
-    app = build_app(replicas, OpenAIServing(replicas, name), metrics, api_key, limit, config.allowed_origins)
+    serving = OpenAIServing(replicas, name, config.tool_call_parser, bool(config.enable_auto_tool_choice))
+    app = build_app(replicas, serving, metrics, api_key, limit, config.allowed_origins)
     warn_exposure(host, api_key)
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level="info",
                                     timeout_graceful_shutdown=GRACE_SECONDS, access_log=False))

@@ -136,6 +136,9 @@ SETTINGS: tuple[Setting, ...] = (
     _s("served_model_name", str, None, "The model name clients use (default: --model).", "server"),
     _s("max_queued_requests", int, None, "Requests in flight before the server answers 503 "
        "(default: 4 x max_num_seqs per replica).", "server", minimum=1),
+    _s("tool_call_parser", str, None, "How tool calls are found in free text for tool_choice auto: hermes "
+       "(<tool_call> blocks; Qwen, Hermes) or llama3_json.", "server", choices=("hermes", "llama3_json")),
+    _s("enable_auto_tool_choice", bool, False, "Serve tool_choice auto (needs --tool-call-parser).", "server"),
     _s("allowed_origins", list, None, "Origins a browser may call the API from (CORS), such as "
        "https://app.example; '*' for any. Default: none (no CORS headers).", "server"),
     _s("env", dict, None, "Variables set for the engine and every rank, on every node.", "server"),
