@@ -127,7 +127,8 @@ SETTINGS: tuple[Setting, ...] = (
        minimum=1),
     _s("host", str, "127.0.0.1", "Address to listen on (default: this machine only).", "server"),
     _s("port", int, 8000, "Port to listen on.", "server", minimum=0, maximum=65535),
-    _s("served_model_name", str, None, "The model name clients use (default: --model).", "server"),
+    _s("served_model_name", str, None, "The model name clients use (default: shardserve-demo for the "
+       "bundled demo model, however given; else --model).", "server"),
     _s("max_queued_requests", int, None, "Requests in flight before the server answers 503 "
        "(default: 4 x max_num_seqs per replica).", "server", minimum=1),
     _s("env", dict, None, "Variables set for the engine and every rank, on every node.", "server"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from shardserve.planner.model_source import model_path
 from shardserve.planner.settings import ENGINE, SettingError, check_names, resolved_max_num_batched_tokens, settings_dataclass
 from shardserve.runtime.config import (CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, load_model_config,
                                        resolve_device)
@@ -24,8 +25,9 @@ class EngineArgs(settings_dataclass(ENGINE, "EngineArgsFields")):
         if self.kv_cache_dtype != "auto":
             raise SettingError(f"kv_cache_dtype={self.kv_cache_dtype}: this runtime stores the KV cache only in "
                                "the model's dtype so far; use kv_cache_dtype auto (and plan with it)")
-        model = load_model_config(self.model, self.dtype, self.max_model_len, self.skip_tokenizer_init,
-                                  self.enforce_eager)
+        device = resolve_device(self.device)
+        model = load_model_config(model_path(self.model), self.dtype, self.max_model_len,
+                                  self.skip_tokenizer_init, self.enforce_eager, device)
         return EngineConfig(
             model=model,
             cache=CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
@@ -39,6 +41,6 @@ class EngineArgs(settings_dataclass(ENGINE, "EngineArgsFields")):
                                     pipeline_parallel_size=self.pipeline_parallel_size or 1,
                                     distributed_executor_backend=self.distributed_executor_backend,
                                     layer_split=self.layer_split),
-            device=resolve_device(self.device),
+            device=device,
             seed=self.seed,
         )

@@ -151,20 +151,27 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.
 
 def _logprobs(raw: torch.Tensor, states: list[RequestState], tokens: torch.Tensor) -> dict[str, TokenLogprobs]:
     """Log-probabilities under the model's raw distribution (before penalties and temperature),
-    for the rows that ask, computed together and copied to the host once."""
+    for the rows that ask, computed together and copied to the host once.
+    NOTE: tokens are ranked by the raw logits, ties to the lower id, exactly as greedy's argmax
+    chooses: log_softmax can round two close logits to one value, and topk orders ties as it
+    likes, so ranking by log-probabilities could report a greedy token second."""
     rows = [i for i, s in enumerate(states) if s.sampling_params.logprobs is not None]
     if not rows:
         return {}
     index = host_to_device(np.array(rows, dtype=np.int64), raw.device)
-    logprobs = torch.log_softmax(raw[index].float(), dim=-1)  # [num_rows, vocab]
+    scores = raw[index].float()  # [num_rows, vocab]
+    logprobs = torch.log_softmax(scores, dim=-1)
     chosen = tokens[index]
-    sampled = logprobs.gather(1, chosen[:, None])  # [num_rows, 1]
-    ranks = (logprobs > sampled).sum(dim=-1, keepdim=True) + 1
+    chosen_score = scores.gather(1, chosen[:, None])  # [num_rows, 1]
+    vocab_ids = torch.arange(scores.shape[1], device=scores.device)
+    tied_before = (scores == chosen_score) & (vocab_ids[None, :] < chosen[:, None])
+    ranks = (scores > chosen_score).sum(dim=-1, keepdim=True) + tied_before.sum(dim=-1, keepdim=True) + 1
     k = max(states[row].sampling_params.logprobs for row in rows)
-    top = logprobs.topk(k, dim=-1)
+    top_ids = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]  # [num_rows, k]
+    sampled = logprobs.gather(1, chosen[:, None])
     # [num_rows, 3 + 2k] float64: token, logprob, rank, top ids, top logprobs (ids are exact below 2^53)
-    packed = torch.cat([chosen[:, None].double(), sampled.double(), ranks.double(), top.indices.double(),
-                        top.values.double()], dim=1).tolist()
+    packed = torch.cat([chosen[:, None].double(), sampled.double(), ranks.double(), top_ids.double(),
+                        logprobs.gather(1, top_ids).double()], dim=1).tolist()
     result = {}
     for values, row in zip(packed, rows):
         wanted = states[row].sampling_params.logprobs

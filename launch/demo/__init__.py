@@ -2,5 +2,6 @@
 
 from pathlib import Path
 
+from shardserve.planner.model_source import DEMO_MODEL_NAME  # noqa: F401 (one name, the planner's)
+
 DEMO_MODEL_DIR = Path(__file__).parent / "model"
-DEMO_MODEL_NAME = "shardserve-demo"

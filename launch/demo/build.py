@@ -1,6 +1,7 @@
 """Builds the bundled demo checkpoint (tokenizer, weights, model card) from CPython's own text.
 
 Run: .venv/bin/python -m shardserve.launch.demo.build [--out DIR] [--minutes N]
+(writes ./demo-model by default; `--out launch/demo/model` replaces the shipped checkpoint)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ SAMPLE_PROMPT = "The function returns"
 SAMPLE_QUESTION = "What is a list comprehension?"
 NUM_SAMPLE_TOKENS = 40
 DEFAULT_MINUTES = 8.0
+DEFAULT_OUT = Path("demo-model")  # never the shipped checkpoint unless --out names it
 
 
 def greedy(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast,
@@ -70,7 +72,8 @@ def build(out: Path, minutes: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DEMO_MODEL_DIR)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help=f"folder to write (default ./{DEFAULT_OUT}; the shipped one is {DEMO_MODEL_DIR})")
     parser.add_argument("--minutes", type=float, default=DEFAULT_MINUTES)
     args = parser.parse_args()
     start = time.monotonic()
