@@ -86,7 +86,8 @@ def _s(name, type_, default, help_, layers, **kw) -> Setting:
 
 SETTINGS: tuple[Setting, ...] = (
     _s("model", str, None, "Hugging Face folder, an id in the local Hugging Face cache, or a "
-       "catalog id (launch: the bundled demo model by default).", "input engine", short="-m"),
+       "catalog id; shardserve-demo is the bundled demo (bare `launch` serves it: --profile demo).",
+       "input engine", short="-m"),
     _s("hardware", str, None, "Declared hardware: [NODESx]GPUSxNAME (8xH100-80GB, 2x8xH100, 3xL4), "
        "'cpu', or a YAML file. Default: the Ray cluster, else the GPUs NVML sees.", "input"),
     _s("device", str, "auto", "auto, cpu, cuda or cuda:N (the first GPU of this engine's ranks).",

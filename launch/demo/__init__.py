@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
-from shardserve.planner.model_source import DEMO_MODEL_NAME  # noqa: F401 (one name, the planner's)
+from shardserve.planner.model_source import DEMO_MODEL_NAME
 
 DEMO_MODEL_DIR = Path(__file__).parent / "model"
+__all__ = ["DEMO_MODEL_DIR", "DEMO_MODEL_NAME"]

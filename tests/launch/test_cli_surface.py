@@ -29,6 +29,7 @@ def test_help_at_80_columns_shows_every_option_name_whole(command, names):
     assert "…" not in done.stdout and max(map(len, done.stdout.splitlines())) <= 80
     for name in names:
         assert BY_NAME[name].flag in done.stdout, name
+        assert BY_NAME[name].short is None or f"{BY_NAME[name].short}, {BY_NAME[name].flag}" in done.stdout
 
 
 def test_profiles_list_at_80_columns_shows_whole_paths_and_survives_a_broken_profile(tmp_path):

@@ -8,11 +8,12 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import free_port, http, start_server, stop_server
+from conftest import http, start_server, stop_server
 
 from shardserve.launch.demo import DEMO_MODEL_DIR
 from shardserve.launch.launcher import served_name, settle
@@ -20,7 +21,7 @@ from shardserve.launch.profiles import load_profile
 from shardserve.planner.settings import BY_NAME
 from shardserve.runtime import LLM, SamplingParams
 
-REPO = DEMO_MODEL_DIR.parents[2]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def launch(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
