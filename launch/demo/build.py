@@ -70,12 +70,16 @@ def build(out: Path, minutes: float) -> None:
     print(f"wrote {out} ({num_bytes / 2**20:.1f} MiB)")
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help=f"folder to write (default ./{DEFAULT_OUT}; the shipped one is {DEMO_MODEL_DIR})")
     parser.add_argument("--minutes", type=float, default=DEFAULT_MINUTES)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     start = time.monotonic()
     build(args.out, args.minutes)
     print(f"total {time.monotonic() - start:.0f}s")
