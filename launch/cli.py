@@ -79,12 +79,15 @@ def plan(
 @setting_options(launch_command_settings())
 def launch(
     plan_file: Annotated[Optional[Path], typer.Argument(
-        metavar="[PLAN.yaml]", help="A plan from `shardserve plan -o`. Without one, plan now.")]
+        metavar="PLAN.yaml", help="A plan from `shardserve plan -o`. Without one, plan now; "
+        "with no --model or --profile either, serve the demo (--profile demo).")]
     = None,
     profile: Annotated[Optional[str], typer.Option(help="A profile name or YAML file.")] = None,
     set_: Annotated[Optional[list[str]], typer.Option(
         "--set", help="key=value for any setting, e.g. --set max_num_seqs=64.")] = None,
-    ray_address: Annotated[Optional[str], typer.Option(envvar="RAY_ADDRESS")] = None,
+    ray_address: Annotated[Optional[str], typer.Option(
+        envvar="RAY_ADDRESS", help="Run ranks on this Ray cluster ('auto': the one this host "
+                                   "joined).")] = None,
     api_key: Annotated[Optional[str], typer.Option(
         help="Require 'Authorization: Bearer KEY' (or set SHARDSERVE_API_KEY).")] = None,
     env: Annotated[Optional[list[str]], typer.Option(
