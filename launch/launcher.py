@@ -114,7 +114,7 @@ def check_port(host: str, port: int) -> None:
 def try_it(name: str, host: str, port: int, api_key: str | None) -> str:
     """A curl for the start-up log, ready to paste."""
     where = "localhost" if host in ("0.0.0.0", "::", "127.0.0.1") else host
-    auth = " -H 'Authorization: Bearer $SHARDSERVE_API_KEY'" if api_key else ""
+    auth = ' -H "Authorization: Bearer $SHARDSERVE_API_KEY"' if api_key else ""
     return (f"curl http://{where}:{port}/v1/completions -H 'Content-Type: application/json'"
             f"{auth} -d '{{\"model\": \"{name}\", \"prompt\": \"The function\", \"max_tokens\": 32}}'")
 

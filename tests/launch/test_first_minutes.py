@@ -72,15 +72,21 @@ def test_a_plan_of_the_demo_is_served_as_shardserve_demo_with_a_curl_in_the_log(
     r = subprocess.run([sys.executable, "-m", "shardserve.launch", "plan", "--model", "./launch/demo/model",
                         "--hardware", "cpu", "-o", str(plan)], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert r.returncode == 0, r.stderr
-    proc, url = start_server(str(plan), "--max-model-len", "256", "--kv-cache-memory-bytes", str(1 << 24))
+    proc, url = start_server(str(plan), "--max-model-len", "256", "--kv-cache-memory-bytes", str(1 << 24),
+                             "--api-key", "k1")
     try:
-        status, body = http(f"{url}/v1/completions", {"model": "shardserve-demo", "prompt": "The", "max_tokens": 2})
+        status, body = http(f"{url}/v1/completions", {"model": "shardserve-demo", "prompt": "The", "max_tokens": 2},
+                            headers={"Authorization": "Bearer k1"})
+        lines = iter(proc.stdout.readline, "")  # the log so far, read while the server runs
+        pasted = next(line.strip() for line in lines if line.lstrip().startswith("curl "))
+        done = subprocess.run(["bash", "-c", pasted], capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "SHARDSERVE_API_KEY": "k1"})
     finally:
         code, out = stop_server(proc)
     assert status == 200, body
     assert code == 0, out
-    port = url.rsplit(":", 1)[1]
-    assert f"curl http://localhost:{port}/v1/completions" in out and '"model": "shardserve-demo"' in out
+    assert pasted.startswith(f"curl http://localhost:{url.rsplit(':', 1)[1]}/v1/completions")
+    assert done.returncode == 0 and '"model":"shardserve-demo"' in done.stdout and '"choices"' in done.stdout
 
 
 def test_llm_and_the_cli_agree_on_cpu_defaults(tmp_path, monkeypatch):
