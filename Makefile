@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The CPU wheel: an unpinned torch would pull gigabytes of CUDA packages.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: test demo install clean
+.PHONY: test test-fast demo install clean
 
 install: $(STAMP)
 
@@ -17,8 +17,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+# The whole suite, as CI runs it (about 6 minutes on CPU).
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# Everything but the end-to-end tests marked slow (about 100 s): while editing.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
 
 demo: $(STAMP)
 	@echo "Serving the bundled demo model on http://localhost:8000 (Ctrl-C stops it). Try:"

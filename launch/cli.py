@@ -15,7 +15,8 @@ from rich.console import Console
 from shardserve.launch import __version__
 from shardserve.launch.cli_options import launch_command_settings, plan_command_settings, setting_options
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode="rich",
+# NOTE: click's plain help, not typer's rich panels: those cut option names at 80 columns
+app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None,
                   help="Plan and launch multi-GPU LLM serving.")
 err = Console(stderr=True, soft_wrap=True)  # an error line is never broken mid-path
 
@@ -39,7 +40,7 @@ def root(version: Annotated[bool, typer.Option("--version", callback=_version,
     """Plan and launch multi-GPU LLM serving."""
 
 
-@app.command()
+@app.command(short_help="Choose the layout, predict memory and speed, say why.")
 @setting_options(plan_command_settings())
 def plan(
     profile: Annotated[Optional[str], typer.Option(
@@ -74,16 +75,19 @@ def plan(
             Console().print(f"plan written to [bold]{output}[/]")
 
 
-@app.command()
+@app.command(short_help="Serve a plan, a profile or a model (OpenAI API).")
 @setting_options(launch_command_settings())
 def launch(
     plan_file: Annotated[Optional[Path], typer.Argument(
-        metavar="[PLAN.yaml]", help="A plan from `shardserve plan -o`. Without one, plan now.")]
+        metavar="PLAN.yaml", help="A plan from `shardserve plan -o`. Without one, plan now; "
+        "with no --model or --profile either, serve the demo (--profile demo).")]
     = None,
     profile: Annotated[Optional[str], typer.Option(help="A profile name or YAML file.")] = None,
     set_: Annotated[Optional[list[str]], typer.Option(
         "--set", help="key=value for any setting, e.g. --set max_num_seqs=64.")] = None,
-    ray_address: Annotated[Optional[str], typer.Option(envvar="RAY_ADDRESS")] = None,
+    ray_address: Annotated[Optional[str], typer.Option(
+        envvar="RAY_ADDRESS", help="Run ranks on this Ray cluster ('auto': the one this host "
+                                   "joined).")] = None,
     api_key: Annotated[Optional[str], typer.Option(
         help="Require 'Authorization: Bearer KEY' (or set SHARDSERVE_API_KEY).")] = None,
     env: Annotated[Optional[list[str]], typer.Option(
@@ -98,7 +102,7 @@ def launch(
     import logging
 
     from shardserve.launch.deploy_config import parse_env, parse_set
-    from shardserve.launch.launcher import api_key_from_env, serve, setting, settle
+    from shardserve.launch.launcher import api_key_from_env, check_port, serve, setting, settle
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s", datefmt="%H:%M:%S")
@@ -113,6 +117,7 @@ def launch(
         flags["env"] = parse_env(env or []) or None
         config, plan = settle(str(plan_file) if plan_file else None, profile, flags,
                               ray_address)
+        check_port(setting(config, "host"), setting(config, "port"))
     try:
         with _user_errors():
             code = serve(config, plan, setting(config, "host"), setting(config, "port"),
@@ -123,11 +128,12 @@ def launch(
     raise typer.Exit(code)
 
 
-@app.command()
+@app.command(short_help="Check this machine, a plan, or a Ray cluster.")
 def doctor(
     plan_file: Annotated[Optional[Path], typer.Option(
         "--plan", help="Check this machine against a plan from `shardserve plan -o`.")] = None,
-    format: Annotated[Format, typer.Option("--format", help="table or json.")] = Format.table,
+    format: Annotated[Format, typer.Option("--format", help="table, json or yaml.")]
+    = Format.table,
     ray_address: Annotated[Optional[str], typer.Option(
         envvar="RAY_ADDRESS", help="Check every node of this Ray cluster (default: the "
                                    "cluster this host joined, if any).")] = None,
@@ -146,8 +152,8 @@ def doctor(
         if address:
             use_cluster_auth()
         checks = run_checks(plan, cluster_address=address)
-    if format is Format.json:
-        print(json.dumps({"checks": [c.to_dict() for c in checks]}, indent=2))
+    if format is not Format.table:
+        _print_data({"checks": [c.to_dict() for c in checks]}, format)
     else:
         from rich.table import Table
         colors = {"pass": "green", "warn": "yellow", "fail": "red", "skip": "dim"}
@@ -169,11 +175,23 @@ def profiles_list() -> None:
     from rich.table import Table
 
     from shardserve.launch.profiles import list_profiles, load_profile
-    table = Table("name", "description", "file")
+    from shardserve.planner import PlanError
+    table = Table("name")
+    table.add_column("description", overflow="fold")  # a broken profile's error names its file
+    broken = False
     with _user_errors():
-        for name, path in list_profiles().items():
-            table.add_row(name, load_profile(str(path)).description or "", str(path))
+        profiles = list_profiles()
+    for name, path in profiles.items():
+        try:
+            about = load_profile(str(path)).description or ""
+        except PlanError as e:
+            about, broken = f"[red]broken:[/] {e}", True
+        table.add_row(name, about)
     Console().print(table)
+    for name, path in profiles.items():  # outside the table, where no width cuts a path
+        print(f"{name}: {path}")
+    if broken:
+        raise typer.Exit(1)
 
 
 @profiles_app.command("show")
@@ -265,9 +283,10 @@ def _print_node_choice(out: Console, record, reason: str) -> None:
 @cluster_app.command("status")
 def cluster_status(
     address: Annotated[Optional[str], typer.Option(
-        envvar="RAY_ADDRESS", help="HEAD_IP:PORT (default: the cluster this host joined).")]
-    = None,
-    format: Annotated[Format, typer.Option("--format", help="table or json.")] = Format.table,
+        "--ray-address", "--address", envvar="RAY_ADDRESS",
+        help="HEAD_IP:PORT (default: the cluster this host joined).")] = None,
+    format: Annotated[Format, typer.Option("--format", help="table, json or yaml.")]
+    = Format.table,
     state_dir: _StateDir = None,
 ) -> None:
     """List every node: IP, GPUs, CPUs, liveness, versions, and what differs between nodes."""
@@ -283,8 +302,8 @@ def cluster_status(
     rows = [{"ip": n["ip"], "alive": n["alive"], "head": n["head"], "gpus": n["gpus"],
              "cpus": n["cpus"], "versions": n.get("facts", {}).get("versions"),
              "problems": problems.get(n["ip"], [])} for n in nodes]
-    if format is Format.json:
-        print(json.dumps({"nodes": rows}, indent=2))
+    if format is not Format.table:
+        _print_data({"nodes": rows}, format)
     else:
         from rich.table import Table
         table = Table("ip", "role", "alive", "gpus", "cpus", "versions", "problems")
@@ -311,6 +330,14 @@ def cluster_down(state_dir: _StateDir = None) -> None:
                         f"(cluster {record.address})")
 
 
+def _print_data(data: dict, format: Format) -> None:
+    if format is Format.json:
+        print(json.dumps(data, indent=2))
+    else:
+        import yaml
+        print(yaml.safe_dump(data, sort_keys=False), end="")
+
+
 @contextlib.contextmanager
 def _user_errors():
     """Bad input becomes one red line on stderr and the planner's exit code, no traceback."""
@@ -323,4 +350,7 @@ def _user_errors():
 
 
 def main() -> None:
+    # NOTE: click exits 2 on a usage error; here 2 means "does not fit", so bad input exits 1
+    # (typer carries its own click: its UsageError is reached through the public BadParameter)
+    typer.BadParameter.__base__.exit_code = 1
     app(prog_name="shardserve")

@@ -8,6 +8,7 @@ import ipaddress
 import logging
 import os
 import signal
+import socket
 from dataclasses import asdict
 from pathlib import Path
 
@@ -16,13 +17,15 @@ from shardserve.launch.plan_view import build_plan, resolve_hardware, resolve_mo
 from shardserve.launch.profiles import load_profile
 from shardserve.planner import PlanError, load_model
 from shardserve.planner.hardware import Hardware
+from shardserve.planner.model_source import DEMO_MODEL_NAME, is_demo_model
 from shardserve.planner.plan_file import PlanFile
 from shardserve.planner.settings import BY_NAME, ENGINE, for_layer
 from shardserve.planner.yaml_file import read_yaml
 
 logger = logging.getLogger("shardserve.launch")
 
-DEFAULT_MODEL = "shardserve-demo"
+DEFAULT_MODEL = DEMO_MODEL_NAME
+DEFAULT_PROFILE = "demo"  # bare `shardserve launch`: no plan, no profile, no model
 GRACE_SECONDS = 10
 
 
@@ -58,6 +61,8 @@ def check_plan_fits(plan: PlanFile, hardware: Hardware) -> None:
 def settle(plan_path: str | None, profile: str | None, flags: dict,
            ray_address: str | None) -> tuple[DeployConfig, PlanFile]:
     """profile < plan < flags; without a plan file, plan now on the hardware found here."""
+    if plan_path is None and profile is None and flags.get("model") is None:
+        profile = DEFAULT_PROFILE
     base = load_profile(profile).set_values() if profile else {}
     plan = read_plan_file(plan_path) if plan_path else None
     planned = plan_settings(plan) if plan else {}
@@ -83,6 +88,35 @@ def _require_weights(path: str | None, model: str) -> None:
         raise PlanError(f"{model} is a catalog entry (a config, no weights): launch needs a "
                         "model folder with safetensors, or an id in the local Hugging Face "
                         "cache; `shardserve plan` works with catalog ids")
+
+
+def served_name(config: DeployConfig) -> str:
+    """--served-model-name, else the bundled demo's name however it was given, else --model."""
+    if config.served_model_name:
+        return config.served_model_name
+    return DEMO_MODEL_NAME if is_demo_model(config.model) else config.model
+
+
+def check_port(host: str, port: int) -> None:
+    """Fail before loading anything when the port is taken (uvicorn would say so only after)."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise PlanError(f"cannot listen on {host}:{port} ({e.strerror}): another server "
+                            f"has the port; pass --port with a free one (--port {port + 1})") from None
+
+
+def try_it(name: str, host: str, port: int, api_key: str | None) -> str:
+    """A curl for the start-up log, ready to paste."""
+    where = "localhost" if host in ("0.0.0.0", "::", "127.0.0.1") else host
+    auth = ' -H "Authorization: Bearer $SHARDSERVE_API_KEY"' if api_key else ""
+    return (f"curl http://{where}:{port}/v1/completions -H 'Content-Type: application/json'"
+            f"{auth} -d '{{\"model\": \"{name}\", \"prompt\": \"The function\", \"max_tokens\": 32}}'")
 
 
 def engine_kwargs(config: DeployConfig) -> dict:
@@ -194,7 +228,7 @@ def serve_once(config: DeployConfig, plan: PlanFile, host: str, port: int, api_k
 
     _Server = _server_class()
 
-    name = served_model_name or config.model
+    name = served_model_name or served_name(config)
     path = model_folder(config.model)
     if uses_ray_cluster(config):
         from shardserve.launch.ray_nodes import check_cluster
@@ -212,8 +246,11 @@ def serve_once(config: DeployConfig, plan: PlanFile, host: str, port: int, api_k
     metrics = ServerMetrics(name, replicas.stats)
     replicas.metrics = metrics
     limit = config.max_queued_requests or 4 * setting(config, "max_num_seqs") * len(engines)
-    app = build_app(replicas, OpenAIServing(replicas, name), metrics, api_key, limit, config.allowed_origins)
+    serving = OpenAIServing(replicas, name, config.tool_call_parser, bool(config.enable_auto_tool_choice))
+    app = build_app(replicas, serving, metrics, api_key, limit, config.allowed_origins)
     warn_exposure(host, api_key)
+    logger.info("serving %r at http://%s:%d/v1; try:\n  %s", name, host, port,
+                try_it(name, host, port, api_key))
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level="info",
                                     timeout_graceful_shutdown=GRACE_SECONDS, access_log=False))
     return asyncio.run(_run(server, replicas))

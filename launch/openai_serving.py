@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from shardserve.launch.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         TokenizeRequest)
 from shardserve.launch.replicas import ReplicaSet
+from shardserve.launch.tool_calls import ToolCallError, ToolPlan, extract_calls, plan_tools, template_messages
 from shardserve.launch.response_format import (chat_logprobs, completion_logprobs, prompt_logprobs_json, sse,
                                                usage)
 from shardserve.runtime.input_processor import InvalidPromptError, ProcessedPrompt
@@ -33,6 +35,7 @@ class PreparedRequest:
     # per prompt, the text of its first token, when echo comes with logprobs (that token has no score)
     first_token_texts: list[str] | None = None
     prompt_logprobs: int | None = None  # vLLM's extra: the choices carry the prompt's logprobs
+    tool_plan: ToolPlan | None = None  # a chat request whose tools are in play
     created: int = field(default_factory=lambda: int(time.time()))
 
     def prompt_id(self, prompt_index: int) -> str:
@@ -56,9 +59,11 @@ def _as_api_error(prompt_param: str, structured_param: str | None = None) -> Ite
 
 
 class OpenAIServing:
-    def __init__(self, replicas: ReplicaSet, served_model_name: str):
+    def __init__(self, replicas: ReplicaSet, served_model_name: str, tool_call_parser: str | None = None,
+                 enable_auto_tool_choice: bool = False):
         self.replicas = replicas
         self.served_model_name = served_model_name
+        self.tool_call_parser, self.enable_auto_tool_choice = tool_call_parser, enable_auto_tool_choice
 
     # ---- API request -> prompts ------------------------------------------------------------
     def check_ready(self, model: str | None) -> None:
@@ -120,13 +125,38 @@ class OpenAIServing:
         body.check_extra_fields()
         if body.stream and body.prompt_logprobs is not None:
             raise APIError(400, "prompt_logprobs is not supported with stream", "prompt_logprobs")
-        with _as_api_error("messages", body.structured_field):
+        processor = self.replicas.input_processor
+        try:
+            plan = plan_tools(body.tools or [], body.tool_choice, self.tool_call_parser, self.enable_auto_tool_choice,
+                              body.parallel_tool_calls is not False)
+            conversation = template_messages(body.conversation())
+        except ToolCallError as e:
+            raise APIError(400, str(e), e.field) from None
+        self._check_template_renders(conversation, plan)
+        kwargs = (body.chat_template_kwargs or {}) | ({"tools": body.tools} if plan else {})
+        with _as_api_error("messages", "tool_choice" if plan and plan.structured else body.structured_field):
             params = body.sampling_params(body.requested_max_tokens(), body.num_logprobs(),
                                           self.replicas.sampling_defaults)
-            prompt = self.replicas.input_processor.process_chat(
-                body.conversation(), params, body.add_generation_prompt, body.chat_template_kwargs)
+            if plan is not None and plan.structured is not None:
+                if params.structured_outputs is not None:
+                    raise APIError(400, f"tool_choice {plan.mode} and {body.structured_field} both constrain "
+                                   "the output: ask for one", "tool_choice")
+                params = dataclasses.replace(params, structured_outputs=plan.structured)
+            prompt = processor.process_chat(conversation, params, body.add_generation_prompt, kwargs)
         return PreparedRequest("chat", f"chatcmpl-{uuid.uuid4().hex}", self.served_model_name,
-                               [prompt], params, prompt_logprobs=body.prompt_logprobs)
+                               [prompt], params, prompt_logprobs=body.prompt_logprobs, tool_plan=plan)
+
+    def _check_template_renders(self, conversation: list[dict], plan: ToolPlan | None) -> None:
+        """Tools or tool calls that the chat template never reads would be dropped without a word."""
+        template = getattr(self.replicas.input_processor.tokenizer, "chat_template", None) or ""
+        needs = (["tools"] if plan else []) + (["tool_calls"] if any("tool_calls" in m for m in conversation) else [])
+        for name in needs:
+            if name not in template:
+                raise APIError(400, f"this model's chat template does not render {name}: start the server with a "
+                               "--chat-template that does", "tools" if name == "tools" else "messages")
+
+    def _stream_tool_calls(self, request: PreparedRequest, head: dict, include_usage: bool):
+        return _stream_tool_calls_impl(self, request, head, include_usage)
 
     # ---- running ---------------------------------------------------------------------------
     async def _deltas(self, request: PreparedRequest) -> AsyncIterator[tuple[int, PromptDelta]]:
@@ -179,6 +209,8 @@ class OpenAIServing:
                                  else None)
                 if request.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
+                if request.tool_plan is not None:
+                    _with_tool_calls(choice, request.tool_plan, c.text)
                 choices.append(choice)
         num_prompt_tokens = sum(p.num_prompt_tokens for p in request.prompts)
         obj = "text_completion" if request.kind == "completion" else "chat.completion"
@@ -193,6 +225,10 @@ class OpenAIServing:
         obj = "text_completion" if request.kind == "completion" else "chat.completion.chunk"
         head = {"id": request.request_id, "object": obj, "created": request.created,
                 "model": request.model}
+        if request.tool_plan is not None:
+            async for event in self._stream_tool_calls(request, head, include_usage):
+                yield event
+            return
         chunks = _ChunkMapper(request)
         if request.kind == "chat":
             for k in range(request.params.n):
@@ -213,6 +249,35 @@ class OpenAIServing:
                 yield sse({**head, "choices": [],
                            "usage": usage(num_prompt_tokens, chunks.num_completion_tokens)})
         yield "data: [DONE]\n\n"
+
+
+async def _stream_tool_calls_impl(serving, request: PreparedRequest, head: dict, include_usage: bool):
+    """NOTE: with tools in play a sample is parsed whole, so its chunk comes when it finishes: the
+    content or the tool calls (each with its index), then the finish reason."""
+    try:
+        full = await serving.full_response(request)
+    except APIError as e:
+        yield sse(e.body())
+        yield "data: [DONE]\n\n"
+        return
+    for choice in full["choices"]:
+        message = choice["message"]
+        delta = {"role": "assistant", "content": message.get("content")}
+        if message.get("tool_calls"):
+            delta["tool_calls"] = [call | {"index": i} for i, call in enumerate(message["tool_calls"])]
+        yield sse({**head, "choices": [{"index": choice["index"], "delta": delta, "logprobs": None,
+                                        "finish_reason": choice["finish_reason"]}]})
+    if include_usage:
+        yield sse({**head, "choices": [], "usage": full["usage"]})
+    yield "data: [DONE]\n\n"
+
+
+def _with_tool_calls(choice: dict, plan: ToolPlan, text: str) -> None:
+    """A chat choice's message with the tool calls found in (or sampled as) its text."""
+    content, calls = extract_calls(plan, text)
+    if calls:
+        choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+        choice["finish_reason"] = "stop" if plan.mode == "named" else "tool_calls"
 
 
 class _ChunkMapper:

@@ -33,7 +33,7 @@ def build_plan(config, hardware: Hardware):
     if not config.model:
         raise PlanError("no model: pass --model, or a --profile that sets one")
     options = PlanOptions(**for_layer(config.set_values(), PLAN))
-    return make_plan(load_model(resolve_model(config.model), options.quantization), hardware, options)
+    return make_plan(load_model(config.model, options.quantization), hardware, options)
 
 
 def make_plan_from(flags: dict, profile: str | None, ray_address: str | None):
@@ -48,8 +48,8 @@ def make_plan_from(flags: dict, profile: str | None, ray_address: str | None):
 
 def resolve_model(model: str) -> str:
     """The bundled demo model's name stands for its folder; anything else passes through."""
-    from shardserve.launch.demo import DEMO_MODEL_DIR, DEMO_MODEL_NAME
-    return str(DEMO_MODEL_DIR) if model == DEMO_MODEL_NAME else model
+    from shardserve.planner.model_source import model_path
+    return model_path(model)
 
 
 def write_plan(plan: PlanFile, path: Path) -> None:
@@ -58,6 +58,9 @@ def write_plan(plan: PlanFile, path: Path) -> None:
     if not path.parent.exists():
         raise PlanError(f"cannot write {path}: folder {path.parent} does not exist")
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    umask = os.umask(0o022)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)  # a plan is no secret: the mode any new file gets, not mkstemp's 0600
     try:
         with os.fdopen(fd, "w") as f:
             yaml.safe_dump(plan.to_dict(), f, sort_keys=False)
@@ -87,7 +90,7 @@ def render_plan(plan: PlanFile, console: Console) -> None:
     layout.add_row("dtype / kv_cache_dtype", f"{rt.dtype} / {rt.kv_cache_dtype}")
     console.print(layout)
 
-    memory = Table(title="Memory per GPU", title_justify="left")
+    memory = Table(title=f"Memory per {'CPU rank' if rt.device == 'cpu' else 'GPU'}", title_justify="left")
     for col in ("stage", "total", "weights", "activations", "overhead", "KV cache"):
         memory.add_column(col, justify="right")
     for i, stage in enumerate(mem.per_stage):

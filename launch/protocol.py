@@ -35,19 +35,10 @@ class StreamOptions(BaseModel):
 
 
 # Fields OpenAI clients send that change nothing in what is generated: accepted and not used.
-IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-                            "parallel_tool_calls"})
-_NOT_SERVED = {  # what a refused field would need, so the message says what to do instead
-    "tools": "tool calls are not served yet: leave tools out",
-    "tool_choice": "tool calls are not served yet: leave tool_choice out (or 'none')",
-}
-
-
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
 def _is_neutral(name: str, value: Any) -> bool:
-    """An extra field whose value asks for nothing (an empty list, response_format text, ...)."""
-    if name in IGNORED_FIELDS or value is None or value == [] or value == {}:
-        return True
-    return name == "tool_choice" and value == "none"
+    """An extra field whose value asks for nothing (None, an empty list or mapping)."""
+    return name in IGNORED_FIELDS or value is None or value == [] or value == {}
 
 
 _GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
@@ -142,8 +133,7 @@ class _SamplingFields(BaseModel):
     def check_extra_fields(self) -> None:
         for name, value in (self.model_extra or {}).items():
             if not _is_neutral(name, value):
-                hint = _NOT_SERVED.get(name) or "this server does not know it"
-                raise APIError(400, f"{name} is not supported: {hint}", name)
+                raise APIError(400, f"{name} is not supported: this server does not know it", name)
 
 
 PromptInput = Union[str, list[str], list[int], list[list[int]]]
@@ -194,9 +184,16 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None  # False: one call at most
 
     def conversation(self) -> list[dict]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        """The messages for the chat template, tool calls and tool results included."""
+        extras = ("tool_calls", "tool_call_id", "name")
+        return [{"role": m.role, "content": m.text(),
+                 **{k: v for k, v in (m.model_extra or {}).items() if k in extras and v is not None}}
+                for m in self.messages]
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -29,6 +29,11 @@ class GpuSpec:
     is_cpu: bool = False
 
     @property
+    def unit(self) -> str:
+        """What one rank runs on, as messages name it: 'GPU', or 'CPU rank' in a CPU plan."""
+        return "CPU rank" if self.is_cpu else "GPU"
+
+    @property
     def has_bf16(self) -> bool:
         return self.bf16_flops > 0
 

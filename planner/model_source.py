@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import importlib.util
 import json
 import os
 from dataclasses import dataclass
@@ -14,6 +16,26 @@ from shardserve.planner.model_spec import ModelSpec, TensorInfo, canonical_dtype
 from shardserve.planner.sharding import (ShardedModel, TensorGroups, layer_split, shard_model,
                                          summarize)
 from shardserve.planner.tensors import derive_tensors, read_safetensors_headers
+
+
+DEMO_MODEL_NAME = "shardserve-demo"  # the bundled demo checkpoint, launch/demo/model
+
+
+def demo_model_dir() -> Path:
+    """NOTE: found through the import system, not imported: the planner stays below launch."""
+    spec = importlib.util.find_spec("shardserve.launch.demo")
+    return Path(next(iter(spec.submodule_search_locations))) / "model"
+
+
+def model_path(model: str) -> str:
+    """The demo's name stands for its folder, wherever the caller runs; anything else as given."""
+    return str(demo_model_dir()) if model == DEMO_MODEL_NAME else model
+
+
+def is_demo_model(model: str) -> bool:
+    """`model` names the bundled demo, by its name or by any path to its folder."""
+    path = Path(model_path(model)).expanduser()
+    return path.is_dir() and path.resolve() == demo_model_dir().resolve()
 
 
 @dataclass(frozen=True)
@@ -85,11 +107,11 @@ def cached_snapshot(model_id: str) -> Path | None:
 
 def load_model(model: str, quantization: str | None = None) -> ModelInfo:
     """`model` is a folder with config.json, an id in the HF cache, or a catalog id."""
-    path = Path(model).expanduser()
+    path = Path(model_path(model)).expanduser()
     if path.exists():
         if not path.is_dir():
             raise PlanError(f"--model {model}: expected a folder with config.json, got a file")
-        return _from_folder(path, str(path), "folder", quantization)
+        return _from_folder(path, model if model == DEMO_MODEL_NAME else str(path), "folder", quantization)
     if model.startswith(("/", "./", "../", "~")):
         raise PlanError(f"model folder {model} does not exist")
     snapshot = cached_snapshot(model)
@@ -101,8 +123,18 @@ def load_model(model: str, quantization: str | None = None) -> ModelInfo:
         spec = ModelSpec.from_config(model_id, config, quantization)
         return ModelInfo(spec, tuple(derive_tensors(spec)), "catalog", None, "config")
     raise PlanError(f"model {model!r} is not a folder, not in the Hugging Face cache "
-                    f"({hf_cache_dir()}) and not in the catalog; catalog ids: "
-                    + ", ".join(sorted(model_catalog())))
+                    f"({hf_cache_dir()}) and not in the catalog: {_nearest(model)}")
+
+
+def _nearest(model: str) -> str:
+    """The closest catalog ids (the name after the org counts too), else where the ids are."""
+    ids = sorted(model_catalog()) + [DEMO_MODEL_NAME]
+    by_name = {k.lower(): k for k in ids} | {k.split("/")[-1].lower(): k for k in ids}
+    close = difflib.get_close_matches(model.lower(), list(by_name), n=3, cutoff=0.6)
+    found = list(dict.fromkeys(by_name[c] for c in close))
+    if found:
+        return f"did you mean {' or '.join(found)}?"
+    return f"the catalog's {len(ids)} ids are in planner/catalog/models.yaml"
 
 
 def _from_folder(folder: Path, model_id: str, source: str, quantization: str | None) -> ModelInfo:

@@ -35,11 +35,11 @@ def rationale(model: ModelInfo, hardware: Hardware, settings: RuntimeSettings,
     elif layout.gpus_per_replica == 1:
         lines.append(f"rule 1: the model fits on one {'rank' if gpu.is_cpu else 'GPU'} with "
                      "room for KV cache"
-                     + (f"; the other {dp - 1} GPUs serve as replicas (data parallel)"
+                     + (f"; the other {dp - 1} {gpu.unit}s serve as replicas (data parallel)"
                         if dp > 1 else ""))
     else:
         if one_gpu is not None and one_gpu.problem:
-            lines.append(f"one GPU is not enough: {one_gpu.problem}")
+            lines.append(f"one {gpu.unit} is not enough: {one_gpu.problem}")
         if replica_spans_nodes(layout, hardware):
             if tp == hardware.gpus_per_node:
                 lines.append(f"rule 3: too big for one node; tensor parallel {tp} = GPUs per "
@@ -86,7 +86,7 @@ def warnings(model: ModelInfo, hardware: Hardware, settings: RuntimeSettings,
         out.append("no GPU: this is a CPU plan (gloo between ranks; float32)")
     idle = hardware.total_gpus - layout.num_gpus
     if idle:
-        out.append(f"{idle} GPU(s) left idle by {layout}")
+        out.append(f"{idle} {hardware.gpu.unit}(s) left idle by {layout}")
     if layout.tensor_parallel_size > spec.num_kv_heads:
         out.append(f"tensor_parallel_size {layout.tensor_parallel_size} > {spec.num_kv_heads} "
                    "KV heads: KV heads are replicated, so KV cache per GPU does not shrink")
@@ -128,10 +128,10 @@ def _why_not(c: Candidate, chosen: Candidate, hardware: Hardware) -> str:
     if c.problem:
         return c.problem
     if chosen.layout.gpus_per_replica == 1 and c.layout.gpus_per_replica > 1:
-        return "rule 1: one GPU per replica suffices"
+        return f"rule 1: one {hardware.gpu.unit} per replica suffices"
     idle = hardware.total_gpus - c.layout.num_gpus
     if idle > hardware.total_gpus - chosen.layout.num_gpus:
-        return f"leaves {idle} GPU(s) idle"
+        return f"leaves {idle} {hardware.gpu.unit}(s) idle"
     if tier(c.layout, hardware) > tier(chosen.layout, hardware):
         if replica_spans_nodes(c.layout, hardware):
             return (f"rule 3: across nodes, tensor parallel should fill a node's "

@@ -66,16 +66,18 @@ def placement_problem(layout: Layout, spec: ModelSpec, hardware: Hardware) -> st
     if pp > spec.num_layers:
         return (f"pipeline_parallel_size {pp} is more stages than the model's "
                 f"{spec.num_layers} layers")
+    unit = hardware.gpu.unit
+    more = " (declare CPU ranks with --hardware NxCPU, e.g. --hardware 2xcpu)" if hardware.is_cpu else ""
     if tp > hardware.gpus_per_node:
-        return (f"tensor_parallel_size {tp} is more than the {hardware.gpus_per_node} GPUs of a "
-                "node (tensor parallel stays inside a node: use pipeline parallel across nodes)")
+        return (f"tensor_parallel_size {tp} is more than the {hardware.gpus_per_node} {unit}(s) of a "
+                "node (tensor parallel stays inside a node: use pipeline parallel across nodes)" + more)
     if layout.num_gpus > hardware.total_gpus:
-        return (f"{layout} needs {layout.num_gpus} GPUs; the hardware has "
-                f"{hardware.total_gpus}")
+        return (f"{layout} needs {layout.num_gpus} {unit}s; the hardware has "
+                f"{hardware.total_gpus}" + more)
     groups = sum(node.num_gpus // tp for node in hardware.nodes)
     if pp * layout.data_parallel_size > groups:
-        return (f"{layout} needs {pp * layout.data_parallel_size} groups of {tp} GPUs inside a "
-                f"node; the nodes hold {groups}")
+        return (f"{layout} needs {pp * layout.data_parallel_size} groups of {tp} {unit}s inside a "
+                f"node; the nodes hold {groups}" + more)
     return None
 
 

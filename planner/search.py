@@ -43,7 +43,7 @@ def evaluate(model: ModelInfo, layout: Layout, hardware: Hardware, options: Plan
         t = memory.tightest
         problem = (f"weights {t.weights_bytes / 2**30:.1f} GiB + activations and overhead "
                    f"{(t.activation_bytes + t.overhead_bytes) / 2**30:.1f} GiB exceed "
-                   f"{t.total_bytes * settings.gpu_memory_utilization / 2**30:.1f} GiB per GPU")
+                   f"{t.total_bytes * settings.gpu_memory_utilization / 2**30:.1f} GiB per {hardware.gpu.unit}")
     elif memory.kv_cache_tokens < needed:
         problem = (f"KV cache holds {memory.kv_cache_tokens} tokens; {needed} needed for "
                    f"{options.target_concurrency} request(s) of {settings.max_model_len}")

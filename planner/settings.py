@@ -89,7 +89,8 @@ def _s(name, type_, default, help_, layers, **kw) -> Setting:
 
 SETTINGS: tuple[Setting, ...] = (
     _s("model", str, None, "Hugging Face folder, an id in the local Hugging Face cache, or a "
-       "catalog id (launch: the bundled demo model by default).", "input engine", short="-m"),
+       "catalog id; shardserve-demo is the bundled demo (bare `launch` serves it: --profile demo).",
+       "input engine", short="-m"),
     _s("hardware", str, None, "Declared hardware: [NODESx]GPUSxNAME (8xH100-80GB, 2x8xH100, 3xL4), "
        "'cpu', or a YAML file. Default: the Ray cluster, else the GPUs NVML sees.", "input"),
     _s("device", str, "auto", "auto, cpu, cuda or cuda:N (the first GPU of this engine's ranks).",
@@ -136,9 +137,13 @@ SETTINGS: tuple[Setting, ...] = (
        minimum=1),
     _s("host", str, "127.0.0.1", "Address to listen on (default: this machine only).", "server"),
     _s("port", int, 8000, "Port to listen on.", "server", minimum=0, maximum=65535),
-    _s("served_model_name", str, None, "The model name clients use (default: --model).", "server"),
+    _s("served_model_name", str, None, "The model name clients use (default: shardserve-demo for the "
+       "bundled demo model, however given; else --model).", "server"),
     _s("max_queued_requests", int, None, "Requests in flight before the server answers 503 "
        "(default: 4 x max_num_seqs per replica).", "server", minimum=1),
+    _s("tool_call_parser", str, None, "How tool calls are found in free text for tool_choice auto: hermes "
+       "(<tool_call> blocks; Qwen, Hermes) or llama3_json.", "server", choices=("hermes", "llama3_json")),
+    _s("enable_auto_tool_choice", bool, False, "Serve tool_choice auto (needs --tool-call-parser).", "server"),
     _s("allowed_origins", list, None, "Origins a browser may call the API from (CORS), such as "
        "https://app.example; '*' for any. Default: none (no CORS headers).", "server"),
     _s("env", dict, None, "Variables set for the engine and every rank, on every node.", "server"),

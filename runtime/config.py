@@ -54,7 +54,7 @@ class ModelConfig:
 
 def load_model_config(model: str, dtype: str = "auto", max_model_len: int | None = None,
                       skip_tokenizer_init: bool = False, enforce_eager: bool = False,
-                      quantization: str | None = None) -> ModelConfig:
+                      device: str = "cpu", quantization: str | None = None) -> ModelConfig:
     from transformers import AutoConfig
 
     model = local_folder(model)
@@ -76,7 +76,7 @@ def load_model_config(model: str, dtype: str = "auto", max_model_len: int | None
     if max_model_len < 1:
         raise ValueError(f"max_model_len must be positive, got {max_model_len}")
     return ModelConfig(model=model, hf_config=hf_config, architecture=architectures[0],
-                       dtype=_resolve_dtype(dtype, hf_config), max_model_len=max_model_len,
+                       dtype=_resolve_dtype(dtype, hf_config, device), max_model_len=max_model_len,
                        skip_tokenizer_init=skip_tokenizer_init, enforce_eager=enforce_eager,
                        quantization=QuantConfig.from_dict(getattr(hf_config, "quantization_config", None),
                                                           quantization))
@@ -102,9 +102,13 @@ def _max_positions(hf_config) -> int:
     return max_context_length(int(positions), rope_parameters(hf_config) if has_rope else None)
 
 
-def _resolve_dtype(dtype: str | torch.dtype, hf_config) -> torch.dtype:
+def _resolve_dtype(dtype: str | torch.dtype, hf_config, device: str) -> torch.dtype:
+    """NOTE: "auto" on CPU is float32, as the planner plans it (planner/options.py), so LLM(...) and
+    `shardserve launch` compute the same numbers; on a GPU it is the checkpoint's dtype."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto" and device == "cpu":
+        return torch.float32
     if dtype == "auto":
         saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         if isinstance(saved, torch.dtype):

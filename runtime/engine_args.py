@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from shardserve.planner.model_source import model_path
 from shardserve.planner.settings import ENGINE, SettingError, check_names, resolved_max_num_batched_tokens, settings_dataclass
 from shardserve.runtime.config import (CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, load_model_config,
                                        resolve_device)
@@ -23,9 +24,10 @@ class EngineArgs(settings_dataclass(ENGINE, "EngineArgsFields")):
     def create_engine_config(self) -> EngineConfig:
         if not self.model:
             raise SettingError("model: give a local folder with config.json and safetensors")
-        model = replace(load_model_config(self.model, self.dtype, self.max_model_len, self.skip_tokenizer_init,
-                                          self.enforce_eager, self.quantization), chat_template=self.chat_template,
-                        generation_config=self.generation_config)
+        device = resolve_device(self.device)
+        model = replace(load_model_config(model_path(self.model), self.dtype, self.max_model_len,
+                                          self.skip_tokenizer_init, self.enforce_eager, device, self.quantization),
+                        chat_template=self.chat_template, generation_config=self.generation_config)
         return EngineConfig(
             model=model,
             cache=CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
@@ -39,6 +41,6 @@ class EngineArgs(settings_dataclass(ENGINE, "EngineArgsFields")):
                                     pipeline_parallel_size=self.pipeline_parallel_size or 1,
                                     distributed_executor_backend=self.distributed_executor_backend,
                                     layer_split=self.layer_split),
-            device=resolve_device(self.device),
+            device=device,
             seed=self.seed,
         )

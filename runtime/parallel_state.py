@@ -36,6 +36,10 @@ class ParallelState:
         if self.layer_split is not None and len(self.layer_split) != self.pp_size:
             raise ValueError(f"layer_split {self.layer_split} does not have pp_size={self.pp_size} stages")
 
+    def __str__(self) -> str:
+        """As logs name a rank: 'tp 1/2, pp 0/2'."""
+        return f"tp {self.tp_rank}/{self.tp_size}, pp {self.pp_rank}/{self.pp_size}"
+
     @property
     def world_size(self) -> int:
         return self.tp_size * self.pp_size

@@ -200,18 +200,30 @@ def _logprobs(raw: torch.Tensor, states: list[RequestState], tokens: torch.Tenso
 
 def token_logprobs(raw: torch.Tensor, chosen: torch.Tensor, wanted: list[int]) -> list[TokenLogprobs]:
     """raw: [rows, vocab] logits; chosen: [rows] the token each row scores; wanted[i]: how many of
-    row i's most likely tokens to add. One copy to the host for all rows."""
-    logprobs = torch.log_softmax(raw.float(), dim=-1)  # [rows, vocab]
-    picked = logprobs.gather(1, chosen[:, None])  # [rows, 1]
-    ranks = (logprobs > picked).sum(dim=-1, keepdim=True) + 1
+    row i's most likely tokens to add. One copy to the host for all rows.
+    NOTE: ranks and the order of the top tokens come from the raw scores with ties going to the lower
+    id, as greedy's argmax picks: greedy is always the top-1 it reports, even at bf16 ties."""
+    scores = raw.float()  # [rows, vocab]
+    logprobs = torch.log_softmax(scores, dim=-1)
+    chosen_score = scores.gather(1, chosen[:, None])  # [rows, 1]
+    vocab_ids = torch.arange(scores.shape[1], device=scores.device)
+    tied_before = (scores == chosen_score) & (vocab_ids[None, :] < chosen[:, None])
+    ranks = (scores > chosen_score).sum(dim=-1, keepdim=True) + tied_before.sum(dim=-1, keepdim=True) + 1
     k = max(wanted)
-    top = logprobs.topk(k, dim=-1)
+    top_ids = _top_ids(scores, k)  # [rows, k]
     # [rows, 3 + 2k] float64: token, logprob, rank, top ids, top logprobs (ids are exact below 2^53)
-    packed = torch.cat([chosen[:, None].double(), picked.double(), ranks.double(), top.indices.double(),
-                        top.values.double()], dim=1).tolist()
+    packed = torch.cat([chosen[:, None].double(), logprobs.gather(1, chosen[:, None]).double(), ranks.double(),
+                        top_ids.double(), logprobs.gather(1, top_ids).double()], dim=1).tolist()
     result = []
     for values, num in zip(packed, wanted):
         ids = (int(values[0]),) + tuple(int(i) for i in values[3: 3 + num])
         logs = (values[1],) + tuple(values[3 + k: 3 + k + num])
         result.append(TokenLogprobs(ids, logs, int(values[2])))
     return result
+
+
+def _top_ids(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The k best ids of each row, by score then by lower id (topk, then a sort of k, not of the vocabulary)."""
+    candidates = scores.topk(k, dim=-1).indices.sort(dim=-1).values  # ascending ids
+    order = scores.gather(1, candidates).sort(dim=-1, descending=True, stable=True).indices
+    return candidates.gather(1, order)

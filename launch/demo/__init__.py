@@ -2,5 +2,7 @@
 
 from pathlib import Path
 
+from shardserve.planner.model_source import DEMO_MODEL_NAME
+
 DEMO_MODEL_DIR = Path(__file__).parent / "model"
-DEMO_MODEL_NAME = "shardserve-demo"
+__all__ = ["DEMO_MODEL_DIR", "DEMO_MODEL_NAME"]

@@ -1,6 +1,7 @@
 """Builds the bundled demo checkpoint (tokenizer, weights, model card) from CPython's own text.
 
 Run: .venv/bin/python -m shardserve.launch.demo.build [--out DIR] [--minutes N]
+(writes ./demo-model by default; `--out launch/demo/model` replaces the shipped checkpoint)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ SAMPLE_PROMPT = "The function returns"
 SAMPLE_QUESTION = "What is a list comprehension?"
 NUM_SAMPLE_TOKENS = 40
 DEFAULT_MINUTES = 8.0
+DEFAULT_OUT = Path("demo-model")  # never the shipped checkpoint unless --out names it
 
 
 def greedy(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast,
@@ -68,11 +70,16 @@ def build(out: Path, minutes: float) -> None:
     print(f"wrote {out} ({num_bytes / 2**20:.1f} MiB)")
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DEMO_MODEL_DIR)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help=f"folder to write (default ./{DEFAULT_OUT}; the shipped one is {DEMO_MODEL_DIR})")
     parser.add_argument("--minutes", type=float, default=DEFAULT_MINUTES)
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     start = time.monotonic()
     build(args.out, args.minutes)
     print(f"total {time.monotonic() - start:.0f}s")

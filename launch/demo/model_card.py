@@ -9,7 +9,7 @@ from transformers import LlamaForCausalLM
 from shardserve.launch.demo import DEMO_MODEL_NAME
 from shardserve.launch.demo.training import TrainingResult
 
-REBUILD_COMMAND = ".venv/bin/python -m shardserve.launch.demo.build --minutes 8"
+REBUILD_COMMAND = ".venv/bin/python -m shardserve.launch.demo.build --out launch/demo/model --minutes 8"
 
 
 def model_card(model: LlamaForCausalLM, result: TrainingResult, outputs: dict[str, str]) -> str:

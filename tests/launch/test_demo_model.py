@@ -74,3 +74,9 @@ def test_chat_template_renders_turns_and_generation_prompt(tokenizer):
     assert not closed.endswith("<|assistant|>\n")
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
     assert ids["input_ids"][-2] == tokenizer.convert_tokens_to_ids("<|assistant|>")
+
+
+def test_rebuilding_never_overwrites_the_shipped_checkpoint_unless_asked():
+    from shardserve.launch.demo.build import parse_args
+    assert parse_args([]).out.resolve() != DEMO_MODEL_DIR.resolve()
+    assert parse_args(["--out", str(DEMO_MODEL_DIR)]).out == DEMO_MODEL_DIR

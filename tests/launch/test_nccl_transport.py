@@ -49,7 +49,7 @@ def test_inside_a_node_shared_memory_instead_of_p2p_warns():
 
 
 def test_doctor_runs_the_probe_over_the_plans_tensor_parallel_ranks():
-    plan = plan_for("meta-llama/Llama-3.1-70B-Instruct", "8xH100-80GB").to_dict()
+    plan = plan_for("meta-llama/Llama-3.1-70B-Instruct", "8xH100-80GB").record()
     eight = detect_local(FakeNvml(["NVIDIA H100 80GB HBM3"] * 8, total=81559 * 2**20))
     sizes = []
 
@@ -59,7 +59,7 @@ def test_doctor_runs_the_probe_over_the_plans_tensor_parallel_ranks():
                          if "P2P/" in line)
 
     check = check_nccl_transport(eight, plan, probe)
-    assert sizes == [plan["parallel"]["tensor_parallel_size"]]
+    assert sizes == [plan.parallel.tensor_parallel_size]
     assert check.status == "pass" and "p2p x4" in check.detail
 
     def failing(world_size):

@@ -221,8 +221,6 @@ def test_fields_that_ask_for_nothing_are_accepted(server):
 
 
 @pytest.mark.parametrize("route, field, value", [
-    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("/v1/chat/completions", "tool_choice", "required"),
     ("/v1/completions", "whatever", True),
 ])
 def test_fields_the_server_cannot_honour_are_refused_by_name(server, route, field, value):
@@ -450,3 +448,14 @@ def test_guided_extras_on_completions(server, client):
     code, data = post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "guided_regex": "a",
                                                   "guided_choice": ["a"]})
     assert code == 400 and "one structured output" in data["error"]["message"]
+
+
+def test_tools_the_server_cannot_honour_are_refused_by_name(server):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    base = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": tools}
+    code, data = post(server, "/v1/chat/completions", base | {"tool_choice": "auto"})
+    assert code == 400 and data["error"]["param"] == "tool_choice" and "--tool-call-parser" in data["error"]["message"]
+    code, data = post(server, "/v1/chat/completions", base | {"tool_choice": "required"})
+    assert code == 400 and data["error"]["param"] == "tools" and "does not render tools" in data["error"]["message"]
+    code, data = post(server, "/v1/chat/completions", base | {"tool_choice": "none"})
+    assert code == 200

@@ -30,7 +30,8 @@ VALUES = {
     "block_size": 32, "max_num_seqs": 8, "max_num_batched_tokens": 1024, "enable_prefix_caching": False,
     "enforce_eager": True, "seed": 7, "chat_template": "{{ messages[0].content }}", "generation_config": "vllm",
     "skip_tokenizer_init": True, "target_concurrency": 3, "host": "127.0.0.2",
-    "port": 8123, "served_model_name": "tiny", "max_queued_requests": 5, "allowed_origins": ["https://app.example"], "env": {"SHARDSERVE_T": "1"},
+    "port": 8123, "served_model_name": "tiny", "max_queued_requests": 5, "allowed_origins": ["https://app.example"],
+    "tool_call_parser": "hermes", "enable_auto_tool_choice": True, "env": {"SHARDSERVE_T": "1"},
     "description": "a note",
 }
 # settings that only make sense together (a split needs its stages)

@@ -1,12 +1,14 @@
 """Model sources: folders (safetensors headers), the HF cache, the catalog, and bad input."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 import transformers
 
 from shardserve.planner import PlanError, load_model
+from shardserve.planner.model_source import DEMO_MODEL_NAME, demo_model_dir, is_demo_model
 from shardserve.planner.model_spec import SUPPORTED_ARCHITECTURES, QuantSpec
 from shardserve.planner.sharding import total_weight_bytes
 
@@ -148,8 +150,24 @@ def test_unsupported_architecture_lists_supported(tmp_path):
 
 
 def test_unknown_model_id():
-    with pytest.raises(PlanError, match="not in the catalog; catalog ids: "):
+    with pytest.raises(PlanError, match="not in the catalog: the catalog's .* ids are in "):
         load_model("nobody/nothing-7b")
+
+
+def test_mistyped_model_id_suggests_the_closest():
+    with pytest.raises(PlanError) as info:
+        load_model("meta-llama/Llama-3.1-70B-Instruc")
+    message = str(info.value)
+    assert "did you mean meta-llama/Llama-3.1-70B-Instruct" in message
+    assert message.count(", ") < 3  # a suggestion, not the whole catalog
+
+
+def test_demo_name_is_its_folder_from_anywhere(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    info = load_model(DEMO_MODEL_NAME)
+    assert Path(info.path).resolve() == demo_model_dir().resolve()
+    assert is_demo_model(DEMO_MODEL_NAME) and is_demo_model(str(demo_model_dir()) + "/")
+    assert not is_demo_model("meta-llama/Llama-3.1-8B")
 
 
 def test_unknown_quantization(tmp_path):

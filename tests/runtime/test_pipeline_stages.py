@@ -60,3 +60,7 @@ def test_two_stages_chain_to_transformers_logits(family, checkpoint_factory, res
         logits = last.compute_logits(hidden)
         expected = hf_model(torch.tensor([PROMPT])).logits[0]
     assert (logits - expected).abs().max().item() < 1e-4
+
+
+def test_a_rank_is_named_as_logs_name_it():
+    assert str(ParallelState(1, 2, 0, 2)) == "tp 1/2, pp 0/2"

@@ -111,3 +111,20 @@ def test_a_draw_never_lands_on_a_token_of_zero_probability():
                              uniform=torch.tensor([1.0 - 2.0**-53, 0.0], dtype=torch.float64),
                              is_greedy=torch.zeros(2, dtype=torch.bool))
     assert _sample_random(logits, params).tolist() == [3, 3]
+
+
+def test_greedy_is_the_top1_of_its_logprobs_on_exact_and_rounded_ties():
+    tied = torch.full((VOCAB,), -3.0)
+    tied[[7, 31, 40]] = 2.5  # an exact tie, as bfloat16 logits often have
+    close = torch.full((VOCAB,), -3.0)
+    close[9], close[4] = 20.0, torch.nextafter(torch.tensor(20.0), torch.tensor(21.0))  # equal after log_softmax
+    logits = torch.stack([tied, close])
+    states = [state(SamplingParams(temperature=0.0, logprobs=3), index=i) for i in range(2)]
+    tokens, logprobs = sample(logits, states)
+    assert tokens == [7, 4]
+    for row, token in enumerate(tokens):
+        reported = logprobs[f"r{row}"]
+        assert reported.token_ids[1] == token and reported.sampled_rank == 1
+        assert reported.logprobs[1] == max(reported.logprobs[1:])
+    assert logprobs["r0"].token_ids[1:] == (7, 31, 40)
+    assert logprobs["r1"].token_ids[1:3] == (4, 9)

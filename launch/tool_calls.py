@@ -1,0 +1,135 @@
+"""Tool calling (OpenAI's tools and tool_choice): what the chat template sees, the grammar that a
+required or named call is sampled under, and the parsers that find calls in free text (vLLM's
+--tool-call-parser names: hermes, llama3_json).
+
+    tool_choice none      the tools are not shown; plain text
+    tool_choice auto      the model decides; the parser finds <tool_call> blocks (hermes) or a JSON call
+    tool_choice required  sampled under a grammar: a JSON list of {"name", "parameters"}, one or more
+    a named function      sampled under the function's parameter schema: the output is its arguments
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from shardserve.runtime.structured_output import StructuredOutputs
+
+PARSERS = ("hermes", "llama3_json")
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+class ToolCallError(ValueError):
+    """A tools request this server cannot honour; `field` names the request field."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """How one chat request uses its tools."""
+
+    mode: str  # "auto" | "required" | "named"
+    names: tuple[str, ...]
+    parser: str | None = None  # for auto
+    structured: StructuredOutputs | None = None  # for required and named
+
+
+def plan_tools(tools: list[dict], choice, parser: str | None, auto_enabled: bool,
+               parallel: bool = True) -> ToolPlan | None:
+    """None when the tools play no part (no tools, or tool_choice none). parallel False: one call at most."""
+    if not tools or choice == "none":
+        return None
+    functions = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name")
+        if name not in functions:
+            raise ToolCallError(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+        return ToolPlan("named", (name,), structured=StructuredOutputs("json", functions[name]))
+    if choice == "required":
+        calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+                  "properties": {"name": {"const": name}, "parameters": params}} for name, params in functions.items()]
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}} | ({} if parallel else {"maxItems": 1})
+        return ToolPlan("required", tuple(functions), structured=StructuredOutputs("json", schema))
+    if choice not in (None, "auto"):
+        raise ToolCallError(f"tool_choice {choice!r}: use none, auto, required or a named function", "tool_choice")
+    if not (auto_enabled and parser):
+        raise ToolCallError("tool_choice auto needs the server started with --enable-auto-tool-choice and "
+                            f"--tool-call-parser ({' or '.join(PARSERS)}); or ask for required or a named function",
+                            "tool_choice")
+    return ToolPlan("auto", tuple(functions), parser=parser)
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """OpenAI messages as chat templates expect them: tool-call arguments as mappings, not JSON text."""
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if calls:
+            message = message | {"tool_calls": [call | {"function": call["function"] | {
+                "arguments": _as_mapping(call["function"].get("arguments"))}} for call in calls]}
+        out.append(message)
+    return out
+
+
+def _as_mapping(arguments):
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            raise ToolCallError("a tool call's arguments must be a JSON object", "messages") from None
+    return arguments or {}
+
+
+def extract_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
+    """(content, tool_calls in OpenAI's shape) of a finished sample."""
+    if plan.mode == "named":
+        return None, [_call(plan.names[0], text)]
+    if plan.mode == "required":
+        try:
+            items = json.loads(text)
+        except ValueError:
+            return text, []  # cut short by max_tokens: the text as it is
+        return None, [_call(item["name"], json.dumps(item["parameters"])) for item in items]
+    found = _parse_hermes(text) if plan.parser == "hermes" else _parse_llama3_json(text)
+    if found is None:
+        return text, []
+    content, calls = found
+    return content, [_call(name, json.dumps(arguments)) for name, arguments in calls if name in plan.names]
+
+
+def _parse_hermes(text: str):
+    calls = []
+    for block in _HERMES.findall(text):
+        try:
+            call = json.loads(block)
+            calls.append((call["name"], call.get("arguments", {})))
+        except (ValueError, KeyError, TypeError):
+            return None
+    if not calls:
+        return None
+    content = _HERMES.sub("", text).strip()
+    return content or None, calls
+
+
+def _parse_llama3_json(text: str):
+    body = text.strip().removeprefix("<|python_tag|>").strip()
+    if not body.startswith("{"):
+        return None
+    calls = []
+    for piece in body.split(";"):
+        try:
+            call = json.loads(piece)
+            calls.append((call["name"], call.get("parameters", call.get("arguments", {}))))
+        except (ValueError, KeyError, TypeError):
+            return None
+    return None, calls
+
+
+def _call(name: str, arguments: str) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
