@@ -68,7 +68,7 @@ def settle(plan_path: str | None, profile: str | None, flags: dict,
     planned = plan_settings(plan) if plan else {}
     config = validate(merge(base, planned, flags), "launch settings")
     hardware = resolve_hardware(None, ray_address)
-    if hardware.is_cpu and config.hardware:
+    if hardware.is_cpu and config.hardware and not ray_address:  # a Ray cluster is the hardware
         declared = resolve_hardware(config.hardware, None)
         if declared.is_cpu:  # CPU ranks are processes on this host: as many as declared
             hardware = declared

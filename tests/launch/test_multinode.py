@@ -153,7 +153,7 @@ def test_pipeline_stage_on_each_host_then_a_lost_node(cluster, tmp_path):
             assert server.poll() is None, log.read_text()
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(1)
-        placed = dict(re.findall(r"rank \d \(tp 0/1, pp \d/2\) runs on (\S+) \((.*)\)",
+        placed = dict(re.findall(r"rank \d \(tp 0/1, pp \d/2, layers \d+-\d+\) runs on (\S+) \((.*)\)",
                                  log.read_text()))
         assert set(placed) == {a.ip, b.ip}, log.read_text()  # one stage on each host
         for host in (a, b):  # each node's interface, and the chosen variable everywhere

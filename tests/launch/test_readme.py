@@ -33,6 +33,8 @@ SKIPPED = {  # command (whitespace collapsed) -> why it cannot run on one CPU ma
     "make test-fast": "the suite itself (`make -n test-fast` checks the target)",
     "shardserve plan --model meta-llama/Llama-3.1-405B-Instruct --ray-address auto": NEEDS_CLUSTER,
     "shardserve doctor --ray-address auto": NEEDS_CLUSTER,
+    "shardserve launch --model Qwen/Qwen3-8B": "needs Qwen3-8B's weights in the local Hugging Face cache "
+                                               "(test_launch serves a cached id)",
 }
 REFUSED_ON_CPU = {  # command -> what it says, exit 1: plan.yaml (from the Plan section) is for 3xL4
     "shardserve launch plan.yaml": "the plan needs 3 GPU(s)",
