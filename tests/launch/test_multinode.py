@@ -163,7 +163,7 @@ def test_pipeline_stage_on_each_host_then_a_lost_node(cluster, tmp_path):
             "model": "shardserve-demo", "prompt": PROMPT, "max_tokens": MAX_TOKENS,
             "temperature": 0})
         assert code == 200, body
-        with LLM(str(DEMO_MODEL_DIR), device="cpu", kv_cache_memory_bytes=2**22) as llm:
+        with LLM(str(DEMO_MODEL_DIR), device="cpu", kv_cache_memory_bytes=2**24, max_model_len=1024) as llm:
             expected = llm.generate([PROMPT], SamplingParams(temperature=0.0,
                                                              max_tokens=MAX_TOKENS))[0]
         assert json.loads(body)["choices"][0]["text"] == expected.outputs[0].text
