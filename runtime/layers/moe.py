@@ -26,6 +26,20 @@ def expert_weight(name: str, kinds: dict[str, str]) -> tuple[str, tuple[int, str
     return f"{name[:found.start()]}.experts.{param}", (int(found.group(1)), kind)
 
 
+def wrapped_moe_target(inner, name: str, kinds: dict[str, str]):
+    """The checkpoint target of a model that wraps a Llama as `inner` and puts FusedMoE in its MLP
+    slots: expert weights to the stacked experts, everything else as the Llama maps it."""
+    from shardserve.runtime.models.weight_map import WeightTarget
+
+    expert = expert_weight(name, kinds)
+    if expert:
+        return WeightTarget("inner." + expert[0], expert[1])
+    target = inner.checkpoint_target(name)
+    if target is None or target.skip:
+        return target
+    return WeightTarget("inner." + target.param_name, target.shard_id)
+
+
 class FusedMoE(nn.Module):
     """w13: [num_experts, 2 * intermediate_per_rank, hidden] (gate | up), w2: [num_experts, hidden,
     intermediate_per_rank]. The checkpoint's per-expert w1/w3/w2 load via shard (expert, "w1"|"w3"|"w2")."""

@@ -7,7 +7,7 @@ from torch import nn
 
 from shardserve.runtime.config import ModelConfig
 from shardserve.runtime.layers.linear import ReplicatedLinear
-from shardserve.runtime.layers.moe import FusedMoE, expert_weight
+from shardserve.runtime.layers.moe import FusedMoE, wrapped_moe_target
 from shardserve.runtime.models.llama import LlamaForCausalLM, LlamaVariant
 from shardserve.runtime.models.weight_map import WeightTarget
 
@@ -44,11 +44,4 @@ class MixtralForCausalLM(nn.Module):
         return self.inner.compute_logits(hidden)
 
     def checkpoint_target(self, name: str) -> WeightTarget | None:
-        name = name.replace(".block_sparse_moe.", ".mlp.")
-        expert = expert_weight(name, _EXPERT_KINDS)
-        if expert:
-            return WeightTarget("inner." + expert[0], expert[1])
-        target = self.inner.checkpoint_target(name)
-        if target is None or target.skip:
-            return target
-        return WeightTarget("inner." + target.param_name, target.shard_id)
+        return wrapped_moe_target(self.inner, name.replace(".block_sparse_moe.", ".mlp."), _EXPERT_KINDS)

@@ -8,7 +8,7 @@ from torch import nn
 
 from shardserve.runtime.config import ModelConfig
 from shardserve.runtime.layers.linear import ReplicatedLinear
-from shardserve.runtime.layers.moe import FusedMoE, expert_weight
+from shardserve.runtime.layers.moe import FusedMoE, wrapped_moe_target
 from shardserve.runtime.models.llama import LlamaForCausalLM, LlamaMLP, LlamaVariant
 from shardserve.runtime.models.weight_map import WeightTarget
 
@@ -70,13 +70,7 @@ class QwenMoeForCausalLM(nn.Module):
         return self.inner.compute_logits(hidden)
 
     def checkpoint_target(self, name: str) -> WeightTarget | None:
-        expert = expert_weight(name, _EXPERT_KINDS)
-        if expert:
-            return WeightTarget("inner." + expert[0], expert[1])
-        target = self.inner.checkpoint_target(name)
-        if target is None or target.skip:
-            return target
-        return WeightTarget("inner." + target.param_name, target.shard_id)
+        return wrapped_moe_target(self.inner, name, _EXPERT_KINDS)
 
 
 def qwen2_moe(model_config: ModelConfig) -> QwenMoeForCausalLM:

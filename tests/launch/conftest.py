@@ -59,8 +59,8 @@ def start_server(*args: str, env: dict | None = None) -> tuple[subprocess.Popen,
     return proc, url
 
 
-def stop_server(proc: subprocess.Popen) -> tuple[int, str]:
-    proc.send_signal(signal.SIGTERM)
+def stop_server(proc: subprocess.Popen, stop_signal: int = signal.SIGTERM) -> tuple[int, str]:
+    proc.send_signal(stop_signal)
     try:
         out, _ = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:

@@ -15,13 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import http, start_server, stop_server
-
 from shardserve.launch.demo import DEMO_MODEL_DIR
 from shardserve.launch.launcher import served_name, settle
 from shardserve.launch.profiles import load_profile
 from shardserve.planner.settings import BY_NAME
 from shardserve.runtime import LLM, SamplingParams
+from tests.launch.conftest import http, start_server, stop_server
 
 REPO = Path(__file__).resolve().parents[2]
 

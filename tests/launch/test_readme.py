@@ -20,9 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, http, wait_healthy
-
 from shardserve.launch.demo import DEMO_MODEL_DIR
+from tests.launch.conftest import free_port, http, stop_server, wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
@@ -119,13 +118,8 @@ class Folder:
 
 
 def stop(proc: subprocess.Popen) -> str:
-    proc.send_signal(signal.SIGINT)
-    try:
-        out, _ = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-    assert proc.returncode == 0, out[-3000:]
+    code, out = stop_server(proc, signal.SIGINT)  # Ctrl-C, as the README says
+    assert code == 0, out[-3000:]
     return out
 
 
