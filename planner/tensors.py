@@ -35,74 +35,89 @@ def read_safetensors_headers(folder: Path) -> list[TensorInfo] | None:
     return tensors
 
 
+class _Tensors:
+    """Collects a derived checkpoint's tensors; norm and linear add a layer's weights (and biases)."""
+
+    def __init__(self, spec: ModelSpec):
+        self.spec, self.dtype = spec, _SAFETENSORS_DTYPE[spec.dtype]
+        self.out: list[TensorInfo] = []
+
+    def add(self, name: str, numel: int) -> None:
+        self.out.append(TensorInfo(name, numel, self.dtype))
+
+    def norm(self, name: str, with_bias: bool) -> None:
+        self.add(f"{name}.weight", self.spec.hidden_size)
+        if with_bias:
+            self.add(f"{name}.bias", self.spec.hidden_size)
+
+    def linear(self, name: str, n_in: int, n_out: int, bias: bool = False) -> None:
+        self.out.extend(_linear_tensors(self.spec, name, n_in, n_out, self.dtype))
+        if bias:
+            self.add(f"{name}.bias", n_out)
+
+
 def derive_tensors(spec: ModelSpec) -> list[TensorInfo]:
     """The tensors a checkpoint of this config holds, named the way the family names them."""
+    t = _Tensors(spec)
+    {"gpt2": _gpt2_tensors, "opt": _opt_tensors}.get(spec.family, _llama_like_tensors)(spec, t)
+    return t.out
+
+
+def _gpt2_tensors(spec: ModelSpec, t: _Tensors) -> None:
+    h, inter = spec.hidden_size, spec.intermediate_size
+    t.add("transformer.wte.weight", spec.vocab_size * h)
+    t.add("transformer.wpe.weight", spec.max_position_embeddings * h)
+    for i in range(spec.num_layers):
+        p = f"transformer.h.{i}"
+        t.norm(f"{p}.ln_1", True)
+        t.linear(f"{p}.attn.c_attn", h, 3 * h, bias=True)
+        t.linear(f"{p}.attn.c_proj", h, h, bias=True)
+        t.norm(f"{p}.ln_2", True)
+        t.linear(f"{p}.mlp.c_fc", h, inter, bias=True)
+        t.linear(f"{p}.mlp.c_proj", inter, h, bias=True)
+    t.norm("transformer.ln_f", True)
+
+
+def _opt_tensors(spec: ModelSpec, t: _Tensors) -> None:
+    h, inter = spec.hidden_size, spec.intermediate_size
+    t.add("model.decoder.embed_tokens.weight", spec.vocab_size * h)
+    t.add("model.decoder.embed_positions.weight", (spec.max_position_embeddings + 2) * h)
+    for i in range(spec.num_layers):
+        p = f"model.decoder.layers.{i}"
+        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            t.linear(f"{p}.self_attn.{proj}", h, h, bias=True)
+        t.norm(f"{p}.self_attn_layer_norm", True)
+        t.linear(f"{p}.fc1", h, inter, bias=True)
+        t.linear(f"{p}.fc2", inter, h, bias=True)
+        t.norm(f"{p}.final_layer_norm", True)
+    t.norm("model.decoder.final_layer_norm", True)
+
+
+def _llama_like_tensors(spec: ModelSpec, t: _Tensors) -> None:
     h, d = spec.hidden_size, spec.head_dim
     q_out, kv_out = spec.num_attention_heads * d, spec.num_kv_heads * d
-    out: list[TensorInfo] = []
-    dtype = _SAFETENSORS_DTYPE[spec.dtype]
-
-    def norm(name: str, with_bias: bool) -> None:
-        out.append(TensorInfo(f"{name}.weight", h, dtype))
-        if with_bias:
-            out.append(TensorInfo(f"{name}.bias", h, dtype))
-
-    def linear(name: str, n_in: int, n_out: int, bias: bool = False) -> None:
-        out.extend(_linear_tensors(spec, name, n_in, n_out, dtype))
-        if bias:
-            out.append(TensorInfo(f"{name}.bias", n_out, dtype))
-
-    if spec.family == "gpt2":
-        out += [TensorInfo("transformer.wte.weight", spec.vocab_size * h, dtype),
-                TensorInfo("transformer.wpe.weight", spec.max_position_embeddings * h, dtype)]
-        for i in range(spec.num_layers):
-            p = f"transformer.h.{i}"
-            norm(f"{p}.ln_1", True)
-            linear(f"{p}.attn.c_attn", h, 3 * h, bias=True)
-            linear(f"{p}.attn.c_proj", h, h, bias=True)
-            norm(f"{p}.ln_2", True)
-            linear(f"{p}.mlp.c_fc", h, spec.intermediate_size, bias=True)
-            linear(f"{p}.mlp.c_proj", spec.intermediate_size, h, bias=True)
-        norm("transformer.ln_f", True)
-        return out
-    if spec.family == "opt":
-        out += [TensorInfo("model.decoder.embed_tokens.weight", spec.vocab_size * h, dtype),
-                TensorInfo("model.decoder.embed_positions.weight",
-                           (spec.max_position_embeddings + 2) * h, dtype)]
-        for i in range(spec.num_layers):
-            p = f"model.decoder.layers.{i}"
-            for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
-                linear(f"{p}.self_attn.{proj}", h, h, bias=True)
-            norm(f"{p}.self_attn_layer_norm", True)
-            linear(f"{p}.fc1", h, spec.intermediate_size, bias=True)
-            linear(f"{p}.fc2", spec.intermediate_size, h, bias=True)
-            norm(f"{p}.final_layer_norm", True)
-        norm("model.decoder.final_layer_norm", True)
-        return out
-
-    out.append(TensorInfo("model.embed_tokens.weight", spec.vocab_size * h, dtype))
+    t.add("model.embed_tokens.weight", spec.vocab_size * h)
     qkv_bias = spec.family in ("qwen2", "qwen2_moe")
     for i in range(spec.num_layers):
         p = f"model.layers.{i}"
-        norm(f"{p}.input_layernorm", False)
-        norm(f"{p}.post_attention_layernorm", False)
-        linear(f"{p}.self_attn.q_proj", h, q_out, bias=qkv_bias)
-        linear(f"{p}.self_attn.k_proj", h, kv_out, bias=qkv_bias)
-        linear(f"{p}.self_attn.v_proj", h, kv_out, bias=qkv_bias)
-        linear(f"{p}.self_attn.o_proj", q_out, h)
+        t.norm(f"{p}.input_layernorm", False)
+        t.norm(f"{p}.post_attention_layernorm", False)
+        t.linear(f"{p}.self_attn.q_proj", h, q_out, bias=qkv_bias)
+        t.linear(f"{p}.self_attn.k_proj", h, kv_out, bias=qkv_bias)
+        t.linear(f"{p}.self_attn.v_proj", h, kv_out, bias=qkv_bias)
+        t.linear(f"{p}.self_attn.o_proj", q_out, h)
         if spec.family in ("qwen3", "qwen3_moe"):
-            out += [TensorInfo(f"{p}.self_attn.q_norm.weight", d, dtype),
-                    TensorInfo(f"{p}.self_attn.k_norm.weight", d, dtype)]
+            t.add(f"{p}.self_attn.q_norm.weight", d)
+            t.add(f"{p}.self_attn.k_norm.weight", d)
         if i in spec.moe_layers:
-            out += _moe_tensors(spec, p, linear, dtype)
+            t.out += _moe_tensors(spec, p, t.linear, t.dtype)
         else:
-            linear(f"{p}.mlp.gate_proj", h, spec.intermediate_size)
-            linear(f"{p}.mlp.up_proj", h, spec.intermediate_size)
-            linear(f"{p}.mlp.down_proj", spec.intermediate_size, h)
-    norm("model.norm", False)
+            t.linear(f"{p}.mlp.gate_proj", h, spec.intermediate_size)
+            t.linear(f"{p}.mlp.up_proj", h, spec.intermediate_size)
+            t.linear(f"{p}.mlp.down_proj", spec.intermediate_size, h)
+    t.norm("model.norm", False)
     if not spec.tie_word_embeddings:
-        out.append(TensorInfo("lm_head.weight", spec.vocab_size * h, dtype))
-    return out
+        t.add("lm_head.weight", spec.vocab_size * h)
 
 
 def _moe_tensors(spec: ModelSpec, prefix: str, linear, dtype: str) -> list[TensorInfo]:

@@ -14,6 +14,8 @@ import urllib.request
 import pytest
 
 API_KEY = "test-key-123"
+MODEL = "shardserve-demo"
+AUTH = {"authorization": f"Bearer {API_KEY}"}
 
 
 def free_port() -> int:
@@ -82,3 +84,15 @@ def server():
     yield url
     code, out = stop_server(proc)
     assert code == 0, out
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
+
+
+def post(server: str, path: str, body: dict, headers: dict | None = AUTH) -> tuple[int, dict | None]:
+    """(status, JSON body) of a POST with the test key."""
+    status, text = http(f"{server}{path}", body, headers)
+    return status, json.loads(text) if text else None
