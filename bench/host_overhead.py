@@ -31,7 +31,6 @@ PHASES = ("schedule", "inputs", "forward", "sampling", "update", "output", "deto
 def make_micro_model(folder: str) -> None:
     """A Llama of one layer, hidden 64, vocab 32k with a word-per-id tokenizer: the forward costs
     almost nothing, so what remains of a step is host work."""
-    sys.path.insert(0, str(Path(__file__).parent))
     import gpu_bench
     import torch
     import transformers as tf

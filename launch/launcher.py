@@ -13,9 +13,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 from shardserve.launch.deploy_config import DeployConfig, merge, validate
-from shardserve.launch.plan_view import build_plan, resolve_hardware, resolve_model
+from shardserve.launch.plan_view import build_plan, resolve_hardware
 from shardserve.launch.profiles import load_profile
 from shardserve.planner import PlanError, load_model
+from shardserve.planner.model_source import model_path
 from shardserve.planner.hardware import Hardware
 from shardserve.planner.model_source import DEMO_MODEL_NAME, is_demo_model
 from shardserve.planner.plan_file import PlanFile
@@ -74,11 +75,12 @@ def settle(plan_path: str | None, profile: str | None, flags: dict,
             hardware = declared
     if plan is not None:
         check_plan_fits(plan, hardware)
-        _require_weights(load_model(resolve_model(config.model), config.quantization).path, config.model)
+        _require_weights(load_model(config.model, config.quantization).path, config.model)
         return config, plan
     model = config.model or DEFAULT_MODEL
-    _require_weights(load_model(resolve_model(model), config.quantization).path, model)
-    plan = build_plan(validate(merge(config.set_values(), {"model": model}), "launch settings"), hardware).record()
+    info = load_model(model, config.quantization)
+    _require_weights(info.path, model)
+    plan = build_plan(validate(merge(config.set_values(), {"model": model}), "launch settings"), hardware, info).record()
     config = validate(merge(plan_settings(plan), config.set_values(), {"model": model}), "launch settings")
     return config, plan
 
@@ -211,7 +213,7 @@ def uses_ray_cluster(config: DeployConfig) -> bool:
 
 def model_folder(model: str) -> str:
     """The model's path as every node sees it: folders absolute, ids as given."""
-    path = resolve_model(model)
+    path = model_path(model)
     return str(Path(path).resolve()) if Path(path).is_dir() else path
 
 

@@ -155,9 +155,6 @@ class OpenAIServing:
                 raise APIError(400, f"this model's chat template does not render {name}: start the server with a "
                                "--chat-template that does", "tools" if name == "tools" else "messages")
 
-    def _stream_tool_calls(self, request: PreparedRequest, head: dict, include_usage: bool):
-        return _stream_tool_calls_impl(self, request, head, include_usage)
-
     # ---- running ---------------------------------------------------------------------------
     async def _deltas(self, request: PreparedRequest) -> AsyncIterator[tuple[int, PromptDelta]]:
         """Every prompt's deltas, tagged with the prompt's index, interleaved as they come."""
@@ -226,7 +223,7 @@ class OpenAIServing:
         head = {"id": request.request_id, "object": obj, "created": request.created,
                 "model": request.model}
         if request.tool_plan is not None:
-            async for event in self._stream_tool_calls(request, head, include_usage):
+            async for event in _stream_tool_calls(self, request, head, include_usage):
                 yield event
             return
         chunks = _ChunkMapper(request)
@@ -251,7 +248,7 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
 
-async def _stream_tool_calls_impl(serving, request: PreparedRequest, head: dict, include_usage: bool):
+async def _stream_tool_calls(serving, request: PreparedRequest, head: dict, include_usage: bool):
     """NOTE: with tools in play a sample is parsed whole, so its chunk comes when it finishes: the
     content or the tool calls (each with its index), then the finish reason."""
     try:

@@ -25,15 +25,16 @@ def resolve_hardware(declared: str | None, ray_address: str | None) -> Hardware:
     return detect_local()
 
 
-def build_plan(config, hardware: Hardware):
-    """The one way `plan` and `launch` make a plan: the settled config's plan-layer settings, its model."""
+def build_plan(config, hardware: Hardware, info=None):
+    """The one way `plan` and `launch` make a plan: the settled config's plan-layer settings, its model
+    (`info`: the model already read, else read here)."""
     from shardserve.planner import PlanOptions, load_model, make_plan
     from shardserve.planner.settings import PLAN, for_layer
 
     if not config.model:
         raise PlanError("no model: pass --model, or a --profile that sets one")
     options = PlanOptions(**for_layer(config.set_values(), PLAN))
-    return make_plan(load_model(config.model, options.quantization), hardware, options)
+    return make_plan(info or load_model(config.model, options.quantization), hardware, options)
 
 
 def make_plan_from(flags: dict, profile: str | None, ray_address: str | None):
@@ -44,12 +45,6 @@ def make_plan_from(flags: dict, profile: str | None, ray_address: str | None):
     base = load_profile(profile).set_values() if profile else {}
     config = validate(merge(base, flags), "options")
     return build_plan(config, resolve_hardware(config.hardware, ray_address))
-
-
-def resolve_model(model: str) -> str:
-    """The bundled demo model's name stands for its folder; anything else passes through."""
-    from shardserve.planner.model_source import model_path
-    return model_path(model)
 
 
 def write_plan(plan: PlanFile, path: Path) -> None:

@@ -30,6 +30,7 @@ class StructuredOutputs:
         if isinstance(self.spec, list):
             object.__setattr__(self, "spec", tuple(self.spec))
 
+    @lru_cache(maxsize=256)  # NOTE: a repeated schema is parsed once (the record is frozen, hashable)
     def grammar(self):
         """xgrammar's Grammar for this request; a ValueError says what is wrong with it."""
         import xgrammar as xgr
