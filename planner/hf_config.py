@@ -80,22 +80,70 @@ class ConfigReader:
 ROPE_TYPES_STRETCHING_CONTEXT = ("linear", "dynamic", "yarn")
 
 
-def rope_parameters(config: dict, model_id: str = "model") -> dict:
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# NOTE: configs saved before `layer_types` existed give the local/global alternation as a period
+# (Gemma 3's `sliding_window_pattern`: every 6th layer global) or not at all (Gemma 2: every 2nd
+# layer global); transformers fills in layer_types from the same rule.
+DEFAULT_SLIDING_PATTERN = {"gemma2": 2, "gemma3_text": 6}
+
+
+def layer_types(config: dict, model_id: str = "model", family: str | None = None) -> tuple[str, ...] | None:
+    """Each layer's attention, "full_attention" or "sliding_attention", under every spelling
+    (`layer_types`, Gemma 3's `sliding_window_pattern`, Gemma 2's implicit alternation); None: the
+    config does not say (every layer alike). `family`: the model_type when config.json lacks it."""
+    num_layers = config.get("num_hidden_layers")
+    saved = config.get("layer_types")
+    if saved is not None:
+        if not isinstance(saved, list) or any(t not in LAYER_TYPES for t in saved) or len(saved) != num_layers:
+            raise PlanError(f"{model_id}: config.json layer_types is {saved!r}; expected {num_layers} entries "
+                            f"of {' or '.join(LAYER_TYPES)}")
+        return tuple(saved)
+    pattern = config.get("sliding_window_pattern") or DEFAULT_SLIDING_PATTERN.get(
+        config.get("model_type") or family)
+    if pattern is None or not isinstance(num_layers, int):
+        return None
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+        raise PlanError(f"{model_id}: config.json sliding_window_pattern is {pattern!r}; expected a positive integer")
+    return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers))
+
+
+def _is_per_layer_type(value: dict) -> bool:
+    return bool(value) and all(isinstance(v, dict) or v is None for v in value.values())
+
+
+def _per_layer_type(value: dict, key: str, layer_type: str, model_id: str) -> dict:
+    """transformers 5 saves Gemma 3's rope as one entry per layer type: the one for `layer_type`."""
+    unknown = [t for t in value if t not in LAYER_TYPES]
+    if unknown or layer_type not in value:
+        raise PlanError(f"{model_id}: config.json {key} has entries for {', '.join(value)}; expected "
+                        f"{' and '.join(LAYER_TYPES)}")
+    return dict(value[layer_type] or {})
+
+
+def rope_parameters(config: dict, model_id: str = "model", layer_type: str = "full_attention") -> dict:
     """The rope settings, old style (rope_theta + rope_scaling) or transformers 5 (rope_parameters),
     as one dict with `rope_type` and `rope_theta` always set, and `original_max_position_embeddings`
-    (the pretraining length) wherever the scaling reads it, as transformers fills it in."""
+    (the pretraining length) wherever the scaling reads it, as transformers fills it in.
+    `layer_type`: which layers' rope, for models whose local (sliding) layers have their own (Gemma 3:
+    per-type rope_parameters, or `rope_local_base_freq` with the scaling on global layers only)."""
     params = config.get("rope_parameters") or {}
     legacy = config.get("rope_scaling") or {}
     for key, value in (("rope_parameters", params), ("rope_scaling", legacy)):
         if not isinstance(value, dict):
             raise PlanError(f"{model_id}: config.json {key} is {value!r}; expected a mapping")
-        if value and all(isinstance(v, dict) for v in value.values()):
-            raise PlanError(f"{model_id}: config.json {key} has one entry per layer type "
-                            f"({', '.join(value)}), which is not supported")
+    if _is_per_layer_type(params) or _is_per_layer_type(legacy):
+        params = _per_layer_type(params, "rope_parameters", layer_type, model_id) if params else {}
+        legacy = _per_layer_type(legacy, "rope_scaling", layer_type, model_id) if legacy else {}
+    elif layer_type == "sliding_attention" and config.get("rope_local_base_freq") is not None:
+        return {"rope_type": "default", "rope_theta": config["rope_local_base_freq"]}
     merged = {**legacy, **params} if not params.get("rope_type") else dict(params)
     merged.setdefault("rope_theta", config.get("rope_theta") or 10000.0)
     merged["rope_type"] = merged.get("rope_type") or merged.get("type") or "default"
+    if config.get("partial_rotary_factor") is not None:  # Phi-3's, before transformers 5 moved it here
+        merged.setdefault("partial_rotary_factor", config["partial_rotary_factor"])
     merged.pop("type", None)
+    if merged["rope_type"] == "su":  # Phi-3's first name for longrope
+        merged["rope_type"] = "longrope"
     max_positions = config.get("max_position_embeddings")
     if merged["rope_type"] == "dynamic":  # transformers' dynamic NTK stretches from here
         merged["original_max_position_embeddings"] = max_positions
@@ -108,12 +156,16 @@ def rope_parameters(config: dict, model_id: str = "model") -> dict:
     return merged
 
 
-def max_context_length(max_position_embeddings: int, rope: dict | None) -> int:
+# NOTE: Gemma 3's max_position_embeddings already counts its global layers' linear stretch
+POSITIONS_ALREADY_STRETCHED = ("gemma3_text",)
+
+
+def max_context_length(max_position_embeddings: int, rope: dict | None, model_type: str | None = None) -> int:
     """The longest context a model serves. NOTE: vLLM's rule: linear, dynamic and yarn scaling
-    stretch the (pretraining) length by `factor`; llama3 and longrope configs already count the
-    stretched length in max_position_embeddings."""
+    stretch the (pretraining) length by `factor`; llama3 and longrope configs (and Gemma 3's)
+    already count the stretched length in max_position_embeddings."""
     kind = rope["rope_type"] if rope else "default"
-    if kind not in ROPE_TYPES_STRETCHING_CONTEXT or not rope.get("factor"):
+    if kind not in ROPE_TYPES_STRETCHING_CONTEXT or not rope.get("factor") or model_type in POSITIONS_ALREADY_STRETCHED:
         return max_position_embeddings
     start = rope.get("original_max_position_embeddings") if kind == "yarn" else None
     return int((start or max_position_embeddings) * float(rope["factor"]))

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardserve.planner.errors import PlanError
-from shardserve.planner.hf_config import REQUIRED, ConfigReader, max_context_length
-from shardserve.planner.served import ARCHITECTURES, QUANTIZATION_FORMATS
+from shardserve.planner.hf_config import REQUIRED, ConfigReader, layer_types, max_context_length
+from shardserve.planner.served import ARCHITECTURES, QUANTIZATION_FORMATS, REFUSED
 from shardserve.planner.settings import SettingError
 
 # architectures entry in config.json -> family name used across shardserve: what the runtime serves.
@@ -118,7 +118,9 @@ class ModelSpec:
     shared_expert_intermediate_size: int | None = None
     moe_layers: tuple[int, ...] = ()
     rope_type: str | None = None  # None: no rotary embedding (learned positions)
-    sliding_window: int | None = None  # tokens each query attends back; None: the whole context
+    sliding_window: int | None = None  # tokens each query attends back on every layer; None: the whole context
+    # per layer "sliding_attention" (config.json's sliding_window) or "full_attention"; None: all alike
+    layer_types: tuple[str, ...] | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -149,6 +151,8 @@ class ModelSpec:
             raise read.bad("quantization_config", quant, "a mapping")
         max_positions = read.count(*names.get("max_position_embeddings", ("max_position_embeddings",)))
         rope = read.rope_parameters() if family not in ("gpt2", "opt") else None
+        types = layer_types(config, model_id, family)
+        window = _sliding_window(read)
         return ModelSpec(
             id=model_id, architecture=arch, family=family, num_layers=num_layers,
             hidden_size=hidden, num_attention_heads=heads,
@@ -156,14 +160,16 @@ class ModelSpec:
             head_dim=read.count("head_dim", default=max(1, hidden // heads)), intermediate_size=inter,
             vocab_size=read.count("vocab_size"),
             max_position_embeddings=max_positions,
-            max_context_len=max_context_length(max_positions, rope),
-            tie_word_embeddings=read.bool("tie_word_embeddings", family in ("gpt2", "opt")),
+            max_context_len=max_context_length(max_positions, rope, family),
+            tie_word_embeddings=read.bool("tie_word_embeddings", family in _TIED_BY_DEFAULT),
             dtype=_dtype(read),
             quantization=QuantSpec.from_config(quant or {}, quantization) if quant or quantization else None,
             rope_type=rope["rope_type"] if rope else None,
-            sliding_window=_sliding_window(read), **_moe_fields(family, read, num_layers))
+            sliding_window=window if types is None or "full_attention" not in types else None,
+            layer_types=types, **_moe_fields(family, read, num_layers))
 
 
+_TIED_BY_DEFAULT = ("gpt2", "opt", "gemma2", "gemma3_text")  # transformers' default when config.json omits it
 _FIELD_NAMES = {
     "gpt2": {"hidden_size": ("n_embd", "hidden_size"), "num_attention_heads": ("n_head",),
              "num_hidden_layers": ("n_layer",), "intermediate_size": ("n_inner",),
@@ -181,6 +187,9 @@ def _architecture(model_id: str, config: dict) -> str:
         archs = [a for a, f in SUPPORTED_ARCHITECTURES.items() if f == config["model_type"]]
         archs = archs or [f"model_type {config['model_type']}"]
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    refused = next((a for a in archs if a in REFUSED), None)
+    if arch is None and refused:
+        raise PlanError(f"{model_id}: architecture {refused} is not served: {REFUSED[refused]}")
     if arch is None:
         named = ", ".join(map(str, archs)) if archs else "no 'architectures' entry"
         raise PlanError(f"{model_id}: architecture {named} is not supported; supported: "

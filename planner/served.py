@@ -33,8 +33,18 @@ ARCHITECTURES: dict[str, ServedArchitecture] = {
     "MixtralForCausalLM": ServedArchitecture("mixtral", is_quantizable=False),
     "Qwen2MoeForCausalLM": ServedArchitecture("qwen2_moe", is_quantizable=False),
     "Qwen3MoeForCausalLM": ServedArchitecture("qwen3_moe", is_quantizable=False),
+    "Gemma2ForCausalLM": ServedArchitecture("gemma2"),
+    "Gemma3ForCausalLM": ServedArchitecture("gemma3_text"),
+    "Phi3ForCausalLM": ServedArchitecture("phi3"),
     "GPT2LMHeadModel": ServedArchitecture("gpt2", rope_types=(), is_quantizable=False),
     "OPTForCausalLM": ServedArchitecture("opt", rope_types=()),
+}
+
+
+# architectures refused with a reason (the planner must not plan what the runtime cannot serve)
+REFUSED: dict[str, str] = {
+    "Gemma3ForConditionalGeneration": "Gemma 3 4b/12b/27b are multimodal (vision tower + language model); "
+                                      "only the text-only Gemma3ForCausalLM (gemma-3-1b) is served",
 }
 
 

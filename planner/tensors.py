@@ -97,20 +97,19 @@ def _llama_like_tensors(spec: ModelSpec, t: _Tensors) -> None:
     h, d = spec.hidden_size, spec.head_dim
     q_out, kv_out = spec.num_attention_heads * d, spec.num_kv_heads * d
     t.add("model.embed_tokens.weight", spec.vocab_size * h)
-    qkv_bias = spec.family in ("qwen2", "qwen2_moe")
     for i in range(spec.num_layers):
         p = f"model.layers.{i}"
         t.norm(f"{p}.input_layernorm", False)
         t.norm(f"{p}.post_attention_layernorm", False)
-        t.linear(f"{p}.self_attn.q_proj", h, q_out, bias=qkv_bias)
-        t.linear(f"{p}.self_attn.k_proj", h, kv_out, bias=qkv_bias)
-        t.linear(f"{p}.self_attn.v_proj", h, kv_out, bias=qkv_bias)
-        t.linear(f"{p}.self_attn.o_proj", q_out, h)
-        if spec.family in ("qwen3", "qwen3_moe"):
-            t.add(f"{p}.self_attn.q_norm.weight", d)
-            t.add(f"{p}.self_attn.k_norm.weight", d)
+        if spec.family in ("gemma2", "gemma3_text"):  # the sandwich norms around the MLP
+            t.norm(f"{p}.pre_feedforward_layernorm", False)
+            t.norm(f"{p}.post_feedforward_layernorm", False)
+        _attention_tensors(spec, t, p, q_out, kv_out)
         if i in spec.moe_layers:
             t.out += _moe_tensors(spec, p, t.linear, t.dtype)
+        elif spec.family == "phi3":  # gate and up fused in the checkpoint
+            t.linear(f"{p}.mlp.gate_up_proj", h, 2 * spec.intermediate_size)
+            t.linear(f"{p}.mlp.down_proj", spec.intermediate_size, h)
         else:
             t.linear(f"{p}.mlp.gate_proj", h, spec.intermediate_size)
             t.linear(f"{p}.mlp.up_proj", h, spec.intermediate_size)
@@ -118,6 +117,21 @@ def _llama_like_tensors(spec: ModelSpec, t: _Tensors) -> None:
     t.norm("model.norm", False)
     if not spec.tie_word_embeddings:
         t.add("lm_head.weight", spec.vocab_size * h)
+
+
+def _attention_tensors(spec: ModelSpec, t: _Tensors, p: str, q_out: int, kv_out: int) -> None:
+    h, d = spec.hidden_size, spec.head_dim
+    if spec.family == "phi3":  # q, k and v fused in the checkpoint
+        t.linear(f"{p}.self_attn.qkv_proj", h, q_out + 2 * kv_out)
+    else:
+        qkv_bias = spec.family in ("qwen2", "qwen2_moe")
+        t.linear(f"{p}.self_attn.q_proj", h, q_out, bias=qkv_bias)
+        t.linear(f"{p}.self_attn.k_proj", h, kv_out, bias=qkv_bias)
+        t.linear(f"{p}.self_attn.v_proj", h, kv_out, bias=qkv_bias)
+    t.linear(f"{p}.self_attn.o_proj", q_out, h)
+    if spec.family in ("qwen3", "qwen3_moe", "gemma3_text"):
+        t.add(f"{p}.self_attn.q_norm.weight", d)
+        t.add(f"{p}.self_attn.k_norm.weight", d)
 
 
 def _moe_tensors(spec: ModelSpec, prefix: str, linear, dtype: str) -> list[TensorInfo]:

@@ -99,7 +99,8 @@ def _max_positions(hf_config) -> int:
     if not positions:
         raise ValueError("config.json names no max_position_embeddings; pass max_model_len")
     has_rope = any(getattr(hf_config, key, None) for key in ("rope_parameters", "rope_scaling", "rope_theta"))
-    return max_context_length(int(positions), rope_parameters(hf_config) if has_rope else None)
+    return max_context_length(int(positions), rope_parameters(hf_config) if has_rope else None,
+                              getattr(hf_config, "model_type", None))
 
 
 def _resolve_dtype(dtype: str | torch.dtype, hf_config, device: str) -> torch.dtype:

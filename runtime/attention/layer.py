@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardserve.runtime.attention.torch_backend import soft_cap
 from shardserve.runtime.forward_context import get_forward_context
 
 
@@ -12,14 +13,16 @@ class Attention(nn.Module):
     """Holds this layer's slice of the KV pool, bound by the worker after start-up:
     kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim] (keys, values).
     sliding_window: a query at position i sees keys at positions (i - sliding_window, i]; None: all.
+    logits_soft_cap: scores become cap * tanh(scores / cap) before the mask and softmax (Gemma 2).
     An fp8 pool stores k / k_scale and v / v_scale; k_scale and v_scale are 1.0 unless the checkpoint
     ships them (read as optional buffers, fixed as floats once loaded)."""
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None):
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads, self.scale = num_heads, head_dim, num_kv_heads, scale
         self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
         self.kv_cache: torch.Tensor | None = None
         self.register_buffer("k_scale", torch.ones((), dtype=torch.float32))
         self.register_buffer("v_scale", torch.ones((), dtype=torch.float32))
@@ -36,16 +39,25 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if context.attn_metadata is None:  # profiling run without a cache: plain causal attention (no window)
-            out = _causal_attention(q, k, v, self.scale)
-        else:
+            out = _causal_attention(q, k, v, self.scale, self.logits_soft_cap)
+        elif self.logits_soft_cap is None:
             out = context.backend.forward(q, k, v, self.kv_cache, context.attn_metadata, self.scale,
                                           self.sliding_window, self.kv_scales)
+        else:  # NOTE: only when set, so backends without the keyword still serve every other model
+            out = context.backend.forward(q, k, v, self.kv_cache, context.attn_metadata, self.scale,
+                                          self.sliding_window, self.kv_scales, logits_soft_cap=self.logits_soft_cap)
         return out.reshape(-1, self.num_heads * self.head_dim)
 
 
-def _causal_attention(q, k, v, scale):
+def _causal_attention(q, k, v, scale, logits_soft_cap):
+    """q: [num_tokens, num_heads, head_dim], k/v: [num_tokens, num_kv_heads, head_dim]."""
     group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale)
-    return out.transpose(0, 1)
+    q, k, v = q.transpose(0, 1), k.repeat_interleave(group, dim=1).transpose(0, 1), v.repeat_interleave(
+        group, dim=1).transpose(0, 1)  # [heads, num_tokens, head_dim]
+    if logits_soft_cap is None:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(0, 1)
+    scores = soft_cap(torch.einsum("hqd,hkd->hqk", q.float(), k.float()) * scale, logits_soft_cap)
+    future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+    probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+    return torch.einsum("hqk,hkd->hqd", probs, v.float()).to(q.dtype).transpose(0, 1)
+

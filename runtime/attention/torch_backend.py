@@ -13,6 +13,11 @@ from shardserve.runtime.forward_context import AttentionMetadata
 NO_SCALES = (1.0, 1.0)
 
 
+def soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(scores / cap): bounded in (-cap, cap), near identity for small scores; None: unchanged."""
+    return scores if cap is None else torch.tanh(scores / cap) * cap
+
+
 def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -49,19 +54,21 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    sliding_window: int | None = None, kv_scales: tuple[float, float] = NO_SCALES) -> torch.Tensor:
+                    sliding_window: int | None = None, kv_scales: tuple[float, float] = NO_SCALES,
+                    logits_soft_cap: float | None = None) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim]; attends each request's queries over its cached K/V
-    (with a sliding window, the query at position i over positions (i - sliding_window, i]).
+    (with a sliding window, the query at position i over positions (i - sliding_window, i]; with a
+    soft cap, scores are cap * tanh(scores / cap) before the mask).
     NOTE: single-token (decode) requests are done together in one padded batch; the rest one by one,
     since padding prompts to a common length would cost O(batch x longest^2) memory."""
     out = torch.empty_like(q)
     starts = meta.query_start_loc_cpu
     decodes = [r for r in range(meta.num_requests) if starts[r + 1] - starts[r] == 1]
     if decodes:
-        _decode_batch(q, kv_cache, meta, scale, decodes, out, sliding_window, kv_scales)
+        _decode_batch(q, kv_cache, meta, scale, decodes, out, sliding_window, kv_scales, logits_soft_cap)
     for r in range(meta.num_requests):
         if starts[r + 1] - starts[r] != 1:
-            _attend_one(q, kv_cache, meta, scale, r, out, sliding_window, kv_scales)
+            _attend_one(q, kv_cache, meta, scale, r, out, sliding_window, kv_scales, logits_soft_cap)
     return out
 
 
@@ -70,12 +77,12 @@ def _grouped(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return q.unflatten(-2, (num_kv_heads, q.shape[-2] // num_kv_heads))
 
 
-def _attend_one(q, kv_cache, meta, scale, r, out, sliding_window, kv_scales) -> None:
+def _attend_one(q, kv_cache, meta, scale, r, out, sliding_window, kv_scales, logits_soft_cap) -> None:
     start, end = meta.query_start_loc_cpu[r], meta.query_start_loc_cpu[r + 1]
     seq_len = meta.seq_lens_cpu[r]
     keys, values = gather_kv(kv_cache, meta.block_tables[r], seq_len, kv_scales)  # [seq_len, kv_heads, head_dim]
     query = _grouped(q[start:end], kv_cache.shape[3]).float()  # [query_len, kv_heads, group, head_dim]
-    scores = torch.einsum("qkgd,lkd->kgql", query, keys) * scale
+    scores = soft_cap(torch.einsum("qkgd,lkd->kgql", query, keys) * scale, logits_soft_cap)
     query_positions = torch.arange(seq_len - (end - start), seq_len, device=q.device)
     key_positions = torch.arange(seq_len, device=q.device)[None, :]
     hidden = key_positions > query_positions[:, None]  # [query_len, seq_len]: the future
@@ -85,7 +92,8 @@ def _attend_one(q, kv_cache, meta, scale, r, out, sliding_window, kv_scales) -> 
     out[start:end] = torch.einsum("kgql,lkd->qkgd", probs, values).flatten(1, 2).to(q.dtype)
 
 
-def _decode_batch(q, kv_cache, meta, scale, rows: list[int], out, sliding_window, kv_scales) -> None:
+def _decode_batch(q, kv_cache, meta, scale, rows: list[int], out, sliding_window, kv_scales,
+                  logits_soft_cap) -> None:
     block_size = kv_cache.shape[2]
     seq_lens = torch.tensor([meta.seq_lens_cpu[r] for r in rows], device=q.device)
     max_len = int(max(meta.seq_lens_cpu[r] for r in rows))
@@ -94,7 +102,7 @@ def _decode_batch(q, kv_cache, meta, scale, rows: list[int], out, sliding_window
     values = _read(kv_cache[1][tables].flatten(1, 2)[:, :max_len], kv_scales[1])
     tokens = torch.tensor([meta.query_start_loc_cpu[r] for r in rows], device=q.device)
     query = _grouped(q[tokens], kv_cache.shape[3]).float()  # [batch, kv_heads, group, head_dim]
-    scores = torch.einsum("bkgd,blkd->bkgl", query, keys) * scale
+    scores = soft_cap(torch.einsum("bkgd,blkd->bkgl", query, keys) * scale, logits_soft_cap)
     key_positions = torch.arange(max_len, device=q.device)[None, :]
     hidden = key_positions >= seq_lens[:, None]  # [batch, max_len]: padding
     if sliding_window is not None:
@@ -107,6 +115,7 @@ class TorchAttentionBackend:
     name = "torch"
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
-                sliding_window: int | None = None, kv_scales: tuple[float, float] = NO_SCALES) -> torch.Tensor:
+                sliding_window: int | None = None, kv_scales: tuple[float, float] = NO_SCALES,
+                logits_soft_cap: float | None = None) -> torch.Tensor:
         write_kv(k, v, kv_cache, meta.slot_mapping, kv_scales)
-        return paged_attention(q, kv_cache, meta, scale, sliding_window, kv_scales)
+        return paged_attention(q, kv_cache, meta, scale, sliding_window, kv_scales, logits_soft_cap)

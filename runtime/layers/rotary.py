@@ -12,12 +12,13 @@ from shardserve.planner import hf_config
 from shardserve.planner.served import ROPE_TYPES as SUPPORTED_ROPE_TYPES
 
 
-def rope_parameters(config) -> dict:
-    """The rope settings of a transformers config (either spelling), checked against what is served."""
+def rope_parameters(config, layer_type: str = "full_attention") -> dict:
+    """The rope settings of a transformers config (either spelling) for the layers of `layer_type`,
+    checked against what is served."""
     values = {key: getattr(config, key, None) for key in
               ("rope_parameters", "rope_scaling", "rope_theta", "max_position_embeddings",
-               "original_max_position_embeddings")}
-    params = hf_config.rope_parameters(values)
+               "original_max_position_embeddings", "rope_local_base_freq", "partial_rotary_factor")}
+    params = hf_config.rope_parameters(values, layer_type=layer_type)
     if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope_type {params['rope_type']!r} is not supported; "
                          f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")

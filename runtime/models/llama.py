@@ -27,6 +27,7 @@ class LlamaVariant:
     qkv_bias: bool | None = None  # None: config.attention_bias
     qk_norm: bool = False  # Qwen3
     has_sliding_window: bool = False  # config.sliding_window applies (Mistral, Qwen2, Qwen3; not Llama)
+    has_partial_rotary: bool = False  # rope's partial_rotary_factor applies (Phi-3)
 
 
 LLAMA_PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -61,7 +62,9 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
         self.has_qk_norm = variant.qk_norm
-        self.rotary_emb = RotaryEmbedding(head_dim, max_position, rope_parameters(config))
+        rope = rope_parameters(config)
+        rotary_dim = int(head_dim * rope.get("partial_rotary_factor", 1.0)) if variant.has_partial_rotary else None
+        self.rotary_emb = RotaryEmbedding(head_dim, max_position, rope, rotary_dim)
         self.attn = Attention(self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads, sliding_window)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:

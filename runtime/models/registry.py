@@ -9,10 +9,12 @@ from torch import nn
 
 from shardserve.planner.served import ARCHITECTURES
 from shardserve.runtime.config import ModelConfig
+from shardserve.runtime.models.gemma import gemma2, gemma3
 from shardserve.runtime.models.gpt2 import GPT2LMHeadModel
 from shardserve.runtime.models.llama import LlamaForCausalLM, LlamaVariant
 from shardserve.runtime.models.mixtral import MixtralForCausalLM
 from shardserve.runtime.models.opt import OPTForCausalLM
+from shardserve.runtime.models.phi3 import phi3
 from shardserve.runtime.models.qwen_moe import qwen2_moe, qwen3_moe
 
 MODEL_BUILDERS: dict[str, Callable[[ModelConfig], nn.Module]] = {
@@ -23,6 +25,9 @@ MODEL_BUILDERS: dict[str, Callable[[ModelConfig], nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": qwen2_moe,
     "Qwen3MoeForCausalLM": qwen3_moe,
+    "Gemma2ForCausalLM": gemma2,
+    "Gemma3ForCausalLM": gemma3,
+    "Phi3ForCausalLM": phi3,
     "GPT2LMHeadModel": GPT2LMHeadModel,
     "OPTForCausalLM": OPTForCausalLM,
 }

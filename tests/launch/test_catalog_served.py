@@ -57,6 +57,9 @@ def tiny_config(config: dict) -> dict:
     tiny.update({k: v for k, v in SMALL.items() if k in config})
     if "num_key_value_heads" in config:
         tiny["num_key_value_heads"] = 2 if grouped else 4
+    rope = config.get("rope_scaling") or {}
+    if "short_factor" in rope:  # longrope: one factor per rotated pair of the 16-wide heads
+        tiny["rope_scaling"] = {**rope, "short_factor": rope["short_factor"][:8], "long_factor": rope["long_factor"][:8]}
     return {**tiny, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2, "dtype": "float32"}
 
 

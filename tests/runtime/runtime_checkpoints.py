@@ -84,6 +84,8 @@ def family_config(family: str, num_layers: int = 2, max_position_embeddings: int
     if family == "qwen3_moe":  # decoder_sparse_step 2: odd layers sparse; renormalized top-k
         return tf.Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                  decoder_sparse_step=2, norm_topk_prob=True, head_dim=24, **llama_like)
+    if family in ("gemma2", "gemma3", "phi3", "phi3-longrope"):
+        return _gemma_phi3_config(tf, family, llama_like)
     if family == "gpt2":
         return tf.GPT2Config(n_embd=64, n_layer=num_layers, n_head=4, n_positions=256, **common)
     if family == "opt":
@@ -96,8 +98,26 @@ def family_config(family: str, num_layers: int = 2, max_position_embeddings: int
     raise KeyError(family)
 
 
+def _gemma_phi3_config(tf, family: str, llama_like: dict):
+    """Caps small enough to bite on random weights; windows of 8 so prompts outgrow them."""
+    gemma = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8, hidden_activation="gelu_pytorch_tanh")
+    if family == "gemma2":  # layers alternate local (even) and global (odd)
+        return tf.Gemma2Config(attn_logit_softcapping=4.0, final_logit_softcapping=6.0, **gemma, **llama_like)
+    if family == "gemma3":  # every 2nd layer global; local layers rotate with their own base
+        rope = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}
+        return tf.Gemma3TextConfig(final_logit_softcapping=6.0, sliding_window_pattern=2, rope_parameters=rope,
+                                   **gemma, **llama_like)
+    if family == "phi3":  # a quarter of each head unrotated
+        return tf.Phi3Config(sliding_window=8, rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.75},
+                             **llama_like)
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, **LONGROPE_FACTORS}  # phi3-longrope
+    return tf.Phi3Config(rope_parameters=rope, original_max_position_embeddings=16,
+                         **{**llama_like, "max_position_embeddings": 64})
+
+
 FAMILIES = ["llama3", "llama2-linear-tied", "mistral", "mistral-window", "qwen2", "qwen2-window", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
-            "gpt2", "opt", "opt-postln-proj"]
+            "gemma2", "gemma3", "phi3", "gpt2", "opt", "opt-postln-proj"]
 
 
 def save_checkpoint(folder: str, family: str, with_tokenizer: bool = True, seed: int = 0,
