@@ -98,8 +98,9 @@ def layer_types(config: dict, model_id: str = "model", family: str | None = None
             raise PlanError(f"{model_id}: config.json layer_types is {saved!r}; expected {num_layers} entries "
                             f"of {' or '.join(LAYER_TYPES)}")
         return tuple(saved)
-    pattern = config.get("sliding_window_pattern") or DEFAULT_SLIDING_PATTERN.get(
-        config.get("model_type") or family)
+    pattern = config.get("sliding_window_pattern")
+    if pattern is None:
+        pattern = DEFAULT_SLIDING_PATTERN.get(config.get("model_type") or family)
     if pattern is None or not isinstance(num_layers, int):
         return None
     if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:

@@ -9,6 +9,7 @@ import pytest
 import transformers
 
 from shardserve.planner import PlanError, load_model
+from shardserve.planner.hf_config import LAYER_TYPES, rope_parameters
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=320, max_position_embeddings=256)
@@ -59,6 +60,61 @@ def test_sliding_window_only_where_used(tmp_path):
     assert load_model(write_config(tmp_path / "c", off)).spec.sliding_window is None
 
 
+GEMMA = {**TINY, "head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16}
+
+
+def saved_by_transformers(tmp_path, config_class, architecture: str, **values) -> dict:
+    config = config_class(**values)
+    config.architectures = [architecture]
+    config.save_pretrained(tmp_path / "new")
+    return json.loads((tmp_path / "new" / "config.json").read_text())
+
+
+def test_gemma3_transformers4_and_5_spellings_read_the_same(tmp_path):
+    """transformers 4 wrote rope_theta, rope_local_base_freq, rope_scaling (global layers only) and
+    sliding_window_pattern; 5 writes layer_types and one rope_parameters entry per layer type."""
+    legacy = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", **GEMMA,
+              "sliding_window_pattern": 2, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+              "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    saved = saved_by_transformers(tmp_path, transformers.Gemma3TextConfig, "Gemma3ForCausalLM", **{
+        k: v for k, v in legacy.items() if k != "architectures"})
+    assert "layer_types" in saved and set(saved["rope_parameters"]) == set(LAYER_TYPES)
+    new = load_model(str(tmp_path / "new")).spec
+    old = load_model(write_config(tmp_path / "old", legacy)).spec
+    assert new == old.__class__(**{**old.__dict__, "id": new.id})
+    assert old.layer_types == ("sliding_attention", "full_attention") * 2 and old.sliding_window is None
+    assert old.rope_type == "linear" and old.max_context_len == 256  # max_position_embeddings counts the stretch
+    for layer_type in LAYER_TYPES:
+        assert rope_parameters(saved, layer_type=layer_type) == rope_parameters(legacy, layer_type=layer_type)
+    assert rope_parameters(legacy, layer_type="sliding_attention") == {"rope_type": "default", "rope_theta": 1e4}
+
+
+def test_gemma2_without_layer_types_alternates_from_a_local_layer(tmp_path):
+    """Gemma 2 configs saved before layer_types existed: even layers local, odd layers global."""
+    legacy = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", **GEMMA}
+    saved = saved_by_transformers(tmp_path, transformers.Gemma2Config, "Gemma2ForCausalLM",
+                                  **{k: v for k, v in legacy.items() if k != "architectures"})
+    new = load_model(str(tmp_path / "new")).spec
+    old = load_model(write_config(tmp_path / "old", legacy)).spec
+    assert saved["layer_types"] == list(old.layer_types) == ["sliding_attention", "full_attention"] * 2
+    assert new.layer_types == old.layer_types and new.tie_word_embeddings and old.tie_word_embeddings
+
+
+def test_phi3_su_rope_is_longrope(tmp_path):
+    factors = [1.0] * 8
+    config = {"architectures": ["Phi3ForCausalLM"], **TINY, "original_max_position_embeddings": 64,
+              "rope_scaling": {"type": "su", "short_factor": factors, "long_factor": factors}}
+    spec = load_model(write_config(tmp_path / "m", config)).spec
+    assert spec.rope_type == "longrope" and spec.max_context_len == 256
+
+
+def test_multimodal_gemma3_is_refused_by_name(tmp_path):
+    config = {"architectures": ["Gemma3ForConditionalGeneration"], "text_config": GEMMA}
+    with pytest.raises(PlanError, match="architecture Gemma3ForConditionalGeneration is not served: Gemma 3 "
+                                        "4b/12b/27b are multimodal"):
+        load_model(write_config(tmp_path / "m", config))
+
+
 BAD = [
     ({"hidden_size": "big"}, "config.json hidden_size is 'big'; expected an integer"),
     ({"num_local_experts": "8"}, "config.json num_local_experts is '8'; expected an integer"),
@@ -73,6 +129,8 @@ BAD = [
     ({"rope_parameters": {"chunked_attention": {"rope_type": "default"}}},
      "rope_parameters has entries for chunked_attention; expected full_attention and sliding_attention"),
     ({"rope_scaling": "yarn"}, "config.json rope_scaling is 'yarn'; expected a mapping"),
+    ({"layer_types": ["sliding_attention"]}, "config.json layer_types is ['sliding_attention']; expected 4 entries"),
+    ({"sliding_window_pattern": 0}, "config.json sliding_window_pattern is 0; expected a positive integer"),
     ({"quantization_config": "fp8"}, "config.json quantization_config is 'fp8'; expected a"),
     ({"architectures": "Qwen3MoeForCausalLM"}, "architectures is 'Qwen3MoeForCausalLM'; expected"),
 ]

@@ -32,6 +32,12 @@ LAYOUTS = [
     ("qwen2", 2, 1, 2),
     ("llama3", 4, 1, 3),  # the plan's uneven split: (1, 2, 1)
     ("gpt2", 5, 2, 2),  # tp 2 x pp 2 with the plan's (2, 3)
+    ("gemma2", 2, 2, 1),  # soft caps, sandwich norms, tied head over a split vocabulary
+    ("gemma2", 2, 1, 2),  # the local layer and the global one on different stages; the last loads the head
+    ("gemma3", 2, 2, 1),  # per-head q/k norms on split heads
+    ("gemma3", 2, 1, 2),  # local rope base on stage 0, global on stage 1
+    ("phi3", 2, 2, 1),  # the checkpoint's fused qkv_proj and gate_up_proj cut per rank
+    ("phi3", 2, 1, 2),
 ]
 
 

@@ -56,6 +56,41 @@ def test_generation_past_the_pretraining_length_matches_transformers(family, che
                 assert abs(logprob.logprob - expected[step, token].item()) < 1e-4, (family, step)
 
 
+def test_phi3_longrope_past_the_pretraining_length_matches_transformers_step_by_step(checkpoint_factory):
+    """Phi-3 with longrope factors (pretraining length 16, 64 positions), partial prompts and
+    generations crossing into the long factors. NOTE: Phi3ForCausalLM.generate drops its cache when a
+    sequence crosses the pretraining length and recomputes every key with the long factors; a paged
+    cache keeps each key as it was written (vLLM does the same), so the reference is transformers'
+    forward one token at a time over its own cache."""
+    folder, hf_model = checkpoint_factory("phi3-longrope")
+    llm = LLM(folder, device="cpu", kv_cache_memory_bytes=2**22, block_size=4)
+    assert llm.engine.config.model.max_model_len == 64
+    params = SamplingParams(temperature=0.0, max_tokens=49, logprobs=1)
+    for prompt, output in zip(PROMPTS, llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)):
+        tokens, logits = stepwise_reference(hf_model, prompt, 49)
+        completion = output.outputs[0]
+        assert completion.token_ids == tokens
+        assert len(prompt) + len(tokens) > 17  # past the pretraining length
+        expected = torch.log_softmax(logits.float(), dim=-1)
+        for step, entries in enumerate(completion.logprobs):
+            for token, logprob in entries.items():
+                assert abs(logprob.logprob - expected[step, token].item()) < 1e-4, step
+
+
+def stepwise_reference(hf_model, prompt: list[int], max_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens (cut after EOS) and each step's logits, one forward per token over a DynamicCache."""
+    from transformers import DynamicCache
+
+    cache, tokens, logits = DynamicCache(config=hf_model.config), [], []
+    with torch.no_grad():
+        out = hf_model(torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+        while len(tokens) < max_tokens and (not tokens or tokens[-1] != 1):
+            logits.append(out.logits[0, -1])
+            tokens.append(int(logits[-1].argmax()))
+            out = hf_model(torch.tensor([tokens[-1:]]), past_key_values=cache, use_cache=True)
+    return tokens, torch.stack(logits)
+
+
 def test_legacy_rope_scaling_spelling_reads_the_same(checkpoint_factory, tmp_path):
     """rope_theta + rope_scaling (transformers 4) and rope_parameters (5) are the same model."""
     folder, _ = checkpoint_factory("llama-yarn")
