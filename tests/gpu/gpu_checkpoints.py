@@ -1,4 +1,4 @@
-"""Random Llama and Qwen3 checkpoints for the GPU tests (transformers save_pretrained), bigger than the
+"""Random Llama, Qwen3, Gemma 3 and Phi-3 checkpoints for the GPU tests (transformers save_pretrained), bigger than the
 CPU tests' so that the kernels see real head sizes, GQA groups and several KV blocks per request."""
 
 from __future__ import annotations
@@ -18,6 +18,13 @@ def gpu_config(family: str):
         return tf.LlamaConfig(head_dim=64, **common)  # GQA groups of 4
     if family == "qwen3":
         return tf.Qwen3Config(head_dim=128, tie_word_embeddings=False, **common)  # head_dim above hidden / heads
+    if family == "gemma3":  # Gemma's 256-wide heads; local layers (window 64) with their own rope base
+        # NOTE: an untied head: with the embedding scaled by sqrt(hidden), a random tied model repeats its input
+        return tf.Gemma3TextConfig(head_dim=256, query_pre_attn_scalar=256, sliding_window=64, sliding_window_pattern=3,
+                                   final_logit_softcapping=30.0, tie_word_embeddings=False, **common)
+    if family == "phi3":  # fused checkpoint tensors, a quarter of each head unrotated, window 64
+        return tf.Phi3Config(sliding_window=64, rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.75},
+                             **common)
     raise KeyError(family)
 
 

@@ -103,11 +103,11 @@ def _gemma_phi3_config(tf, family: str, llama_like: dict):
     gemma = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8, hidden_activation="gelu_pytorch_tanh")
     if family == "gemma2":  # layers alternate local (even) and global (odd)
         return tf.Gemma2Config(attn_logit_softcapping=4.0, final_logit_softcapping=6.0, **gemma, **llama_like)
-    if family == "gemma3":  # every 2nd layer global; local layers rotate with their own base
+    if family == "gemma3":  # every 2nd layer global; local layers rotate with their own base; untied head
         rope = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}
         return tf.Gemma3TextConfig(final_logit_softcapping=6.0, sliding_window_pattern=2, rope_parameters=rope,
-                                   **gemma, **llama_like)
+                                   tie_word_embeddings=False, **gemma, **llama_like)
     if family == "phi3":  # a quarter of each head unrotated
         return tf.Phi3Config(sliding_window=8, rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.75},
                              **llama_like)
