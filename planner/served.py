@@ -35,7 +35,7 @@ ARCHITECTURES: dict[str, ServedArchitecture] = {
     "Qwen3MoeForCausalLM": ServedArchitecture("qwen3_moe", is_quantizable=False),
     "Gemma2ForCausalLM": ServedArchitecture("gemma2"),
     "Gemma3ForCausalLM": ServedArchitecture("gemma3_text"),
-    "Phi3ForCausalLM": ServedArchitecture("phi3", is_quantizable=False),  # fused packed tensors: not yet
+    "Phi3ForCausalLM": ServedArchitecture("phi3"),
     "GPT2LMHeadModel": ServedArchitecture("gpt2", rope_types=(), is_quantizable=False),
     "OPTForCausalLM": ServedArchitecture("opt", rope_types=()),
 }

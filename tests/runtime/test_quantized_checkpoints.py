@@ -1,5 +1,6 @@
 """AWQ, GPTQ and FP8 checkpoints: greedy tokens equal transformers' on the dequantized float weights, at
-tensor parallel 1 and 2 and pipeline parallel 2, for Llama- and Qwen2-shaped models."""
+tensor parallel 1 and 2 and pipeline parallel 2, for Llama- and Qwen2-shaped models, Gemma 3 and Phi-3
+(its fused tensors split per rank)."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def test_unpack_inverts_the_format_packers():
     assert pack_int32(row, 4, 1, AWQ_ORDER).item() == sum(c << (4 * j) for j, c in enumerate(AWQ_ORDER))
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen2"])
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "gemma3", "phi3"])
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_greedy_matches_dequantized_transformers(family, fmt, quantized):
     folder, _, expected = quantized(family, fmt)
@@ -63,7 +64,8 @@ def test_greedy_matches_dequantized_transformers(family, fmt, quantized):
 
 PARALLEL = [("llama3", "awq", 2, 1), ("qwen2", "gptq4-act-order", 2, 1), ("llama3", "gptq8-sym", 2, 1),
             ("qwen2", "fp8-tensor", 2, 1), ("llama3", "fp8-channel", 2, 1), ("qwen2", "fp8-block", 2, 1),
-            ("qwen2", "awq", 1, 2), ("llama3", "gptq4-act-order", 1, 2), ("qwen2", "fp8-channel", 1, 2)]
+            ("qwen2", "awq", 1, 2), ("llama3", "gptq4-act-order", 1, 2), ("qwen2", "fp8-channel", 1, 2),
+            ("phi3", "awq", 2, 1), ("phi3", "gptq4-act-order", 2, 1), ("phi3", "fp8-block", 2, 1)]  # fused, cut per rank
 
 
 @pytest.mark.slow
