@@ -49,6 +49,11 @@ class Attention(nn.Module):
         return out.reshape(-1, self.num_heads * self.head_dim)
 
 
+# NOTE: SDPA has no soft cap, so a capped dry run scores a slice of queries at a time: the profiled
+# peak then holds at most this many float32 scores, not num_heads * num_tokens^2.
+SCORES_PER_SLICE = 1 << 24
+
+
 def _causal_attention(q, k, v, scale, logits_soft_cap):
     """q: [num_tokens, num_heads, head_dim], k/v: [num_tokens, num_kv_heads, head_dim]."""
     group = q.shape[1] // k.shape[1]
@@ -56,8 +61,13 @@ def _causal_attention(q, k, v, scale, logits_soft_cap):
         group, dim=1).transpose(0, 1)  # [heads, num_tokens, head_dim]
     if logits_soft_cap is None:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(0, 1)
-    scores = soft_cap(torch.einsum("hqd,hkd->hqk", q.float(), k.float()) * scale, logits_soft_cap)
-    future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
-    probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
-    return torch.einsum("hqk,hkd->hqd", probs, v.float()).to(q.dtype).transpose(0, 1)
-
+    num_heads, num_tokens = q.shape[0], q.shape[1]
+    out = torch.empty_like(q)
+    step = max(1, SCORES_PER_SLICE // (num_heads * num_tokens))
+    for start in range(0, num_tokens, step):
+        end = min(num_tokens, start + step)  # queries [start, end) see keys [0, end)
+        scores = torch.einsum("hqd,hkd->hqk", q[:, start:end].float(), k[:, :end].float()) * scale
+        future = torch.arange(end, device=q.device)[None, :] > torch.arange(start, end, device=q.device)[:, None]
+        probs = torch.softmax(soft_cap(scores, logits_soft_cap).masked_fill(future, float("-inf")), dim=-1)
+        out[:, start:end] = torch.einsum("hqk,hkd->hqd", probs, v[:, :end].float()).to(q.dtype)
+    return out.transpose(0, 1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardserve.runtime.attention import layer as layer_module
 from shardserve.runtime.attention.layer import Attention
 from shardserve.runtime.attention.torch_backend import TorchAttentionBackend, paged_attention, write_kv
 from shardserve.runtime.forward_context import ForwardContext, forward_context
@@ -48,8 +49,10 @@ def test_paged_attention_caps_scores_in_prefill_and_decode(window):
     assert (uncapped - out).abs().max() > 0.1  # control: the cap changed the result
 
 
-def test_no_cache_path_caps_like_the_paged_backend():
+@pytest.mark.parametrize("scores_per_slice", [1 << 24, 100])  # the whole prompt at once; 2 queries a slice
+def test_no_cache_path_caps_like_the_paged_backend(scores_per_slice, monkeypatch):
     """The layer's dry-run path (no metadata) and the paged backend agree on one capped prompt."""
+    monkeypatch.setattr(layer_module, "SCORES_PER_SLICE", scores_per_slice)
     layer = Attention(num_heads=4, head_dim=8, scale=SCALE, num_kv_heads=2, logits_soft_cap=2.0)
     meta = attention_cases.make_batch([(0, 11)], BLOCK_SIZE, NUM_BLOCKS, torch.device("cpu"))
     generator = torch.Generator().manual_seed(5)
