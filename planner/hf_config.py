@@ -80,6 +80,29 @@ class ConfigReader:
 ROPE_TYPES_STRETCHING_CONTEXT = ("linear", "dynamic", "yarn")
 
 
+# NOTE: transformers saves a multimodal model's text_config without the values that equal the text
+# config class's defaults; the planner reads config.json alone, so those defaults are written here.
+TEXT_CONFIG_DEFAULTS: dict[str, dict] = {
+    "gemma3_text": {"model_type": "gemma3_text", "vocab_size": 262208, "hidden_size": 2304,
+                    "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8,
+                    "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131072,
+                    "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6,
+                    "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "tie_word_embeddings": True},
+}
+CHECKPOINT_WIDE_KEYS = ("architectures", "dtype", "torch_dtype", "quantization_config")
+
+
+def language_model_config(config: dict, model_id: str = "model") -> dict:
+    """A multimodal config.json's language model as a text model's config.json: its text_config with
+    transformers' defaults filled in, and the checkpoint-wide keys (architectures, dtype, quantization)."""
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise PlanError(f"{model_id}: config.json text_config is {text!r}; expected a mapping")
+    defaults = TEXT_CONFIG_DEFAULTS.get(text.get("model_type", "gemma3_text"), {})
+    wide = {key: config[key] for key in CHECKPOINT_WIDE_KEYS if config.get(key) is not None}
+    return {**defaults, **{k: v for k, v in text.items() if v is not None}, **wide}
+
+
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # NOTE: configs saved before `layer_types` existed give the local/global alternation as a period
 # (Gemma 3's `sliding_window_pattern`: every 6th layer global) or not at all (Gemma 2: every 2nd

@@ -15,7 +15,8 @@ from shardserve.planner.errors import PlanError
 from shardserve.planner.model_spec import ModelSpec, TensorInfo, canonical_dtype
 from shardserve.planner.sharding import (ShardedModel, TensorGroups, layer_split, shard_model,
                                          summarize)
-from shardserve.planner.tensors import derive_tensors, read_safetensors_headers
+from shardserve.planner.served import ARCHITECTURES
+from shardserve.planner.tensors import derive_tensors, language_model_tensors, read_safetensors_headers
 
 
 DEMO_MODEL_NAME = "shardserve-demo"  # the bundled demo checkpoint, launch/demo/model
@@ -150,6 +151,8 @@ def _from_folder(folder: Path, model_id: str, source: str, quantization: str | N
         raise PlanError(f"{config_path} must hold a JSON object")
     spec = ModelSpec.from_config(model_id, config, quantization)
     headers = read_safetensors_headers(folder)
+    if headers and ARCHITECTURES[spec.architecture].has_text_config:
+        headers = language_model_tensors(headers)  # the vision tower is not loaded
     if headers:
         return ModelInfo(spec, tuple(headers), source, str(folder), "safetensors")
     return ModelInfo(spec, tuple(derive_tensors(spec)), source, str(folder), "config")

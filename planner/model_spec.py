@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardserve.planner.errors import PlanError
-from shardserve.planner.hf_config import REQUIRED, ConfigReader, layer_types, max_context_length
-from shardserve.planner.served import ARCHITECTURES, QUANTIZATION_FORMATS, REFUSED
+from shardserve.planner.hf_config import (REQUIRED, ConfigReader, language_model_config, layer_types,
+                                          max_context_length)
+from shardserve.planner.served import ARCHITECTURES, QUANTIZATION_FORMATS
 from shardserve.planner.settings import SettingError
 
 # architectures entry in config.json -> family name used across shardserve: what the runtime serves.
@@ -139,6 +140,8 @@ class ModelSpec:
         """`quantization`: the --quantization setting, overriding quantization_config's quant_method."""
         arch = _architecture(model_id, config)
         family = SUPPORTED_ARCHITECTURES[arch]
+        if ARCHITECTURES[arch].has_text_config:
+            config = language_model_config(config, model_id)
         read = ConfigReader(model_id, config)
         names = _FIELD_NAMES.get(family, {})
         hidden = read.count(*names.get("hidden_size", ("hidden_size",)))
@@ -187,9 +190,6 @@ def _architecture(model_id: str, config: dict) -> str:
         archs = [a for a, f in SUPPORTED_ARCHITECTURES.items() if f == config["model_type"]]
         archs = archs or [f"model_type {config['model_type']}"]
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-    refused = next((a for a in archs if a in REFUSED), None)
-    if arch is None and refused:
-        raise PlanError(f"{model_id}: architecture {refused} is not served: {REFUSED[refused]}")
     if arch is None:
         named = ", ".join(map(str, archs)) if archs else "no 'architectures' entry"
         raise PlanError(f"{model_id}: architecture {named} is not supported; supported: "

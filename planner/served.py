@@ -22,6 +22,9 @@ class ServedArchitecture:
     family: str  # shardserve's family name; for a bare config.json, transformers' model_type
     rope_types: tuple[str, ...] = ROPE_TYPES  # empty: learned positions
     is_quantizable: bool = True  # False: no quantized layers yet (MoE experts, GPT-2's Conv1D)
+    # True: a multimodal checkpoint whose language model is served (config.json's text_config, the
+    # weights under language_model.), its vision tower left unloaded
+    has_text_config: bool = False
 
 
 # config.json `architectures` entry -> what the runtime serves of it
@@ -35,16 +38,10 @@ ARCHITECTURES: dict[str, ServedArchitecture] = {
     "Qwen3MoeForCausalLM": ServedArchitecture("qwen3_moe", is_quantizable=False),
     "Gemma2ForCausalLM": ServedArchitecture("gemma2"),
     "Gemma3ForCausalLM": ServedArchitecture("gemma3_text"),
+    "Gemma3ForConditionalGeneration": ServedArchitecture("gemma3_text", has_text_config=True),
     "Phi3ForCausalLM": ServedArchitecture("phi3"),
     "GPT2LMHeadModel": ServedArchitecture("gpt2", rope_types=(), is_quantizable=False),
     "OPTForCausalLM": ServedArchitecture("opt", rope_types=()),
-}
-
-
-# architectures refused with a reason (the planner must not plan what the runtime cannot serve)
-REFUSED: dict[str, str] = {
-    "Gemma3ForConditionalGeneration": "Gemma 3 4b/12b/27b are multimodal (vision tower + language model); "
-                                      "only the text-only Gemma3ForCausalLM (gemma-3-1b) is served",
 }
 
 

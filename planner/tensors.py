@@ -35,6 +35,26 @@ def read_safetensors_headers(folder: Path) -> list[TensorInfo] | None:
     return tensors
 
 
+# a multimodal checkpoint's language model tensors (transformers 5, then 4) -> the text model's names
+_LANGUAGE_MODEL_PREFIXES = (("model.language_model.", "model."), ("lm_head.", "lm_head."),
+                            ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."))
+
+
+def language_model_name(name: str) -> str | None:
+    """A multimodal checkpoint's tensor as the text model names it; None: not the language model's
+    (vision tower, multimodal projector)."""
+    for prefix, text_prefix in _LANGUAGE_MODEL_PREFIXES:
+        if name.startswith(prefix):
+            return text_prefix + name[len(prefix):]
+    return None
+
+
+def language_model_tensors(tensors: list[TensorInfo]) -> list[TensorInfo]:
+    """The language model's tensors of a multimodal checkpoint, named as the text model names them."""
+    named = ((language_model_name(t.name), t) for t in tensors)
+    return [TensorInfo(name, t.numel, t.dtype) for name, t in named if name is not None]
+
+
 class _Tensors:
     """Collects a derived checkpoint's tensors; norm and linear add a layer's weights (and biases)."""
 

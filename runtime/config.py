@@ -13,6 +13,7 @@ import torch
 from shardserve.planner.hf_config import max_context_length
 from shardserve.planner.model_source import cached_snapshot, hf_cache_dir
 from shardserve.planner.model_spec import canonical_dtype
+from shardserve.planner.served import ARCHITECTURES
 from shardserve.runtime.layers.quantization.config import QuantConfig
 from shardserve.runtime.layers.rotary import rope_parameters
 
@@ -23,7 +24,7 @@ _KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_
 @dataclass(frozen=True)
 class ModelConfig:
     model: str  # a local folder with config.json and *.safetensors
-    hf_config: Any  # transformers PretrainedConfig, read once
+    hf_config: Any  # transformers PretrainedConfig, read once (a multimodal checkpoint's text_config)
     architecture: str
     dtype: torch.dtype
     max_model_len: int
@@ -66,7 +67,10 @@ def load_model_config(model: str, dtype: str = "auto", max_model_len: int | None
         architectures = json.load(f).get("architectures") or []
     if len(architectures) != 1:
         raise ValueError(f"config.json must name exactly one architecture, found {architectures}")
-    hf_config = AutoConfig.from_pretrained(model)
+    checkpoint_config = AutoConfig.from_pretrained(model)
+    served = ARCHITECTURES.get(architectures[0])
+    # a multimodal checkpoint: the language model's config (the checkpoint's dtype and quantization stay)
+    hf_config = checkpoint_config.text_config if served and served.has_text_config else checkpoint_config
     longest = _max_positions(hf_config)
     if max_model_len is None:
         max_model_len = longest
@@ -76,9 +80,9 @@ def load_model_config(model: str, dtype: str = "auto", max_model_len: int | None
     if max_model_len < 1:
         raise ValueError(f"max_model_len must be positive, got {max_model_len}")
     return ModelConfig(model=model, hf_config=hf_config, architecture=architectures[0],
-                       dtype=_resolve_dtype(dtype, hf_config, device), max_model_len=max_model_len,
+                       dtype=_resolve_dtype(dtype, checkpoint_config, device), max_model_len=max_model_len,
                        skip_tokenizer_init=skip_tokenizer_init, enforce_eager=enforce_eager,
-                       quantization=QuantConfig.from_dict(getattr(hf_config, "quantization_config", None),
+                       quantization=QuantConfig.from_dict(getattr(checkpoint_config, "quantization_config", None),
                                                           quantization))
 
 

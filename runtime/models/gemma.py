@@ -7,6 +7,8 @@ import torch
 from torch import nn
 
 from shardserve.planner import hf_config
+from shardserve.planner.served import ARCHITECTURES
+from shardserve.planner.tensors import language_model_name
 from shardserve.runtime.attention.layer import Attention
 from shardserve.runtime.attention.torch_backend import soft_cap
 from shardserve.runtime.config import ModelConfig
@@ -146,8 +148,8 @@ class GemmaModel(nn.Module):
 
 
 class GemmaForCausalLM(nn.Module):
-    """Gemma2ForCausalLM (has_qk_norm=False) and Gemma3ForCausalLM (True); the LM head is tied unless
-    config.json says otherwise."""
+    """Gemma2ForCausalLM (has_qk_norm=False), Gemma3ForCausalLM and the language model of
+    Gemma3ForConditionalGeneration (True); the LM head is tied unless config.json says otherwise."""
 
     packed_modules = LLAMA_PACKED
     supports_cuda_graphs = True  # the forward reads no tensor value on the host
@@ -155,6 +157,7 @@ class GemmaForCausalLM(nn.Module):
     def __init__(self, model_config: ModelConfig, has_qk_norm: bool):
         super().__init__()
         config = model_config.hf_config
+        self.has_text_config = ARCHITECTURES[model_config.architecture].has_text_config
         if getattr(config, "use_bidirectional_attention", False):
             raise ValueError("use_bidirectional_attention=True (an embedding model) is not supported: "
                              "the runtime generates with causal attention")
@@ -174,6 +177,10 @@ class GemmaForCausalLM(nn.Module):
         return soft_cap(self.lm_head.compute_logits(hidden), self.final_logit_softcapping)
 
     def checkpoint_target(self, name: str) -> WeightTarget | None:
+        if self.has_text_config:  # Gemma 3 4b+: the language model of a multimodal checkpoint
+            name = language_model_name(name)
+            if name is None:
+                return WeightTarget("", skip=True)  # the vision tower and its projector
         if self.tie_word_embeddings:
             return tied_head_target(name, "model.embed_tokens.weight", self.model.is_first_stage) or fold_packed(
                 name, self.packed_modules)

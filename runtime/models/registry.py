@@ -27,6 +27,7 @@ MODEL_BUILDERS: dict[str, Callable[[ModelConfig], nn.Module]] = {
     "Qwen3MoeForCausalLM": qwen3_moe,
     "Gemma2ForCausalLM": gemma2,
     "Gemma3ForCausalLM": gemma3,
+    "Gemma3ForConditionalGeneration": gemma3,  # its language model; images are not served
     "Phi3ForCausalLM": phi3,
     "GPT2LMHeadModel": GPT2LMHeadModel,
     "OPTForCausalLM": OPTForCausalLM,

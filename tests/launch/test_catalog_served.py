@@ -12,6 +12,7 @@ import transformers
 
 from shardserve.planner import PlanError, PlanOptions, load_model, make_plan, parse_declared
 from shardserve.planner.catalog import model_catalog
+from shardserve.planner.hf_config import TEXT_CONFIG_DEFAULTS
 from shardserve.planner.served import ARCHITECTURES, ROPE_TYPES
 from shardserve.runtime import LLM, SamplingParams
 from shardserve.runtime.layers.rotary import SUPPORTED_ROPE_TYPES
@@ -49,8 +50,18 @@ def test_every_catalog_plan_is_served(model_id):
     assert spec.rope_type in ARCHITECTURES[spec.architecture].rope_types or spec.rope_type is None
 
 
+TINY_VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+               "image_size": 56, "patch_size": 14}
+
+
 def tiny_config(config: dict) -> dict:
-    """The catalog config with small sizes: same architecture, rope, window, ties, expert layout."""
+    """The catalog config with small sizes: same architecture, rope, window, ties, expert layout (a
+    multimodal one's language model small, its vision tower smaller)."""
+    if "text_config" in config:
+        text = {**TEXT_CONFIG_DEFAULTS[config["text_config"]["model_type"]], **config["text_config"]}
+        return {**tiny_config({k: v for k, v in config.items() if k not in ("text_config", "vision_config")}),
+                "text_config": tiny_config(text), "vision_config": {**config["vision_config"], **TINY_VISION},
+                "mm_tokens_per_image": 4}
     tiny = {k: v for k, v in config.items() if k not in ("quantization_config", "torch_dtype")}
     grouped = config.get("num_key_value_heads", config.get("num_attention_heads")) != config.get(
         "num_attention_heads")

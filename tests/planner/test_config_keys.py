@@ -108,11 +108,18 @@ def test_phi3_su_rope_is_longrope(tmp_path):
     assert spec.rope_type == "longrope" and spec.max_context_len == 256
 
 
-def test_multimodal_gemma3_is_refused_by_name(tmp_path):
-    config = {"architectures": ["Gemma3ForConditionalGeneration"], "text_config": GEMMA}
-    with pytest.raises(PlanError, match="architecture Gemma3ForConditionalGeneration is not served: Gemma 3 "
-                                        "4b/12b/27b are multimodal"):
-        load_model(write_config(tmp_path / "m", config))
+def test_multimodal_gemma3_reads_its_text_config_with_transformers_defaults(tmp_path):
+    """gemma-3-4b-it's config.json: text_config lists only what differs from Gemma3TextConfig."""
+    text = {"model_type": "gemma3_text", "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34,
+            "sliding_window": 1024, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    config = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text,
+              "vision_config": {"model_type": "siglip_vision_model"}, "torch_dtype": "bfloat16"}
+    spec = load_model(write_config(tmp_path / "m", config)).spec
+    assert (spec.family, spec.num_attention_heads, spec.num_kv_heads, spec.head_dim) == ("gemma3_text", 8, 4, 256)
+    assert spec.vocab_size == 262208 and spec.max_context_len == 131072 and spec.dtype == "bfloat16"
+    assert spec.layer_types.count("full_attention") == 5 and spec.tie_word_embeddings
+    with pytest.raises(PlanError, match="config.json text_config is None; expected a mapping"):
+        load_model(write_config(tmp_path / "bad", {**config, "text_config": None}))
 
 
 BAD = [
