@@ -16,6 +16,28 @@ def _ffn_size(hf_config) -> int | None:
     return 4 * hidden if hidden else None
 
 
+def num_routed_experts(hf_config) -> int | None:
+    """Routed experts per MoE layer (Mixtral's num_local_experts, Qwen-MoE's num_experts); None: dense."""
+    for name in ("num_local_experts", "num_experts"):
+        value = getattr(hf_config, name, None)
+        if value:
+            return int(value)
+    return None
+
+
+def check_expert_parallel(model: ModelConfig, tp: int) -> None:
+    """enable_expert_parallel needs routed experts, and as many on every rank (NOTE: uneven expert counts
+    are refused rather than padded, so every rank holds and computes the same share)."""
+    experts = num_routed_experts(model.hf_config)
+    if experts is None:
+        raise ValueError(f"enable_expert_parallel: {model.architecture} has no routed experts (not a "
+                         "mixture-of-experts model); leave enable_expert_parallel off")
+    if experts % tp:
+        raise ValueError(f"enable_expert_parallel: the model's {experts} experts do not divide evenly over "
+                         f"tensor_parallel_size={tp} ranks; choose a tensor_parallel_size dividing {experts} "
+                         "or leave enable_expert_parallel off")
+
+
 def check_parallel_layout(model: ModelConfig, parallel: ParallelConfig, num_devices: int | None) -> None:
     """Raise ValueError for a layout no worker could run. `num_devices`: GPUs this executor can place
     ranks on (None: no limit, as for CPU ranks)."""
@@ -42,6 +64,8 @@ def check_parallel_layout(model: ModelConfig, parallel: ParallelConfig, num_devi
         raise ValueError(f"layer_split={list(parallel.layer_split)} must give each of the {pp} pipeline stages at "
                          f"least one layer and {model.num_layers} layers in all")
     check_quantized_layout(model, tp)
+    if parallel.enable_expert_parallel:
+        check_expert_parallel(model, tp)
     if num_devices is not None and tp * pp > num_devices:
         raise ValueError(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} = {tp * pp} ranks, more than "
                          f"the {num_devices} devices available")
