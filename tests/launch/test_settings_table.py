@@ -154,3 +154,27 @@ def test_a_setting_the_engine_does_not_act_on_is_refused_by_name():
         LLM(DEMO, data_parallel_size=2)
     with pytest.raises(SettingError, match="unknown setting 'max_num_seqz'"):
         LLM(DEMO, max_num_seqz=2)
+
+
+@pytest.mark.slow
+def test_expert_parallel_on_reaches_the_moe_layers(tmp_path):
+    """True (the demo is dense, so VALUES holds False): a MoE folder at tp 2 through plan, launch and the ranks."""
+    from tests.runtime.runtime_checkpoints import save_checkpoint
+
+    folder = str(tmp_path / "moe")
+    save_checkpoint(folder, "qwen3_moe")
+    config, plan = settle(None, None, {"model": folder, "hardware": "2xcpu", "tensor_parallel_size": 2,
+                                       "enable_expert_parallel": True, "kv_cache_memory_bytes": SMALL_POOL}, None)
+    assert plan.parallel.enable_expert_parallel is True
+    assert any(line.startswith("rule 8: expert parallel") for line in plan.rationale)
+    engine = AsyncEngine(folder, **engine_kwargs(config))
+    try:
+        assert [s.enable_expert_parallel for s in engine.engine.executor.states] == [True, True]
+    finally:
+        engine.engine.shutdown()
+
+
+def test_expert_parallel_on_a_dense_model_is_a_clear_cli_error():
+    result = CliRunner().invoke(app, ["plan", "--model", DEMO, "--hardware", "2xcpu", "--enable-expert-parallel"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "enable_expert_parallel: " in result.output and "has no routed experts" in result.output
