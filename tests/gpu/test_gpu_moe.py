@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 
+import test_gpu_model as model_tests
 from shardserve.runtime.layers.moe import FusedMoE
 from shardserve.runtime.layers.triton_moe import fused_moe
 from shardserve.runtime.parallel_state import ParallelState, get_parallel_state, set_parallel_state
@@ -98,3 +99,9 @@ def test_forward_has_no_host_sync_and_replays_in_a_cuda_graph():
     graph.replay()
     weights, experts = moe.route(new_logits)
     assert_bf16_close(out, loop_fp32(moe, new_x, weights, experts))
+
+
+def test_moe_model_decodes_the_same_in_cuda_graphs(gpu_checkpoint):
+    """A Qwen3-MoE model is captured (no host sync in its forward) and decodes as eagerly; the check is
+    the dense models' (tests/gpu/test_gpu_model.py)."""
+    model_tests.test_cuda_graphs_decode_the_same_greedy_tokens("qwen3_moe", gpu_checkpoint)

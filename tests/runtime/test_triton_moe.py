@@ -131,3 +131,12 @@ def test_rank_shares_sum_to_the_whole_layer(tmp_path, is_expert_parallel):
             assert moe.w13.shape == (4, 8, 16)
         total += moe.forward_loop(x, weights, experts)
     torch.testing.assert_close(total, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_expert_parallel_never_reads_another_ranks_experts():
+    set_parallel_state(ParallelState(0, 2, enable_expert_parallel=True))
+    moe = FusedMoE(4, 2, 16, 8)
+    untouchable = object()  # any attribute read (shape, narrow, load) would raise
+    for expert in (2, 3):
+        for kind in ("w1", "w3", "w2"):
+            moe.weight_loader(moe.w2 if kind == "w2" else moe.w13, untouchable, (expert, kind))
