@@ -54,18 +54,18 @@ def test_parallel_greedy_matches_transformers(family, num_layers, tp, pp, checkp
     assert rank_pids() == []
 
 
-EXPERT_PARALLEL = ["mixtral", "qwen2_moe", "qwen3_moe"]
+EXPERT_PARALLEL = [("mixtral", 1), ("qwen2_moe", 1), ("qwen3_moe", 1), ("mixtral", 2)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", EXPERT_PARALLEL)
-def test_expert_parallel_greedy_matches_transformers(family, checkpoint_factory):
+@pytest.mark.parametrize("family, pp", EXPERT_PARALLEL, ids=[f"{f}-tp2-pp{p}" for f, p in EXPERT_PARALLEL])
+def test_expert_parallel_greedy_matches_transformers(family, pp, checkpoint_factory):
     """tp 2 with whole experts per rank (2 of the 4 each); attention and shared experts stay split."""
     folder, hf_model = checkpoint_factory(family, num_layers=2)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     with LLM(folder, device="cpu", kv_cache_memory_bytes=2**22, block_size=4, tensor_parallel_size=2,
-             distributed_executor_backend="mp", enable_expert_parallel=True) as llm:
-        assert [s.enable_expert_parallel for s in llm.engine.executor.states] == [True, True]
+             pipeline_parallel_size=pp, distributed_executor_backend="mp", enable_expert_parallel=True) as llm:
+        assert [s.enable_expert_parallel for s in llm.engine.executor.states] == [True] * 2 * pp
         assert token_outputs(llm, PROMPTS, params) == reference(hf_model, PROMPTS, MAX_TOKENS)
     assert rank_pids() == []
 

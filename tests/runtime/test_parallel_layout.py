@@ -45,6 +45,12 @@ def test_expert_parallel_refusals_name_the_setting(experts, tp, message):
 
 def test_expert_parallel_layouts_pass():
     check_parallel_layout(model_config(experts=8), ParallelConfig(4, 1, enable_expert_parallel=True), None)
+    # Mixtral's experts are its intermediate_size: whole per rank, 90 features need not divide by 4
+    with pytest.raises(ValueError, match="does not divide the experts' 90 intermediate features; "
+                                         "enable_expert_parallel keeps experts whole"):
+        check_parallel_layout(model_config(experts=8, intermediate=90), ParallelConfig(4, 1), None)
+    check_parallel_layout(model_config(experts=8, intermediate=90), ParallelConfig(4, 1, enable_expert_parallel=True),
+                          None)
 
 
 @pytest.mark.parametrize("tp, pp", [(8, 1), (4, 1), (2, 2), (1, 4)])
