@@ -38,7 +38,7 @@ def evaluate(model: ModelInfo, layout: Layout, hardware: Hardware, options: Plan
     sharded = model.sharded(tp, settings.dtype, pp, ep)
     split = sharded.split(pp)
     stage_weights = sharded.stage_bytes(split)
-    memory = plan_memory(spec, stage_weights, split, tp, hardware.gpu, settings)
+    memory = plan_memory(spec, stage_weights, split, tp, hardware.gpu, settings, ep)
     needed = settings.max_model_len * options.target_concurrency
     problem = None
     if memory.tightest.kv_budget_bytes <= 0:

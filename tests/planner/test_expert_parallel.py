@@ -9,8 +9,10 @@ from dataclasses import replace
 import pytest
 
 from factories import plan_for
-from shardserve.planner import PlanError, load_model
+from shardserve.planner import PlanError, PlanOptions, load_model, parse_declared
+from shardserve.planner.memory import activation_bytes
 from shardserve.planner.model_spec import QuantSpec
+from shardserve.planner.options import resolve_settings
 from shardserve.planner.rules import expert_parallel_reason, tensor_parallel_problem
 
 QWEN3_MOE, MIXTRAL, QWEN15_MOE = "Qwen/Qwen3-30B-A3B", "mistralai/Mixtral-8x7B-Instruct-v0.1", "Qwen/Qwen1.5-MoE-A2.7B"
@@ -87,3 +89,13 @@ def test_per_rank_weights_reflect_the_layout():
     assert (model.sharded(8, "bfloat16", 1, True).expert_bytes
             == pytest.approx(model.sharded(1, "bfloat16", 1).expert_bytes / 8))
     assert whole.chosen.memory.tightest.weights_bytes == pytest.approx(split.chosen.memory.tightest.weights_bytes)
+
+
+def test_activations_reflect_whole_experts():
+    """The kernel's gate-up buffer holds every pair's features of its expert: all of them on an expert-parallel
+    rank, 1/tp of them when experts are split."""
+    spec = load_model(QWEN3_MOE).spec
+    settings = resolve_settings(PlanOptions(), spec, parse_declared("8xH100-80GB").gpu)
+    split, whole = (activation_bytes(spec, 8, settings, False, ep) for ep in (False, True))
+    pairs = settings.max_num_batched_tokens * spec.num_experts_per_tok
+    assert whole - split == pairs * (768 - 768 // 8) * settings.dtype_bytes
