@@ -1,5 +1,6 @@
-"""Random Llama, Qwen3, Gemma 3 and Phi-3 checkpoints for the GPU tests (transformers save_pretrained), bigger than the
-CPU tests' so that the kernels see real head sizes, GQA groups and several KV blocks per request."""
+"""Random Llama, Qwen3, Qwen3-MoE, Gemma 3 and Phi-3 checkpoints for the GPU tests (transformers
+save_pretrained), bigger than the CPU tests' so that the kernels see real head sizes, GQA groups and
+several KV blocks per request."""
 
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ def gpu_config(family: str):
     if family == "phi3":  # fused checkpoint tensors, a quarter of each head unrotated, window 64
         return tf.Phi3Config(sliding_window=64, rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.75},
                              **common)
+    if family == "qwen3_moe":  # 16 experts, top 4: the fused MoE kernel in a whole model
+        return tf.Qwen3MoeConfig(head_dim=128, tie_word_embeddings=False, num_experts=16, num_experts_per_tok=4,
+                                 moe_intermediate_size=256, norm_topk_prob=True, **common)
     raise KeyError(family)
 
 
