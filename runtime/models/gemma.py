@@ -51,7 +51,7 @@ def gemma_layer_types(config) -> tuple[str, ...]:
 
 
 class GemmaAttention(nn.Module):
-    def __init__(self, config, max_position: int, layer_type: str, has_qk_norm: bool):
+    def __init__(self, config, rotary_emb: RotaryEmbedding, layer_type: str, has_qk_norm: bool):
         super().__init__()
         heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         bias = bool(getattr(config, "attention_bias", False))
@@ -64,7 +64,7 @@ class GemmaAttention(nn.Module):
         if has_qk_norm:  # Gemma 3
             self.q_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
             self.k_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(head_dim, max_position, rope_parameters(config, layer_type))
+        self.rotary_emb = rotary_emb  # shared by every layer of this type
         window = config.sliding_window if layer_type == "sliding_attention" else None
         self.attn = Attention(self.num_heads, head_dim, config.query_pre_attn_scalar ** -0.5, self.num_kv_heads,
                               window, getattr(config, "attn_logit_softcapping", None))
@@ -99,11 +99,11 @@ class GemmaDecoderLayer(nn.Module):
     residual stream carried beside the hidden states (stream = hidden + residual) so each add is
     folded into the next norm."""
 
-    def __init__(self, config, max_position: int, layer_type: str, has_qk_norm: bool):
+    def __init__(self, config, rotary_emb: RotaryEmbedding, layer_type: str, has_qk_norm: bool):
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
-        self.self_attn = GemmaAttention(config, max_position, layer_type, has_qk_norm)
+        self.self_attn = GemmaAttention(config, rotary_emb, layer_type, has_qk_norm)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.mlp = GemmaMLP(config)
@@ -130,8 +130,11 @@ class GemmaModel(nn.Module):
             self.register_buffer("embed_scale", torch.tensor(config.hidden_size ** 0.5).to(
                 self.embed_tokens.weight.dtype), persistent=False)
         types = gemma_layer_types(config)
+        # NOTE: one cos/sin table per layer type, not per layer: at 128k positions a table is 64+ MiB
+        rotary = {kind: RotaryEmbedding(config.head_dim, max_position, rope_parameters(config, kind))
+                  for kind in sorted(set(types))}
         self.layers, self.start_layer, self.end_layer = make_layers(
-            config.num_hidden_layers, lambda i: GemmaDecoderLayer(config, max_position, types[i], has_qk_norm))
+            config.num_hidden_layers, lambda i: GemmaDecoderLayer(config, rotary[types[i]], types[i], has_qk_norm))
         if self.is_last_stage:
             self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
