@@ -39,6 +39,7 @@ LAYOUTS = [
     ("gemma3", 2, 1, 2),  # local rope base on stage 0, global on stage 1
     ("phi3", 2, 2, 1),  # the checkpoint's fused qkv_proj and gate_up_proj cut per rank
     ("phi3", 2, 1, 2),
+    ("phi3", 2, 4, 1),  # 2 KV heads of the fused qkv_proj on 4 ranks: each cut out twice
 ]
 
 
