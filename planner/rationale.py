@@ -67,7 +67,12 @@ def rationale(model: ModelInfo, hardware: Hardware, settings: RuntimeSettings,
     mem = chosen.memory
     lines.append(f"KV cache: {mem.kv_cache_tokens} tokens per replica, "
                  f"{mem.max_concurrency(settings.max_model_len):.2f}x requests of "
-                 f"{settings.max_model_len} tokens")
+                 f"{settings.max_model_len} tokens"
+                 + (f" (every layer attends over {mem.window} tokens: a request holds at most "
+                    f"{mem.blocks_per_request(settings.max_model_len)} blocks)" if mem.window else ""))
+    if settings.is_max_model_len_auto:
+        lines.append(f"max_model_len auto: {settings.max_model_len}, the longest for which target_concurrency "
+                     f"requests fit the KV cache (the model's limit: {model.spec.max_context_len})")
     return lines
 
 
