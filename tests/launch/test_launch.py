@@ -102,6 +102,18 @@ def test_max_model_len_auto_serves_what_the_plan_chose(tmp_path):
     assert code == 0, out
 
 
+def test_only_rank_0_shows_loading_progress():
+    """Two mp ranks (tensor parallel) load their shards; the log shows one rank's progress and total."""
+    proc, url = start_server("--profile", "demo", "--set", "hardware=2xcpu", "--set", "tensor_parallel_size=2",
+                             "--set", "kv_cache_memory_bytes=33554432")
+    code, out = stop_server(proc)
+    assert code == 0, out
+    progress = [line for line in out.splitlines() if "load_progress" in line]
+    assert [line for line in progress if " loaded " in line and "(rank 0): loaded 0.0 GB in" in line], out
+    assert len([line for line in progress if " loaded " in line]) == 1
+    assert not [line for line in progress if "(rank 1)" in line]
+
+
 def test_replicas_behind_one_server_share_the_load():
     proc, url = start_server("--profile", "demo", "--set", "hardware=2xcpu",
                              "--set", "data_parallel_size=2",
