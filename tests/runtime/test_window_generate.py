@@ -47,3 +47,20 @@ def test_a_model_that_would_read_freed_blocks_is_refused():
         check_uniform_window(layers, 8)
     check_uniform_window(layers[:1], 8)
     check_uniform_window(layers, None)
+
+
+@pytest.mark.parametrize("max_model_len", [64, "auto"])
+def test_plan_predicts_the_runtimes_blocks_and_concurrency(max_model_len, checkpoint_factory, kv_bytes_for):
+    """plan = launch with a window: the planner's blocks per request, concurrency and auto length
+    are the engine's, for the same settings on CPU."""
+    from tests.planner.factories import plan_for
+
+    folder, _ = checkpoint_factory("mistral-window")
+    settings = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=max_model_len,
+                    kv_cache_memory_bytes=kv_bytes_for(folder, 9, 4))
+    plan = plan_for(folder, "cpu", **settings).record()
+    with LLM(folder, device="cpu", **settings) as llm:
+        info = llm.kv_cache_info
+    assert plan.memory.num_blocks == info.num_blocks == 9
+    assert plan.runtime.max_model_len == info.max_model_len == (64 if max_model_len == 64 else 256)
+    assert plan.memory.max_concurrency == round(info.max_concurrency, 2) == round(9 / 5, 2)
