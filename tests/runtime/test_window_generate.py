@@ -25,7 +25,9 @@ def test_window_freeing_matches_transformers(num_blocks, prefix_caching, checkpo
              enable_prefix_caching=prefix_caching, kv_cache_memory_bytes=kv_bytes_for(folder, num_blocks, 4)) as llm:
         pool, scheduler = llm.engine.block_manager, llm.engine.scheduler
         assert pool.sliding_window == 8 and llm.kv_cache_info.blocks_per_request == 5
+        reused = spy_reuse(llm)
         outputs = token_outputs(llm, PROMPTS, params)
+        assert reused, "no freed block was ever taken by another running request"
         assert [out[:len(ref)] for out, ref in zip(outputs, expected)] == expected
         pool.check_integrity()
         assert pool.num_free_blocks == num_blocks
@@ -33,6 +35,27 @@ def test_window_freeing_matches_transformers(num_blocks, prefix_caching, checkpo
             assert scheduler.num_prefix_hit_tokens > 0
         else:
             assert scheduler.num_preemptions > 0
+
+
+def spy_reuse(llm: LLM) -> list[str]:
+    """After every step, note a request whose table still names a block it freed that another running
+    request now holds (the stale entry the kernels must never read)."""
+    engine, found = llm.engine, []
+    step = engine.step
+
+    def spying_step():
+        deltas = step()
+        pool = engine.block_manager
+        running = [r.request_id for r in engine.scheduler.running]
+        for request_id in running:
+            table, held = pool.block_ids(request_id), pool.held_block_ids(request_id)
+            stale = set(table[:len(table) - len(held)])
+            if any(stale & set(pool.held_block_ids(other)) for other in running if other != request_id):
+                found.append(request_id)
+        return deltas
+
+    engine.step = spying_step
+    return found
 
 
 def test_a_window_on_some_layers_frees_nothing(checkpoint_factory, kv_bytes_for):
