@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardserve.planner.errors import PlanError
-from shardserve.planner.hf_config import REQUIRED, ConfigReader, max_context_length
+from shardserve.planner.hf_config import REQUIRED, ConfigReader, max_context_length, uniform_sliding_window
 from shardserve.planner.served import ARCHITECTURES, QUANTIZATION_FORMATS
 from shardserve.planner.settings import SettingError
 
@@ -119,6 +119,7 @@ class ModelSpec:
     moe_layers: tuple[int, ...] = ()
     rope_type: str | None = None  # None: no rotary embedding (learned positions)
     sliding_window: int | None = None  # tokens each query attends back; None: the whole context
+    uniform_sliding_window: int | None = None  # the window of every layer (KV behind it is freed); None: none
 
     @property
     def is_moe(self) -> bool:
@@ -161,7 +162,9 @@ class ModelSpec:
             dtype=_dtype(read),
             quantization=QuantSpec.from_config(quant or {}, quantization) if quant or quantization else None,
             rope_type=rope["rope_type"] if rope else None,
-            sliding_window=_sliding_window(read), **_moe_fields(family, read, num_layers))
+            sliding_window=_sliding_window(read),
+            uniform_sliding_window=uniform_sliding_window({**config, "architectures": [arch]}),
+            **_moe_fields(family, read, num_layers))
 
 
 _FIELD_NAMES = {
