@@ -35,10 +35,25 @@ def _parameter(setting: Setting) -> inspect.Parameter:
     decls = [setting.flag] + ([setting.short] if setting.short else [])
     if setting.type is bool:
         decls = [f"{setting.flag}/--no-{setting.flag[2:]}"]
-    option = typer.Option(*decls, help=_help(setting), show_default=False)
+    parser = {"parser": _word_or_number(setting)} if setting.words else {}
+    option = typer.Option(*decls, help=_help(setting), show_default=False, **parser)
     kind = list[str] if setting.type is list else setting.type  # a list: the flag given once per item
+    kind = str if setting.words else kind
     annotation = Annotated[Optional[kind], option]
     return inspect.Parameter(setting.name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
+
+
+def _word_or_number(setting: Setting) -> Callable[[str], object]:
+    """A flag that takes a number or one of the setting's words (--max-model-len 4096 or auto)."""
+    def parse(text: str):
+        if text in setting.words:
+            return text
+        try:
+            return setting.type(text)
+        except ValueError:
+            raise typer.BadParameter(f"{text!r} is not {setting.type.__name__}"
+                                     + "".join(f" or {w!r}" for w in setting.words)) from None
+    return parse
 
 
 def setting_options(names: Iterable[str]) -> Callable:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
@@ -26,8 +26,11 @@ def _pydantic_field(setting: Setting) -> tuple:
     if setting.choices is not None:
         kind = Literal[setting.choices]
     bounds = {"ge": setting.minimum, "le": setting.maximum, "gt": setting.above}
-    return Optional[kind], Field(None, description=setting.help,
-                                 **{k: v for k, v in bounds.items() if v is not None})
+    bounds = {k: v for k, v in bounds.items() if v is not None}
+    if setting.words:  # the bounds apply to the number, not to the words beside it
+        return Optional[Union[Annotated[kind, Field(**bounds)], Literal[setting.words]]], Field(
+            None, description=setting.help)
+    return Optional[kind], Field(None, description=setting.help, **bounds)
 
 
 # Every key a profile, a plan or a flag may set: the settings table's, all optional.

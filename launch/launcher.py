@@ -76,13 +76,23 @@ def settle(plan_path: str | None, profile: str | None, flags: dict,
     if plan is not None:
         check_plan_fits(plan, hardware)
         _require_weights(load_model(config.model, config.quantization).path, config.model)
-        return config, plan
+        return apply_auto_len(config, plan), plan
     model = config.model or DEFAULT_MODEL
     info = load_model(model, config.quantization)
     _require_weights(info.path, model)
     plan = build_plan(validate(merge(config.set_values(), {"model": model}), "launch settings"), hardware, info).record()
     config = validate(merge(plan_settings(plan), config.set_values(), {"model": model}), "launch settings")
-    return config, plan
+    return apply_auto_len(config, plan), plan
+
+
+def apply_auto_len(config: DeployConfig, plan: PlanFile) -> DeployConfig:
+    """max_model_len auto: the number the plan chose for its KV cache, so the engines serve what the
+    plan predicted (plan = launch)."""
+    if config.max_model_len != "auto":
+        return config
+    logger.info("max_model_len auto: %d tokens, the longest the plan fits in its KV cache of %d tokens",
+                plan.runtime.max_model_len, plan.memory.kv_cache_tokens)
+    return validate(merge(config.set_values(), {"max_model_len": plan.runtime.max_model_len}), "launch settings")
 
 
 def _require_weights(path: str | None, model: str) -> None:
@@ -156,11 +166,12 @@ def log_plan(plan: PlanFile) -> None:
                 plan.memory.max_concurrency)
 
 
-def compare_kv(plan: PlanFile, measured_tokens: int, max_model_len: int) -> None:
-    predicted = plan.memory.kv_cache_tokens
+def compare_kv(plan: PlanFile, info) -> None:
+    """`info`: the engine's KVCacheInfo (concurrency counted as the block manager holds blocks)."""
+    predicted, measured_tokens = plan.memory.kv_cache_tokens, info.num_tokens
     logger.info("KV cache measured: %d tokens, %.2fx concurrency for %d tokens per request "
-                "(plan predicted %d tokens)", measured_tokens, measured_tokens / max_model_len,
-                max_model_len, predicted)
+                "(plan predicted %d tokens, %.2fx)", measured_tokens, info.max_concurrency,
+                info.max_model_len, predicted, plan.memory.max_concurrency)
     if predicted and abs(measured_tokens - predicted) > 0.1 * predicted:
         logger.warning("the measured KV cache differs from the plan's prediction by %.0f%%",
                        100 * (measured_tokens - predicted) / predicted)
@@ -242,7 +253,7 @@ def serve_once(config: DeployConfig, plan: PlanFile, host: str, port: int, api_k
     engines = [AsyncEngine(path, **replica_kwargs(kwargs, r))
                for r in range(config.data_parallel_size or 1)]
     info = engines[0].kv_cache_info
-    compare_kv(plan, info.num_tokens, info.max_model_len)
+    compare_kv(plan, info)
 
     replicas = ReplicaSet(engines)
     metrics = ServerMetrics(name, replicas.stats)

@@ -117,9 +117,11 @@ def layer_types(config: dict, model_id: str = "model", family: str | None = None
     num_layers = config.get("num_hidden_layers")
     saved = config.get("layer_types")
     if saved is not None:
-        if not isinstance(saved, list) or any(t not in LAYER_TYPES for t in saved) or len(saved) != num_layers:
-            raise PlanError(f"{model_id}: config.json layer_types is {saved!r}; expected {num_layers} entries "
-                            f"of {' or '.join(LAYER_TYPES)}")
+        is_list = isinstance(saved, list)
+        is_miscounted = is_list and isinstance(num_layers, int) and len(saved) != num_layers
+        if not is_list or is_miscounted or any(t not in LAYER_TYPES for t in saved):
+            raise PlanError(f"{model_id}: config.json layer_types is {saved!r}; expected "
+                            f"{num_layers or 'one per layer'} entries of {' or '.join(LAYER_TYPES)}")
         return tuple(saved)
     pattern = config.get("sliding_window_pattern")
     if pattern is None:
@@ -193,3 +195,32 @@ def max_context_length(max_position_embeddings: int, rope: dict | None, model_ty
         return max_position_embeddings
     start = rope.get("original_max_position_embeddings") if kind == "yarn" else None
     return int((start or max_position_embeddings) * float(rope["factor"]))
+
+
+# NOTE: how each architecture's layers take config.json's sliding_window (as transformers applies it):
+# "every" layer; "qwen": the layers from max_window_layers on, only with use_sliding_window (off by
+# default); "interleaved": local and global layers alternate (Gemma 2/3). An architecture missing here
+# (Llama, GPT-2, OPT) ignores the key. A saved `layer_types` list overrides the rule.
+WINDOW_RULES = {
+    "MistralForCausalLM": "every", "MixtralForCausalLM": "every", "Phi3ForCausalLM": "every",
+    "Qwen2ForCausalLM": "qwen", "Qwen3ForCausalLM": "qwen", "Qwen2MoeForCausalLM": "qwen",
+    "Qwen3MoeForCausalLM": "qwen", "Gemma2ForCausalLM": "interleaved", "Gemma3ForCausalLM": "interleaved",
+    "Gemma3ForConditionalGeneration": "interleaved",
+}
+
+
+def uniform_sliding_window(config: dict) -> int | None:
+    """The attention window that every layer applies, or None when some layer sees the whole context.
+    Only then can KV blocks behind the window be freed: one full-attention layer still reads them all."""
+    window = config.get("sliding_window")
+    rule = next((WINDOW_RULES[a] for a in config.get("architectures") or () if a in WINDOW_RULES), None)
+    if not window or rule is None:
+        return None
+    if rule == "qwen" and not config.get("use_sliding_window", False):
+        return None
+    types = layer_types(config)  # any spelling: Gemma 3's sliding_window_pattern too
+    if types is not None:
+        return window if all(t == "sliding_attention" for t in types) else None
+    if rule == "qwen":
+        return window if config.get("max_window_layers", 28) <= 0 else None
+    return window if rule == "every" else None

@@ -35,18 +35,71 @@ class StageMemory:
         return max(0, self.kv_budget_bytes) // (self.kv_bytes_per_token * block_size)
 
 
+def max_blocks_per_request(num_tokens: int, block_size: int, window: int | None, max_chunk: int) -> int:
+    """The most KV blocks one request computing `num_tokens` tokens in chunks of at most `max_chunk`
+    holds at once, as runtime/block_manager.py allocates them (planner and runtime share this rule).
+    Without a window: every block. With one, a step computing tokens [c, c + n) holds blocks
+    floor((c - window + 1) / block_size) .. ceil((c + n) / block_size) - 1:
+
+        positions:  0 .. c-w | c-w+1 ........ c-1 | c ..... c+n-1
+                    freed    | seen by query c    | this step's chunk
+                    (whole blocks only: a block straddling c-w+1 stays)
+
+    The largest count over every c: a chunk starting where freeing has not begun (c < window - 1),
+    one whose oldest seen token is the last of its block, or the request's last chunk."""
+    full = -(-num_tokens // block_size)
+    if window is None or window >= num_tokens:
+        return full
+    chunk = min(max_chunk, num_tokens)
+    unfreed = min(window - 2, num_tokens - chunk)  # the largest full-size chunk's c before freeing starts
+    best = -(-(unfreed + chunk) // block_size) if unfreed >= 0 else 0
+    last = num_tokens - chunk - window + 1  # the largest c - window + 1 among full-size chunks
+    if last >= 0:
+        best = max(best, -(-(min(last, block_size - 1) + window - 1 + chunk) // block_size))
+    first_short = max(0, num_tokens - chunk + 1)  # chunks from here on are cut short by num_tokens
+    if first_short <= num_tokens - 1:
+        best = max(best, full - max(0, first_short - window + 1) // block_size)
+    return best
+
+
+def longest_fitting_len(num_blocks: int, block_size: int, window: int | None, max_chunk: int, limit: int,
+                        num_requests: int = 1) -> int | None:
+    """`--max-model-len auto`: the longest max_model_len, at most `limit` (the model's), for which
+    `num_requests` requests fit in `num_blocks` at once; None when not even one token does."""
+    def fits(length: int) -> bool:
+        return num_requests * max_blocks_per_request(length, block_size, window, max_chunk) <= num_blocks
+
+    if not fits(1):
+        return None
+    low, high = 1, limit  # fits(low); the count grows with the length, so bisect
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle - 1)
+    return low
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     stages: tuple[StageMemory, ...]
     num_blocks: int
     block_size: int
+    window: int | None = None  # the window every layer applies (KV behind it is freed); None: none
+    max_chunk: int = 1  # the most tokens a request computes in one step (max_num_batched_tokens)
 
     @property
     def kv_cache_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
+    def blocks_per_request(self, max_model_len: int) -> int:
+        return max_blocks_per_request(max_model_len, self.block_size, self.window, self.max_chunk)
+
     def max_concurrency(self, max_model_len: int) -> float:
-        return self.kv_cache_tokens / max_model_len
+        """Requests of max_model_len tokens the pool holds at once (as the block manager counts)."""
+        return self.num_blocks / self.blocks_per_request(max_model_len)
+
+    def longest_fitting_len(self, limit: int, num_requests: int) -> int | None:
+        return longest_fitting_len(self.num_blocks, self.block_size, self.window, self.max_chunk, limit,
+                                   num_requests)
 
     @property
     def tightest(self) -> StageMemory:
@@ -105,4 +158,5 @@ def plan_memory(spec: ModelSpec, stage_weights: list[float], split: list[int], t
         stages.append(StageMemory(gpu.memory_bytes, int(weights), act, over, budget,
                                   per_token, layers))
     num_blocks = min(s.num_blocks_fit(settings.block_size) for s in stages)
-    return MemoryPlan(tuple(stages), num_blocks, settings.block_size)
+    return MemoryPlan(tuple(stages), num_blocks, settings.block_size, spec.uniform_sliding_window,
+                      settings.max_num_batched_tokens)

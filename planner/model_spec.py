@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from shardserve.planner.errors import PlanError
 from shardserve.planner.hf_config import (REQUIRED, ConfigReader, language_model_config, layer_types,
-                                          max_context_length)
+                                          max_context_length, uniform_sliding_window)
 from shardserve.planner.served import ARCHITECTURES, QUANTIZATION_FORMATS
 from shardserve.planner.settings import SettingError
 
@@ -119,7 +119,8 @@ class ModelSpec:
     shared_expert_intermediate_size: int | None = None
     moe_layers: tuple[int, ...] = ()
     rope_type: str | None = None  # None: no rotary embedding (learned positions)
-    sliding_window: int | None = None  # tokens each query attends back on every layer; None: the whole context
+    sliding_window: int | None = None  # tokens each query attends back; None: the whole context
+    uniform_sliding_window: int | None = None  # the window of every layer (KV behind it is freed); None: none
     # per layer "sliding_attention" (config.json's sliding_window) or "full_attention"; None: all alike
     layer_types: tuple[str, ...] | None = None
 
@@ -154,8 +155,6 @@ class ModelSpec:
             raise read.bad("quantization_config", quant, "a mapping")
         max_positions = read.count(*names.get("max_position_embeddings", ("max_position_embeddings",)))
         rope = read.rope_parameters() if family not in ("gpt2", "opt") else None
-        types = layer_types(config, model_id, family)
-        window = _sliding_window(read)
         return ModelSpec(
             id=model_id, architecture=arch, family=family, num_layers=num_layers,
             hidden_size=hidden, num_attention_heads=heads,
@@ -168,8 +167,9 @@ class ModelSpec:
             dtype=_dtype(read),
             quantization=QuantSpec.from_config(quant or {}, quantization) if quant or quantization else None,
             rope_type=rope["rope_type"] if rope else None,
-            sliding_window=window if types is None or "full_attention" not in types else None,
-            layer_types=types, **_moe_fields(family, read, num_layers))
+            sliding_window=_sliding_window(read),
+            uniform_sliding_window=uniform_sliding_window({**config, "architectures": [arch]}),
+            layer_types=layer_types(config, model_id, family), **_moe_fields(family, read, num_layers))
 
 
 _TIED_BY_DEFAULT = ("gpt2", "opt", "gemma2", "gemma3_text")  # transformers' default when config.json omits it

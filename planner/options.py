@@ -30,6 +30,7 @@ class RuntimeSettings:
     gpu_memory_utilization: float
     enable_prefix_caching: bool
     kv_cache_memory_bytes: int | None
+    is_max_model_len_auto: bool = False  # max_model_len is the model's limit until a layout fits it
 
     @property
     def dtype_bytes(self) -> int:
@@ -49,7 +50,8 @@ def resolve_settings(options: PlanOptions, spec: ModelSpec, gpu: GpuSpec) -> Run
     is_fp8_kv = options.kv_cache_dtype.startswith("fp8")
     if is_fp8_kv and not (gpu.has_fp8 or gpu.is_cpu):
         raise PlanError(f"kv_cache_dtype {options.kv_cache_dtype} needs a GPU with fp8 support; {gpu.name} has none")
-    max_len = options.max_model_len or spec.max_context_len
+    is_auto = options.max_model_len == "auto"
+    max_len = spec.max_context_len if is_auto else options.max_model_len or spec.max_context_len
     if max_len > spec.max_context_len:
         raise PlanError(f"max_model_len {max_len} is beyond the model's "
                         f"{spec.max_context_len} positions: lower --max-model-len")
@@ -62,7 +64,8 @@ def resolve_settings(options: PlanOptions, spec: ModelSpec, gpu: GpuSpec) -> Run
         max_model_len=max_len, max_num_seqs=options.max_num_seqs,
         max_num_batched_tokens=batched, block_size=options.block_size,
         gpu_memory_utilization=options.gpu_memory_utilization,
-        enable_prefix_caching=options.enable_prefix_caching, kv_cache_memory_bytes=kv_pool)
+        enable_prefix_caching=options.enable_prefix_caching, kv_cache_memory_bytes=kv_pool,
+        is_max_model_len_auto=is_auto)
 
 
 def _resolve_dtype(requested: str, spec: ModelSpec, gpu: GpuSpec) -> str:

@@ -49,6 +49,7 @@ def make_plan(model: ModelInfo, hardware: Hardware, options: PlanOptions) -> Pla
     chosen = choose(candidates, hardware)
     if chosen is None:
         raise InfeasibleError(_cannot_fit(model, hardware, options, settings, candidates))
+    settings = chosen.settings  # max_model_len auto: the chosen layout's number
     executor = choose_executor(chosen.layout, hardware, options)
     weight_bytes = total_weight_bytes(model.spec, model.groups, settings.dtype)
     return Plan(model, hardware, settings, chosen, executor,
@@ -104,9 +105,9 @@ def _cannot_fit(model: ModelInfo, hardware: Hardware, options: PlanOptions,
                                      c.memory.tightest.kv_budget_bytes))
     lines = [f"{head} with max_model_len {settings.max_model_len}: {best.problem} "
              f"(best layout {best.layout})."]
-    fitting_len = best.memory.kv_cache_tokens // options.target_concurrency
-    if fitting_len >= settings.block_size:
-        lines.append(f"--max-model-len {fitting_len} would fit ({best.layout}).")
+    fitting_len = best.memory.longest_fitting_len(spec.max_context_len, options.target_concurrency)
+    if fitting_len is not None and fitting_len >= settings.block_size:
+        lines.append(f"--max-model-len {fitting_len} would fit ({best.layout}; --max-model-len auto picks it).")
     if not settings.is_fp8_kv and (hardware.gpu.has_fp8 or hardware.is_cpu):
         fp8 = replace(options, kv_cache_dtype="fp8")
         if choose(_search(model, hardware, fp8, resolve_settings(fp8, spec, hardware.gpu)),

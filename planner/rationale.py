@@ -68,10 +68,17 @@ def rationale(model: ModelInfo, hardware: Hardware, settings: RuntimeSettings,
                  + ("one node" if executor == "mp" else
                     "several nodes" if hardware.source != "ray" else "inside a Ray cluster")
                  + ")")
-    mem = chosen.memory
-    lines.append(f"KV cache: {mem.kv_cache_tokens} tokens per replica, "
-                 f"{mem.max_concurrency(settings.max_model_len):.2f}x requests of "
-                 f"{settings.max_model_len} tokens")
+    return lines + _kv_cache_lines(chosen.memory, settings, spec.max_context_len)
+
+
+def _kv_cache_lines(mem, settings: RuntimeSettings, model_limit: int) -> list[str]:
+    length = settings.max_model_len
+    lines = [f"KV cache: {mem.kv_cache_tokens} tokens per replica, {mem.max_concurrency(length):.2f}x requests "
+             f"of {length} tokens" + (f" (every layer attends over {mem.window} tokens: a request holds at most "
+                                      f"{mem.blocks_per_request(length)} blocks)" if mem.window else "")]
+    if settings.is_max_model_len_auto:
+        lines.append(f"max_model_len auto: {length}, the longest for which target_concurrency requests fit "
+                     f"the KV cache (the model's limit: {model_limit})")
     return lines
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shardserve.planner.hardware import Hardware
 from shardserve.planner.memory import MemoryPlan, plan_memory
@@ -21,6 +21,7 @@ class Candidate:
     memory: MemoryPlan | None = None
     estimates: Estimates | None = None
     expert_parallel: bool = False  # MoE: whole experts per tp rank
+    settings: RuntimeSettings | None = None  # with max_model_len auto, this layout's longest
 
     @property
     def is_feasible(self) -> bool:
@@ -39,20 +40,23 @@ def evaluate(model: ModelInfo, layout: Layout, hardware: Hardware, options: Plan
     split = sharded.split(pp)
     stage_weights = sharded.stage_bytes(split)
     memory = plan_memory(spec, stage_weights, split, tp, hardware.gpu, settings, ep)
-    needed = settings.max_model_len * options.target_concurrency
+    if settings.is_max_model_len_auto:  # this layout's own longest; the model's limit if none fits
+        fitting = memory.longest_fitting_len(spec.max_context_len, options.target_concurrency)
+        settings = replace(settings, max_model_len=fitting or settings.max_model_len)
+    needed = memory.blocks_per_request(settings.max_model_len) * options.target_concurrency
     problem = None
     if memory.tightest.kv_budget_bytes <= 0:
         t = memory.tightest
         problem = (f"weights {t.weights_bytes / 2**30:.1f} GiB + activations and overhead "
                    f"{(t.activation_bytes + t.overhead_bytes) / 2**30:.1f} GiB exceed "
                    f"{t.total_bytes * settings.gpu_memory_utilization / 2**30:.1f} GiB per {hardware.gpu.unit}")
-    elif memory.kv_cache_tokens < needed:
-        problem = (f"KV cache holds {memory.kv_cache_tokens} tokens; {needed} needed for "
+    elif memory.num_blocks < needed:
+        problem = (f"KV cache holds {memory.kv_cache_tokens} tokens; {needed * memory.block_size} needed for "
                    f"{options.target_concurrency} request(s) of {settings.max_model_len}")
     est = estimate(spec, model.num_params, sharded, split, stage_weights,
                    [s.kv_bytes_per_token for s in memory.stages], tp,
                    layout.data_parallel_size, hardware, settings, memory.kv_cache_tokens)
-    return Candidate(layout, problem, tuple(split), memory, est, ep)
+    return Candidate(layout, problem, tuple(split), memory, est, ep, settings)
 
 
 def uses_expert_parallel(model: ModelInfo, tp: int, options: PlanOptions) -> bool:

@@ -16,7 +16,7 @@ Torch-free: the planner, the runtime and launch all import it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, make_dataclass
-from typing import Any, Optional
+from typing import Any, Literal, Optional, Union
 
 from shardserve.planner.errors import PlanError
 from shardserve.planner.served import QUANTIZATION_FORMATS
@@ -43,6 +43,7 @@ class Setting:
     above: float | None = None  # exclusive lower bound
     short: str | None = None  # a short flag, such as -tp
     in_profile: bool = True  # False: a Python-API-only setting (meaningless for a server)
+    words: tuple[str, ...] = ()  # strings accepted besides `type`, such as max_model_len's "auto"
 
     @property
     def flag(self) -> str:
@@ -55,6 +56,8 @@ class Setting:
             if self.default is not None:
                 raise SettingError(f"{self.name} cannot be empty (default {self.default!r})")
             return None
+        if value in self.words:
+            return value
         value = self._check_type(value)
         if self.choices is not None and value not in self.choices:
             raise SettingError(f"{self.name}={value!r} must be one of {', '.join(map(str, self.choices))}")
@@ -80,7 +83,12 @@ class Setting:
         if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
             return value
         wanted = {tuple: "a list of integers", list: "a list of strings", dict: "a mapping"}.get(kind, kind.__name__)
-        raise SettingError(f"{self.name}={value!r} must be {wanted}")
+        raise SettingError(f"{self.name}={value!r} must be {wanted}" + "".join(f" or {w!r}" for w in self.words))
+
+    @property
+    def annotation(self) -> Any:
+        """The Python type of a value: `type`, or `type` or one of `words`."""
+        return Union[self.type, Literal[self.words]] if self.words else self.type
 
 
 def _s(name, type_, default, help_, layers, **kw) -> Setting:
@@ -109,8 +117,9 @@ SETTINGS: tuple[Setting, ...] = (
        "plan engine"),
     _s("layer_split", tuple, None, "Layers per pipeline stage, such as [20, 12] (a plan's "
        "choice; default: balanced by weight bytes).", "engine"),
-    _s("max_model_len", int, None, "Longest prompt plus output, in tokens. Default: the model's.",
-       "plan engine", minimum=1),
+    _s("max_model_len", int, None, "Longest prompt plus output, in tokens, or auto: the longest whose "
+       "requests fit the KV cache (at most the model's). Default: the model's.", "plan engine", minimum=1,
+       words=("auto",)),
     _s("dtype", str, "auto", "auto (bf16 where the GPU has it, else fp16; the checkpoint's "
        "dtype, float32 on CPU), bfloat16, float16 or float32.", "plan engine"),
     _s("quantization", str, None, "The checkpoint's weight format: " + ", ".join(QUANTIZATION_FORMATS)
@@ -188,7 +197,7 @@ def check_fields(record) -> None:
 def settings_dataclass(layer: str, cls_name: str) -> type:
     """A frozen dataclass with one field per setting of `layer`, in table order, its defaults the
     table's; construction checks every value (subclass it to add methods)."""
-    spec = [(s.name, Optional[s.type] if s.default is None else s.type, field(default=s.default))
+    spec = [(s.name, Optional[s.annotation] if s.default is None else s.annotation, field(default=s.default))
             for s in SETTINGS if layer in s.layers]
     return make_dataclass(cls_name, spec, frozen=True, namespace={"__post_init__": check_fields})
 

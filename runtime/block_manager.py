@@ -26,19 +26,31 @@ class BlockManager:
         request tokens: |<- block 0 ->|<- block 1 ->|<- block 2 (partial) ->|
         block table:    [    b7       ,     b2      ,        b9             ]
         hashes:         [ h0=H(-,t0..) , h1=H(h0,..) ]  (full blocks only)
+
+    With a `sliding_window` that every layer applies, a request computing from token c on never reads
+    a key before c - window + 1, so the leading blocks wholly behind it are released (planner/memory.py
+    counts the blocks a request then holds, with the same rule):
+
+        block table:    [ b7 (freed) , b2 (freed) , b9 , b4 ]     num_freed = 2
+                                       c - window + 1 ^    ^ c
+    A freed entry stays in the table, stale, so positions keep their index; the attention kernels read
+    only keys inside the window, so a stale id, even one another request now writes, is never read.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self._ref_counts = [0] * num_blocks
         self._block_hash: list[bytes | None] = [None] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[bytes, int] = {}  # hash -> block id holding that content
-        self._request_blocks: dict[str, list[int]] = {}
+        self._request_blocks: dict[str, list[int]] = {}  # the block table, freed entries included
+        self._num_freed: dict[str, int] = {}  # leading table entries released behind the window
         self._num_published: dict[str, int] = {}  # leading blocks of a request already offered for reuse
 
     @property
@@ -49,7 +61,18 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def block_ids(self, request_id: str) -> list[int]:
+        """The request's block table, as the ranks hold it (entries freed behind the window included)."""
         return self._request_blocks.get(request_id, [])
+
+    def held_block_ids(self, request_id: str) -> list[int]:
+        """The blocks the request holds a reference to."""
+        return self.block_ids(request_id)[self._num_freed.get(request_id, 0):]
+
+    def num_behind_window(self, num_computed_tokens: int) -> int:
+        """Leading blocks no query from token `num_computed_tokens` on reads again."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
 
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Blocks already holding this request's leading full blocks. At least one token is left
@@ -68,15 +91,27 @@ class BlockManager:
 
     def allocate_slots(self, request: Request, num_tokens: int, cached_block_ids: list[int] = ()) -> bool:
         """Make the request's blocks cover `num_tokens` tokens, first taking `cached_block_ids`
-        (only for a request with no blocks yet). Returns False, changing nothing, if the pool is short."""
-        held = self._request_blocks.get(request.request_id, [])
-        assert not (held and cached_block_ids), "cached blocks are taken only on first allocation"
-        num_new = self.blocks_needed(num_tokens) - len(held) - len(cached_block_ids)
-        num_revived = sum(1 for b in cached_block_ids if self._ref_counts[b] == 0)
+        (only for a request with no blocks yet; its computed tokens are then those blocks'). Blocks
+        behind the window are released first, as they are never read again; beyond that, returns
+        False, changing nothing, if the pool is short."""
+        table = self._request_blocks.get(request.request_id, [])
+        assert not (table and cached_block_ids), "cached blocks are taken only on first allocation"
+        if table:
+            self._release_behind_window(request.request_id, request.num_computed_tokens)
+        # NOTE: cached blocks already behind the window go into the table unreferenced, as stale
+        # entries (never read), rather than being revived only to be released at once.
+        num_skipped = self.num_behind_window(len(cached_block_ids) * self.block_size)
+        revived = cached_block_ids[num_skipped:]
+        num_new = self.blocks_needed(num_tokens) - len(table) - len(cached_block_ids)
+        num_revived = sum(1 for b in revived if self._ref_counts[b] == 0)
         if max(num_new, 0) + num_revived > len(self._free):
             return False
-        blocks = self._request_blocks.setdefault(request.request_id, held)
-        for block_id in cached_block_ids:
+        blocks = self._request_blocks.setdefault(request.request_id, table)
+        if cached_block_ids:
+            blocks.extend(cached_block_ids[:num_skipped])
+            self._num_freed[request.request_id] = num_skipped
+            self._num_published[request.request_id] = num_skipped
+        for block_id in revived:
             if self._ref_counts[block_id] == 0:
                 del self._free[block_id]
             self._ref_counts[block_id] += 1
@@ -84,6 +119,20 @@ class BlockManager:
         for _ in range(num_new):
             blocks.append(self._take_free_block())
         return True
+
+    def _release_behind_window(self, request_id: str, num_computed_tokens: int) -> None:
+        """NOTE: a released block keeps its published hash and goes to the back of the free list like
+        any freed block: its content is still exactly that prefix's KV, so a later request may take it
+        back through find_cached_prefix, until _take_free_block evicts it (which drops the hash first,
+        so a reused block is never matched). A hit still needs every leading block cached."""
+        blocks, start = self._request_blocks[request_id], self._num_freed.get(request_id, 0)
+        end = min(self.num_behind_window(num_computed_tokens), len(blocks))
+        for block_id in blocks[start:end]:
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                self._free[block_id] = None
+        if end > start:
+            self._num_freed[request_id] = end
 
     def _take_free_block(self) -> int:
         block_id, _ = self._free.popitem(last=False)
@@ -99,7 +148,8 @@ class BlockManager:
         """Release the request's blocks. Tail blocks go to the free list first so they are evicted
         before the shared prefix blocks that other requests are likelier to reuse."""
         self._num_published.pop(request.request_id, None)
-        for block_id in reversed(self._request_blocks.pop(request.request_id, [])):
+        num_freed = self._num_freed.pop(request.request_id, 0)
+        for block_id in reversed(self._request_blocks.pop(request.request_id, [])[num_freed:]):
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] == 0:
                 self._free[block_id] = None
@@ -111,7 +161,8 @@ class BlockManager:
         self._update_hashes(request)
         blocks = self._request_blocks.get(request.request_id, [])
         num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
-        start = self._num_published.get(request.request_id, 0)
+        # (a freed entry is never published: another request may own that block by now)
+        start = max(self._num_published.get(request.request_id, 0), self._num_freed.get(request.request_id, 0))
         self._num_published[request.request_id] = max(start, num_full)
         for index in range(start, num_full):
             block_id, block_hash = blocks[index], request.block_hashes[index]
@@ -131,7 +182,8 @@ class BlockManager:
     def check_integrity(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent."""
         counts = [0] * self.num_blocks
-        for blocks in self._request_blocks.values():
+        for request_id in self._request_blocks:
+            blocks = self.held_block_ids(request_id)
             assert len(set(blocks)) == len(blocks), "a request holds one block twice"
             for block_id in blocks:
                 counts[block_id] += 1
@@ -142,3 +194,5 @@ class BlockManager:
             assert self._block_hash[block_id] == block_hash, "hash table points at a block with other content"
         assert self.num_free_blocks + sum(1 for c in counts if c > 0) == self.num_blocks
         assert set(self._num_published) <= set(self._request_blocks), "bookkeeping kept for a freed request"
+        assert set(self._num_freed) <= set(self._request_blocks), "bookkeeping kept for a freed request"
+        assert all(n <= len(self._request_blocks[r]) for r, n in self._num_freed.items())

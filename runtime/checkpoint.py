@@ -11,6 +11,11 @@ import torch
 from safetensors import safe_open
 
 
+# safetensors dtype names -> bytes per element (for progress; an unknown one counts 1)
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
+                "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
 class CheckpointTensor:
     """A 1-D or 2-D checkpoint tensor, possibly transposed (GPT-2's Conv1D) and narrowed.
     Parallel layers narrow it to their shard and call load(); nothing else is read."""
@@ -25,6 +30,14 @@ class CheckpointTensor:
             shape = shape[::-1] if transposed else shape
             bounds = tuple((0, n) for n in shape)
         self._bounds = bounds  # [start, stop) per dimension of the logical (post-transpose) view
+
+    @property
+    def file_nbytes(self) -> int:
+        """Bytes of the whole tensor in its file (whatever slice of it is read)."""
+        num = 1
+        for n in self._slice.get_shape():
+            num *= n
+        return num * _DTYPE_BYTES.get(self._slice.get_dtype(), 1)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -69,7 +82,12 @@ def checkpoint_files(folder: str) -> list[str]:
 def iterate_checkpoint(folder: str) -> Iterator[tuple[str, CheckpointTensor]]:
     """Every (name, lazy tensor) pair of the checkpoint, one file open at a time."""
     for path in checkpoint_files(folder):
-        with ExitStack() as stack:
-            handle = stack.enter_context(safe_open(path, framework="pt"))
-            for name in handle.keys():
-                yield name, CheckpointTensor(handle.get_slice(name))
+        yield from iterate_file(path)
+
+
+def iterate_file(path: str) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Every (name, lazy tensor) pair of one safetensors file."""
+    with ExitStack() as stack:
+        handle = stack.enter_context(safe_open(path, framework="pt"))
+        for name in handle.keys():
+            yield name, CheckpointTensor(handle.get_slice(name))

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from shardserve.planner.hf_config import max_context_length
+from shardserve.planner.hf_config import max_context_length, uniform_sliding_window
 from shardserve.planner.model_source import cached_snapshot, hf_cache_dir
 from shardserve.planner.model_spec import canonical_dtype
 from shardserve.planner.served import ARCHITECTURES
@@ -33,6 +33,8 @@ class ModelConfig:
     quantization: QuantConfig | None = None  # the checkpoint's weight format; None: float weights
     chat_template: str | None = None  # replaces the tokenizer's (inline Jinja or a file's path)
     generation_config: str = "auto"  # where sampling defaults come from (runtime/generation_config.py)
+    uniform_sliding_window: int | None = None  # the window of every layer: KV behind it is freed
+    is_max_model_len_auto: bool = False  # max_model_len is the model's until the KV cache is measured
 
     @property
     def num_layers(self) -> int:
@@ -53,7 +55,7 @@ class ModelConfig:
         return self.hf_config.vocab_size
 
 
-def load_model_config(model: str, dtype: str = "auto", max_model_len: int | None = None,
+def load_model_config(model: str, dtype: str = "auto", max_model_len: int | str | None = None,
                       skip_tokenizer_init: bool = False, enforce_eager: bool = False,
                       device: str = "cpu", quantization: str | None = None) -> ModelConfig:
     from transformers import AutoConfig
@@ -72,7 +74,8 @@ def load_model_config(model: str, dtype: str = "auto", max_model_len: int | None
     # a multimodal checkpoint: the language model's config (the checkpoint's dtype and quantization stay)
     hf_config = checkpoint_config.text_config if served and served.has_text_config else checkpoint_config
     longest = _max_positions(hf_config)
-    if max_model_len is None:
+    is_auto = max_model_len == "auto"  # kv_sizing picks the length once the pool is measured
+    if max_model_len is None or is_auto:
         max_model_len = longest
     elif max_model_len > longest:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's {longest} positions; "
@@ -83,7 +86,10 @@ def load_model_config(model: str, dtype: str = "auto", max_model_len: int | None
                        dtype=_resolve_dtype(dtype, checkpoint_config, device), max_model_len=max_model_len,
                        skip_tokenizer_init=skip_tokenizer_init, enforce_eager=enforce_eager,
                        quantization=QuantConfig.from_dict(getattr(checkpoint_config, "quantization_config", None),
-                                                          quantization))
+                                                          quantization),
+                       uniform_sliding_window=uniform_sliding_window({**hf_config.to_dict(),
+                                                                      "architectures": architectures}),
+                       is_max_model_len_auto=is_auto)
 
 
 def local_folder(model: str) -> str:
@@ -192,7 +198,8 @@ class KVCacheInfo:
     num_blocks: int
     block_size: int
     bytes_per_block: int
-    max_model_len: int
+    max_model_len: int  # as set, or with max_model_len auto the longest that fits
+    blocks_per_request: int  # the most blocks a request of max_model_len holds (planner/memory.py's rule)
 
     @property
     def num_tokens(self) -> int:
@@ -205,5 +212,4 @@ class KVCacheInfo:
     @property
     def max_concurrency(self) -> float:
         """How many requests of max_model_len tokens fit in the pool at once."""
-        blocks_per_request = -(-self.max_model_len // self.block_size)
-        return self.num_blocks / blocks_per_request
+        return self.num_blocks / self.blocks_per_request

@@ -12,7 +12,7 @@ from shardserve.runtime.errors import EngineDeadError
 from shardserve.runtime.executor import make_executor
 from shardserve.runtime.generation_config import sampling_defaults
 from shardserve.runtime.input_processor import InputProcessor, ProcessedPrompt, PromptType
-from shardserve.runtime.kv_sizing import size_kv_cache
+from shardserve.runtime.kv_sizing import size_kv_cache, with_measured_len
 from shardserve.runtime.messages import ModelRunnerOutput, SchedulerOutput
 from shardserve.runtime.output_processor import OutputProcessor
 from shardserve.runtime.outputs import PromptDelta
@@ -36,15 +36,15 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        self.config = config
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
         self.sampling_defaults = sampling_defaults(config.model)  # for requests that set none
         self.executor = make_executor(config)
         self.kv_cache_info = size_kv_cache(config, self.executor)
+        self.config = config = with_measured_len(config, self.kv_cache_info)
         self.executor.initialize_kv_cache(self.kv_cache_info.num_blocks)
         self.block_manager = BlockManager(self.kv_cache_info.num_blocks, config.cache.block_size,
-                                          config.cache.enable_prefix_caching)
+                                          config.cache.enable_prefix_caching, config.model.uniform_sliding_window)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, config.model.max_model_len)
         self.input_processor = InputProcessor(config.model, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)

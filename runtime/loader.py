@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
-from shardserve.runtime.checkpoint import iterate_checkpoint
+from shardserve.runtime.checkpoint import CheckpointTensor, checkpoint_files, iterate_file
 from shardserve.runtime.config import ModelConfig
 from shardserve.runtime.layers.quantization.config import quantized_layers
 from shardserve.runtime.layers.weights import default_weight_loader
+from shardserve.runtime.load_progress import LoadProgress, is_terminal
 from shardserve.runtime.models.registry import build_model
 from shardserve.runtime.parallel_state import get_parallel_state
 
@@ -35,6 +38,23 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     return model.eval()
 
 
+def _read_with_progress(folder: str) -> Iterator[tuple[str, CheckpointTensor]]:
+    """The checkpoint's tensors, file by file, with rank 0 showing how far it got (load_progress.py)."""
+    files = checkpoint_files(folder)
+    progress = LoadProgress([os.path.getsize(f) for f in files], get_parallel_state().global_rank == 0,
+                            is_terminal())
+    try:
+        for index, path in enumerate(files):
+            progress.start_file(index)
+            for name, tensor in iterate_file(path):
+                yield name, tensor
+                progress.advance(tensor.file_nbytes)
+    except BaseException:
+        progress.abort()
+        raise
+    progress.finish()
+
+
 def load_weights(model: nn.Module, folder: str) -> None:
     """Each checkpoint tensor goes to the parameter the model names for it, through the weight_loader
     of the module that owns the parameter (which reads only this rank's shard)."""
@@ -42,7 +62,7 @@ def load_weights(model: nn.Module, folder: str) -> None:
     optional = dict(model.named_buffers())  # read when the checkpoint has them (fp8 KV cache scales)
     loaded: set[str] = set()
     start, end = model.layer_range
-    for name, tensor in iterate_checkpoint(folder):
+    for name, tensor in _read_with_progress(folder):
         target = model.checkpoint_target(name)
         if target is None or target.skip:
             continue

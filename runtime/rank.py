@@ -24,6 +24,15 @@ def log_environment(rank: int) -> None:
     logger.debug("rank %d runs with %s", rank, values)
 
 
+def configure_logging(startup: RankStartup) -> None:
+    """A rank process logs as its engine does (nothing when the engine shows no logs), its lines
+    marked with the rank; a rank sharing the engine's process keeps the process's logging."""
+    if startup.log_level is None or logging.getLogger().handlers:
+        return
+    logging.basicConfig(level=startup.log_level, datefmt="%H:%M:%S",
+                        format=f"%(asctime)s %(levelname)s %(name)s (rank {startup.state.global_rank}): %(message)s")
+
+
 def worker_device(config: EngineConfig, state: ParallelState):
     import torch
 
@@ -41,6 +50,7 @@ def setup_rank(startup: RankStartup):
     from shardserve.runtime.worker import Worker
 
     torch.set_num_threads(startup.num_threads)
+    configure_logging(startup)
     log_environment(startup.state.global_rank)
     device = worker_device(startup.config, startup.state)
     if device.type == "cuda":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from shardserve.planner.memory import max_blocks_per_request
 from shardserve.runtime.block_manager import BlockManager
 from shardserve.runtime.config import SchedulerConfig
 from shardserve.runtime.messages import (CachedRequestData, ModelRunnerOutput, NewRequestData, RequestUpdate,
@@ -50,7 +51,8 @@ class Scheduler:
         """Reject up front what this pool could never hold, rather than leave it waiting forever
         (the prompt itself was checked against max_model_len by the input processor)."""
         pool = self.block_manager
-        needed = pool.blocks_needed(request.max_total_tokens or self.max_model_len)
+        needed = max_blocks_per_request(request.max_total_tokens or self.max_model_len, pool.block_size,
+                                        pool.sliding_window, self.config.max_num_batched_tokens)
         if needed > pool.num_blocks:
             raise ValueError(f"request {request.request_id!r} needs {needed} KV blocks but the pool has "
                              f"{pool.num_blocks}; lower max_tokens or give the KV cache more memory")

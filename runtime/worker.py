@@ -34,6 +34,17 @@ def select_attention_backend(device: torch.device):
     return TorchAttentionBackend()
 
 
+def check_uniform_window(attention_layers: list[Attention], window: int | None) -> None:
+    """The scheduler frees KV blocks behind `window` (planner/hf_config.py's reading of config.json):
+    refuse to run if any attention layer of this model would still read them."""
+    if window is None:
+        return
+    others = sorted({a.sliding_window for a in attention_layers if a.sliding_window != window}, key=str)
+    if others:
+        raise ValueError(f"config.json gives every layer a sliding window of {window} tokens, but this model's "
+                         f"attention layers use {others}: the KV cache would free blocks they still read")
+
+
 class Worker:
     """In a multi-rank engine, distributed.init_distributed has set the parallel state (and groups)
     before this is built; alone, the default single-rank state applies."""
@@ -49,6 +60,7 @@ class Worker:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for attention in self.attention_layers:
             attention.fix_kv_scales()
+        check_uniform_window(self.attention_layers, config.model.uniform_sliding_window)
         self.states: dict[str, RequestState] = {}
         self.kv_cache: torch.Tensor | None = None
         self.cuda_graphs: DecodeGraphRunner | None = None  # built with the KV cache

@@ -6,13 +6,22 @@ torch.distributed and never through it."""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from shardserve.runtime.config import EngineConfig
     from shardserve.runtime.distributed import Rendezvous
     from shardserve.runtime.parallel_state import ParallelState
+
+
+def engine_log_level() -> int | None:
+    """The engine process's level for shardserve's logs when its logging is set up (launch does), for
+    its ranks to log alike (weight loading progress); None: it shows no logs, neither do they."""
+    if not logging.getLogger().handlers:
+        return None
+    return logging.getLogger("shardserve").getEffectiveLevel()
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +32,7 @@ class RankStartup:
     state: ParallelState
     rendezvous: Rendezvous
     num_threads: int  # torch's intra-op threads in this rank
+    log_level: int | None = field(default_factory=engine_log_level)  # as made, in the engine
 
 
 class WorkerMethod(enum.Enum):

@@ -44,13 +44,22 @@ def _read(cached: torch.Tensor, kv_scale: float) -> torch.Tensor:
 
 
 def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
-              kv_scales: tuple[float, float] = NO_SCALES) -> tuple[torch.Tensor, torch.Tensor]:
-    """One request's keys and values in position order, float32: 2 x [seq_len, num_kv_heads, head_dim]."""
+              kv_scales: tuple[float, float] = NO_SCALES, first_block: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's keys and values in position order from block `first_block` on, float32:
+    2 x [seq_len - first_block * block_size, num_kv_heads, head_dim]."""
     block_size = kv_cache.shape[2]
-    blocks = block_table[: -(-seq_len // block_size)].long()
-    keys = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
-    values = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
+    blocks = block_table[first_block: -(-seq_len // block_size)].long()
+    keys = kv_cache[0, blocks].flatten(0, 1)[:seq_len - first_block * block_size]
+    values = kv_cache[1, blocks].flatten(0, 1)[:seq_len - first_block * block_size]
     return _read(keys, kv_scales[0]), _read(values, kv_scales[1])
+
+
+def first_block_read(first_query_position: int, sliding_window: int | None, block_size: int) -> int:
+    """The first block a query from `first_query_position` on reads: the blocks before it may have been
+    freed behind the window (runtime/block_manager.py), their table entries stale, so none is read."""
+    if sliding_window is None:
+        return 0
+    return max(0, first_query_position - sliding_window + 1) // block_size
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
@@ -80,11 +89,12 @@ def _grouped(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 def _attend_one(q, kv_cache, meta, scale, r, out, sliding_window, kv_scales, logits_soft_cap) -> None:
     start, end = meta.query_start_loc_cpu[r], meta.query_start_loc_cpu[r + 1]
     seq_len = meta.seq_lens_cpu[r]
-    keys, values = gather_kv(kv_cache, meta.block_tables[r], seq_len, kv_scales)  # [seq_len, kv_heads, head_dim]
+    first = first_block_read(seq_len - (end - start), sliding_window, kv_cache.shape[2])
+    keys, values = gather_kv(kv_cache, meta.block_tables[r], seq_len, kv_scales, first)  # [keys, kv_heads, head_dim]
     query = _grouped(q[start:end], kv_cache.shape[3]).float()  # [query_len, kv_heads, group, head_dim]
     scores = soft_cap(torch.einsum("qkgd,lkd->kgql", query, keys) * scale, logits_soft_cap)
     query_positions = torch.arange(seq_len - (end - start), seq_len, device=q.device)
-    key_positions = torch.arange(seq_len, device=q.device)[None, :]
+    key_positions = torch.arange(first * kv_cache.shape[2], seq_len, device=q.device)[None, :]
     hidden = key_positions > query_positions[:, None]  # [query_len, seq_len]: the future
     if sliding_window is not None:
         hidden |= key_positions <= query_positions[:, None] - sliding_window
@@ -95,16 +105,22 @@ def _attend_one(q, kv_cache, meta, scale, r, out, sliding_window, kv_scales, log
 def _decode_batch(q, kv_cache, meta, scale, rows: list[int], out, sliding_window, kv_scales,
                   logits_soft_cap) -> None:
     block_size = kv_cache.shape[2]
-    seq_lens = torch.tensor([meta.seq_lens_cpu[r] for r in rows], device=q.device)
-    max_len = int(max(meta.seq_lens_cpu[r] for r in rows))
-    tables = meta.block_tables[rows, : -(-max_len // block_size)].long()  # [batch, blocks]
-    keys = _read(kv_cache[0][tables].flatten(1, 2)[:, :max_len], kv_scales[0])  # [batch, max_len, kv_heads, head_dim]
-    values = _read(kv_cache[1][tables].flatten(1, 2)[:, :max_len], kv_scales[1])
+    lens = [int(meta.seq_lens_cpu[r]) for r in rows]
+    firsts = [first_block_read(n - 1, sliding_window, block_size) for n in lens]
+    lasts = [-(-n // block_size) - 1 for n in lens]
+    width = max(last - first + 1 for first, last in zip(firsts, lasts))  # blocks read per row
+    # each row reads its own blocks from its first in the window; shorter rows repeat their last (masked)
+    columns = torch.minimum(torch.tensor(firsts)[:, None] + torch.arange(width)[None, :], torch.tensor(lasts)[:, None])
+    tables = meta.block_tables[rows].gather(1, columns.to(meta.block_tables.device)).long()  # [batch, width]
+    keys = _read(kv_cache[0][tables].flatten(1, 2), kv_scales[0])  # [batch, width * block_size, kv_heads, head_dim]
+    values = _read(kv_cache[1][tables].flatten(1, 2), kv_scales[1])
+    seq_lens = torch.tensor(lens, device=q.device)
     tokens = torch.tensor([meta.query_start_loc_cpu[r] for r in rows], device=q.device)
     query = _grouped(q[tokens], kv_cache.shape[3]).float()  # [batch, kv_heads, group, head_dim]
     scores = soft_cap(torch.einsum("bkgd,blkd->bkgl", query, keys) * scale, logits_soft_cap)
-    key_positions = torch.arange(max_len, device=q.device)[None, :]
-    hidden = key_positions >= seq_lens[:, None]  # [batch, max_len]: padding
+    offsets = torch.arange(width * block_size, device=q.device)[None, :]
+    key_positions = torch.tensor(firsts, device=q.device)[:, None] * block_size + offsets  # [batch, width * block_size]
+    hidden = key_positions >= seq_lens[:, None]  # [batch, width * block_size]: padding and repeats
     if sliding_window is not None:
         hidden |= key_positions < seq_lens[:, None] - sliding_window
     probs = torch.softmax(scores.masked_fill(hidden[:, None, None, :], float("-inf")), dim=-1)

@@ -72,7 +72,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_ptr, s
                     (cached prefix, all seen) | (this step's queries, causal)
 
     With HAS_WINDOW the query at position i sees only (i - window, i]: the loop starts at the first
-    key block the tile's earliest query still sees."""
+    key the tile's earliest query still sees, never earlier (blocks behind it may be freed, their
+    table entries stale: runtime/block_manager.py)."""
     request, head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(query_start_ptr + request)
     q_len = tl.load(query_start_ptr + request + 1) - q_start
@@ -93,7 +94,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_ptr, s
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     end = tl.minimum(seq_len, context_len + (tile + 1) * BLOCK_M)
     if HAS_WINDOW:
-        first = tl.maximum(context_len + tile * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+        first = tl.maximum(context_len + tile * BLOCK_M - window + 1, 0)
     else:
         first = context_len * 0
     table_row = tables_ptr + request * table_stride

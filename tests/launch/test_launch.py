@@ -84,6 +84,36 @@ def test_served_from_a_plan_file_and_sigterm_exits_cleanly(tmp_path):
     assert "shut down cleanly" in out
 
 
+def test_max_model_len_auto_serves_what_the_plan_chose(tmp_path):
+    """plan = launch: the plan records the number auto chose, launch logs it and serves exactly it."""
+    plan_path = tmp_path / "plan.yaml"
+    pool = ["--kv-cache-memory-bytes", str(1 << 22), "--max-model-len", "auto"]
+    r = subprocess.run([sys.executable, "-m", "shardserve.launch", "plan", "--profile", "demo", *pool,
+                        "-o", str(plan_path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    chosen = read_plan_file(str(plan_path)).runtime.max_model_len
+    assert chosen < 2048  # the demo's own limit: the pool holds less
+    proc, url = start_server("--profile", "demo", *pool)
+    status, body = http(f"{url}/v1/models")
+    code, out = stop_server(proc)
+    assert status == 200 and json.loads(body)["data"][0]["max_model_len"] == chosen
+    assert f"max_model_len auto: {chosen} tokens" in out
+    assert f"1.00x concurrency for {chosen} tokens per request (plan predicted {chosen} tokens, 1.00x)" in out
+    assert code == 0, out
+
+
+def test_only_rank_0_shows_loading_progress():
+    """Two mp ranks (tensor parallel) load their shards; the log shows one rank's progress and total."""
+    proc, url = start_server("--profile", "demo", "--set", "hardware=2xcpu", "--set", "tensor_parallel_size=2",
+                             "--set", "kv_cache_memory_bytes=33554432")
+    code, out = stop_server(proc)
+    assert code == 0, out
+    progress = [line for line in out.splitlines() if "load_progress" in line]
+    assert [line for line in progress if " loaded " in line and "(rank 0): loaded 0.0 GB in" in line], out
+    assert len([line for line in progress if " loaded " in line]) == 1
+    assert not [line for line in progress if "(rank 1)" in line]
+
+
 def test_replicas_behind_one_server_share_the_load():
     proc, url = start_server("--profile", "demo", "--set", "hardware=2xcpu",
                              "--set", "data_parallel_size=2",

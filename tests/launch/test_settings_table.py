@@ -178,3 +178,56 @@ def test_expert_parallel_on_a_dense_model_is_a_clear_cli_error():
     result = CliRunner().invoke(app, ["plan", "--model", DEMO, "--hardware", "2xcpu", "--enable-expert-parallel"])
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert "enable_expert_parallel: " in result.output and "has no routed experts" in result.output
+
+
+AUTO_POOL = 1 << 22  # 4 MiB: under one request of the demo's 2048 tokens, so auto picks fewer
+
+
+def test_max_model_len_auto_is_the_longest_the_plans_kv_cache_holds():
+    result = CliRunner().invoke(app, ["plan", "--model", DEMO, "--hardware", "cpu", "--format", "json",
+                                      "--max-model-len", "auto", "--kv-cache-memory-bytes", str(AUTO_POOL)])
+    assert result.exit_code == 0, result.output
+    plan = PlanFile.from_dict(json.loads(result.output), "stdout")
+    assert plan.runtime.max_model_len == plan.memory.num_blocks * plan.memory.block_size < 2048
+    assert any(line.startswith(f"max_model_len auto: {plan.runtime.max_model_len}") for line in plan.rationale)
+    bad = CliRunner().invoke(app, ["plan", "--model", DEMO, "--hardware", "cpu", "--max-model-len", "long"])
+    assert bad.exit_code != 0 and "'long' is not int or 'auto'" in bad.output
+
+
+@pytest.mark.parametrize("source", ["flags", "profile"])
+def test_launch_applies_the_plans_number_for_auto(tmp_path, source):
+    values = {"model": DEMO, "hardware": "cpu", "kv_cache_memory_bytes": AUTO_POOL, "max_model_len": "auto"}
+    if source == "profile":
+        path = tmp_path / "p.yaml"
+        path.write_text(yaml.safe_dump(values))
+        config, plan = settle(None, str(path), {}, None)
+    else:
+        config, plan = settle(None, None, values, None)
+    assert config.max_model_len == plan.runtime.max_model_len == plan.memory.kv_cache_tokens
+    assert engine_kwargs(config)["max_model_len"] == plan.runtime.max_model_len
+
+
+def test_auto_is_the_only_word_max_model_len_takes():
+    from shardserve.launch.deploy_config import validate
+    from shardserve.planner import PlanError, PlanOptions
+
+    assert PlanOptions(max_model_len="auto").max_model_len == "auto"
+    with pytest.raises(SettingError, match="max_model_len='long' must be int or 'auto'"):
+        PlanOptions(max_model_len="long")
+    with pytest.raises(SettingError, match="max_model_len=0 must be at least 1"):
+        PlanOptions(max_model_len=0)
+    with pytest.raises(PlanError, match="max_model_len"):
+        validate({"max_model_len": "long"}, "profile")
+    assert validate({"max_model_len": "auto"}, "profile").max_model_len == "auto"
+
+
+def test_llm_max_model_len_auto_measures_the_same_number_as_the_plan():
+    """The no-plan path: the runtime fits max_model_len to the pool it measured, with the planner's function."""
+    result = CliRunner().invoke(app, ["plan", "--model", DEMO, "--hardware", "cpu", "--format", "json",
+                                      "--max-model-len", "auto", "--kv-cache-memory-bytes", str(AUTO_POOL)])
+    planned = PlanFile.from_dict(json.loads(result.output), "stdout").runtime.max_model_len
+    with LLM(DEMO, device="cpu", kv_cache_memory_bytes=AUTO_POOL, max_model_len="auto") as llm:
+        assert llm.engine.config.model.max_model_len == llm.kv_cache_info.max_model_len == planned
+        assert llm.engine.scheduler.max_model_len == llm.engine.input_processor.max_model_len == planned
+        assert llm.kv_cache_info.max_concurrency == 1.0
+    torch.set_num_threads(1)
