@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from shardserve.runtime.attention import triton_decode, triton_prefill  # noqa: E402
-from shardserve.runtime.attention.torch_backend import gather_kv, paged_attention, write_kv  # noqa: E402
+from shardserve.runtime.attention.torch_backend import paged_attention, write_kv  # noqa: E402
 from tests.runtime import attention_cases  # noqa: E402
 from tests.runtime.kernel_launches import count_launches  # noqa: E402
 
@@ -31,23 +31,6 @@ def random_case(shapes, num_heads, num_kv_heads, head_dim, seed=0, cache_dtype=t
     cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, head_dim, generator=generator).to(cache_dtype)
     write_kv(k, v, cache, meta.slot_mapping, kv_scales)
     return meta, q, cache
-
-
-def capped_reference(q, cache, meta, scale, cap, window=None):
-    """Dense attention per query with scores cap * tanh(scores / cap) (Gemma 2), float32."""
-    out = torch.empty_like(q)
-    starts, group = meta.query_start_loc_cpu, q.shape[1] // cache.shape[3]
-    for r in range(meta.num_requests):
-        seq_len = meta.seq_lens_cpu[r]
-        keys, values = gather_kv(cache, meta.block_tables[r], seq_len)
-        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
-        for j, token in enumerate(range(starts[r], starts[r + 1])):
-            position = seq_len - (starts[r + 1] - starts[r]) + j
-            first = 0 if window is None else max(0, position - window + 1)
-            scores = torch.einsum("hd,lhd->hl", q[token], keys[first:position + 1]) * scale
-            probs = torch.softmax(cap * torch.tanh(scores / cap), dim=-1)
-            out[token] = torch.einsum("hl,lhd->hd", probs, values[first:position + 1])
-    return out
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -106,13 +89,13 @@ def test_logit_soft_cap_in_both_kernels(window):
     cap = 2.0  # small enough that the cap changes the result
     meta, q, cache = random_case(PREFILL_SHAPES, 8, 2, 64, seed=6)
     q = q * 3
-    expected = capped_reference(q, cache, meta, 0.125, cap, window)
+    expected = attention_cases.capped_reference(q, cache, meta, 0.125, cap, window)
     actual = triton_prefill.paged_prefill(q, cache, meta, 0.125, sliding_window=window, logits_soft_cap=cap)
     torch.testing.assert_close(actual, expected, **FP32)
     assert not torch.allclose(actual, paged_attention(q, cache, meta, 0.125, sliding_window=window), atol=1e-2)
     meta, q, cache = random_case(DECODE_SHAPES, 8, 2, 64, seed=7)
     q = q * 3
-    expected = capped_reference(q, cache, meta, 0.125, cap, window)
+    expected = attention_cases.capped_reference(q, cache, meta, 0.125, cap, window)
     actual = triton_decode.paged_decode(q, cache, meta, 0.125, num_splits=3, block_n=16, sliding_window=window,
                                         logits_soft_cap=cap, split_min=16)
     torch.testing.assert_close(actual, expected, **FP32)
