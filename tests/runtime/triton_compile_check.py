@@ -69,7 +69,7 @@ def compile_attention(dtype: str, cache: str, is_fp32: bool) -> None:
     parts = {"part_out_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32"}
     for has_window, has_cap in ((False, False), (True, True)):
         flags = {"IS_FP32": is_fp32, "HAS_WINDOW": has_window, "IS_FP8": is_fp8, "HAS_SOFT_CAP": has_cap}
-        for head_dim in (64, 128):
+        for head_dim in (64, 128) if cache == dtype and not is_fp32 else (128,):
             block_m, block_n, num_warps = triton_prefill.prefill_tile(TORCH[dtype], head_dim, 4)
             prefill = compile_kernel(triton_prefill._prefill_kernel, {**tensors, "out_ptr": dtype, **INDEX, **scales},
                                      {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": head_dim, **flags},
