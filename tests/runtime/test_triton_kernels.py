@@ -117,7 +117,8 @@ def test_split_limit_comes_from_the_batch_shape():
     assert max_decode_splits(1, 8, 100) == 1  # no request can be longer than one split
 
 
-@pytest.mark.parametrize("family", ["gpt2", "qwen3", "mistral-window"])  # strided q/k/v; head_dim 24; window 8
+# strided q/k/v (no rotary); q/k norm then fused rotary, head_dim 24; window 8; llama3 rope scaling
+@pytest.mark.parametrize("family", ["gpt2", "qwen3", "mistral-window", "llama3"])
 def test_models_on_the_triton_backend_match_transformers(family, checkpoint_factory):
     from runtime_forward import PROMPT, run_chunks
 
