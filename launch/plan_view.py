@@ -78,7 +78,7 @@ def render_plan(plan: PlanFile, console: Console) -> None:
                   f"({hw.source}, {hw.interconnect})", highlight=False)
     layout = Table(title="Layout", show_header=False, title_justify="left")
     for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
-                "layer_split", "distributed_executor_backend"):
+                "layer_split", "distributed_executor_backend", "enable_expert_parallel"):
         value = getattr(par, key)
         layout.add_row(key, str(list(value) if isinstance(value, tuple) else value))
     layout.add_row("max_model_len", str(rt.max_model_len))

@@ -61,12 +61,16 @@ def kv_heads_per_rank(spec: ModelSpec, tp: int) -> int:
     return max(1, spec.num_kv_heads // tp)
 
 
-def activation_bytes(spec: ModelSpec, tp: int, settings: RuntimeSettings, is_last: bool) -> int:
+def activation_bytes(spec: ModelSpec, tp: int, settings: RuntimeSettings, is_last: bool,
+                     expert_parallel: bool = False) -> int:
     """Peak activations of one forward pass over max_num_batched_tokens, on one rank."""
     d = spec.head_dim
     qkv = (spec.num_attention_heads // tp + 2 * kv_heads_per_rank(spec, tp)) * d
     if spec.is_moe:
-        mlp = 2 * spec.num_experts_per_tok * spec.moe_intermediate_size // tp
+        # the fused MoE kernel's buffers, a row per (token, k) pair: SiLU(gate) * up over the rank's
+        # features of an expert (all of them when experts are whole per rank) and the down output
+        width = spec.moe_intermediate_size if expert_parallel else spec.moe_intermediate_size // tp
+        mlp = spec.num_experts_per_tok * (width + spec.hidden_size)
         mlp += 2 * (spec.shared_expert_intermediate_size or 0) // tp
     else:
         mlp = (2 if spec.is_gated_mlp else 1) * spec.intermediate_size // tp
@@ -86,12 +90,12 @@ def overhead_bytes(gpu: GpuSpec, tp: int, pp: int) -> int:
 
 
 def plan_memory(spec: ModelSpec, stage_weights: list[float], split: list[int], tp: int,
-                gpu: GpuSpec, settings: RuntimeSettings) -> MemoryPlan:
+                gpu: GpuSpec, settings: RuntimeSettings, expert_parallel: bool = False) -> MemoryPlan:
     pp = len(split)
     stages = []
     usable = int(gpu.memory_bytes * settings.gpu_memory_utilization)
     for s, (weights, layers) in enumerate(zip(stage_weights, split)):
-        act = activation_bytes(spec, tp, settings, is_last=s == pp - 1)
+        act = activation_bytes(spec, tp, settings, is_last=s == pp - 1, expert_parallel=expert_parallel)
         over = overhead_bytes(gpu, tp, pp)
         budget = usable - int(weights) - act - over
         if settings.kv_cache_memory_bytes is not None:

@@ -54,11 +54,11 @@ class ModelInfo:
     def _sharded(self) -> dict:
         return {}
 
-    def sharded(self, tp: int, dtype: str, num_stages: int) -> ShardedModel:
+    def sharded(self, tp: int, dtype: str, num_stages: int, expert_parallel: bool = False) -> ShardedModel:
         """Per-rank bytes at this tensor-parallel size (memoised: every layout asks)."""
-        key = (tp, dtype, num_stages > 1)
+        key = (tp, dtype, num_stages > 1, expert_parallel)
         if key not in self._sharded:
-            self._sharded[key] = shard_model(self.spec, self.groups, tp, dtype, num_stages)
+            self._sharded[key] = shard_model(self.spec, self.groups, tp, dtype, num_stages, expert_parallel)
         return self._sharded[key]
 
     def layer_split(self, tensor_parallel_size: int, pipeline_parallel_size: int,

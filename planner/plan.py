@@ -38,6 +38,9 @@ class Plan:
 
 def make_plan(model: ModelInfo, hardware: Hardware, options: PlanOptions) -> Plan:
     check_served(model.spec)
+    if options.enable_expert_parallel and not model.spec.is_moe:
+        raise PlanError(f"enable_expert_parallel: {model.spec.id} has no routed experts (not a "
+                        "mixture-of-experts model); leave --enable-expert-parallel off")
     settings = resolve_settings(options, model.spec, hardware.gpu)
     candidates = _search(model, hardware, options, settings)
     pinned = _pinned_problem(candidates, options)
@@ -50,7 +53,7 @@ def make_plan(model: ModelInfo, hardware: Hardware, options: PlanOptions) -> Pla
     weight_bytes = total_weight_bytes(model.spec, model.groups, settings.dtype)
     return Plan(model, hardware, settings, chosen, executor,
                 tuple(rationale(model, hardware, settings, chosen, candidates, executor,
-                                weight_bytes, _pins(options))),
+                                weight_bytes, _pins(options), options.enable_expert_parallel)),
                 tuple(warnings(model, hardware, settings, chosen)),
                 tuple(alternatives(chosen, candidates, hardware)), weight_bytes)
 
@@ -69,7 +72,7 @@ def _search(model, hardware, options, settings) -> list[Candidate]:
 def _pinned_problem(candidates: list[Candidate], options: PlanOptions) -> str | None:
     """When the user pinned sizes and every layout they allow breaks a rule, say which."""
     pins = (options.tensor_parallel_size, options.pipeline_parallel_size,
-            options.data_parallel_size)
+            options.data_parallel_size, options.enable_expert_parallel)
     if not any(pins) or any(c.memory is not None for c in candidates):
         return None
     return candidates[0].problem if candidates else "no layout matches the pinned sizes"

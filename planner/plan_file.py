@@ -70,6 +70,7 @@ class ParallelSection:
     data_parallel_size: int
     layer_split: tuple[int, ...]  # layers per pipeline stage
     distributed_executor_backend: str
+    enable_expert_parallel: bool  # MoE experts whole per tp rank (False for dense models)
 
     @property
     def num_gpus(self) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from shardserve.planner.hardware import GIB, Hardware
 from shardserve.planner.model_source import ModelInfo
 from shardserve.planner.options import RuntimeSettings
-from shardserve.planner.rules import replica_spans_nodes
+from shardserve.planner.rules import expert_parallel_problem, expert_parallel_reason, replica_spans_nodes
 from shardserve.planner.search import Candidate, rank_key, tier
 
 
@@ -15,7 +15,8 @@ def _gib(nbytes: float) -> str:
 
 def rationale(model: ModelInfo, hardware: Hardware, settings: RuntimeSettings,
               chosen: Candidate, candidates: list[Candidate], executor: str,
-              weights: int, pins: dict[str, int] | None = None) -> list[str]:
+              weights: int, pins: dict[str, int] | None = None,
+              forced_expert_parallel: bool | None = None) -> list[str]:
     """`pins`: the sizes the settings fixed; the layout is then theirs, not a rule's."""
     spec, layout, gpu = model.spec, chosen.layout, hardware.gpu
     tp, pp, dp = (layout.tensor_parallel_size, layout.pipeline_parallel_size,
@@ -57,6 +58,9 @@ def rationale(model: ModelInfo, hardware: Hardware, settings: RuntimeSettings,
             lines.append(f"rule 4: no tensor-parallel size uses every GPU "
                          f"({_tp_blocker(candidates, tp)}), so pipeline parallel {pp} "
                          "with an uneven split rather than idle GPUs")
+    experts = _experts_line(model, chosen, forced_expert_parallel)
+    if experts:
+        lines.append(experts)
     if pp > 1:
         lines.append(f"rule 7: layers per stage {list(chosen.split)}: the first stage holds "
                      "the embedding, the last the final norm and LM head")
@@ -69,6 +73,24 @@ def rationale(model: ModelInfo, hardware: Hardware, settings: RuntimeSettings,
                  f"{mem.max_concurrency(settings.max_model_len):.2f}x requests of "
                  f"{settings.max_model_len} tokens")
     return lines
+
+
+def _experts_line(model: ModelInfo, chosen: Candidate, forced: bool | None) -> str | None:
+    """Rule 8, for a mixture of experts over tensor-parallel ranks: whole experts per rank or every
+    expert split, and why."""
+    spec, tp = model.spec, chosen.layout.tensor_parallel_size
+    if not spec.is_moe or tp == 1:
+        return None
+    whole = (f"expert parallel: {spec.num_experts // tp} of the {spec.num_experts} experts whole on each "
+             "rank, attention tensor parallel")
+    split = f"experts split by tensor parallel ({spec.moe_intermediate_size // tp} features per expert and rank)"
+    if forced is not None:
+        return f"rule 8: {whole if chosen.expert_parallel else split}, as enable_expert_parallel={forced} asks"
+    if chosen.expert_parallel:
+        return f"rule 8: {whole}: {expert_parallel_reason(spec, tp)}"
+    blocked = expert_parallel_problem(spec, tp)
+    why = blocked.removeprefix("enable_expert_parallel: ") if blocked else "GEMMs stay wide enough"
+    return f"rule 8: {split}: {why}"
 
 
 def _tp_blocker(candidates: list[Candidate], tp: int) -> str:

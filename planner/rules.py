@@ -27,18 +27,62 @@ class Layout:
                 f"dp={self.data_parallel_size}")
 
 
-def tensor_parallel_problem(spec: ModelSpec, tp: int) -> str | None:
-    """Rule 4: why `tp` cannot shard this model, or None."""
+# NOTE: below this many output features per expert and rank, a grouped GEMM tile (64-128 wide) runs
+# mostly empty and each expert's weights come in slivers; whole experts per rank keep GEMMs full.
+EFFICIENT_EXPERT_WIDTH = 128
+
+
+def expert_parallel_problem(spec: ModelSpec, tp: int) -> str | None:
+    """Why whole experts cannot be dealt out evenly to `tp` ranks, or None."""
+    if not spec.is_moe:
+        return f"enable_expert_parallel: {spec.id} has no routed experts (not a mixture-of-experts model)"
+    if spec.num_experts % tp:
+        return (f"enable_expert_parallel: {spec.num_experts} experts do not divide evenly over "
+                f"tensor_parallel_size {tp} (every rank holds as many experts)")
+    return None
+
+
+def expert_parallel_reason(spec: ModelSpec, tp: int) -> str | None:
+    """Why whole experts per rank beat splitting every expert at this tp (None: they do not, or cannot)."""
+    if tp == 1 or expert_parallel_problem(spec, tp):
+        return None
+    inter, q = spec.moe_intermediate_size, spec.quantization
+    per_rank = inter // tp
+    if inter % tp:
+        return f"moe_intermediate_size {inter} does not divide by tensor_parallel_size {tp}"
+    if q and q.group_size and per_rank % q.group_size:
+        return f"splitting experts would cut {q.method} groups of {q.group_size} ({inter} / {tp} = {per_rank})"
+    if q and q.block_shape and (per_rank % q.block_shape[0] or per_rank % q.block_shape[1]):
+        return f"splitting experts would cut fp8 weight blocks ({inter} / {tp} = {per_rank})"
+    if per_rank < EFFICIENT_EXPERT_WIDTH:
+        return (f"splitting experts leaves {inter} / {tp} = {per_rank} features per expert and rank, "
+                f"below an efficient GEMM width of {EFFICIENT_EXPERT_WIDTH}")
+    return None
+
+
+def _split_mlp(spec: ModelSpec, expert_parallel: bool) -> tuple[str, int]:
+    """The MLP width tensor parallel splits, named; 0 when none is (expert parallel, experts only)."""
+    if not spec.is_moe:
+        return "intermediate_size", spec.intermediate_size
+    if not expert_parallel:
+        return "moe_intermediate_size", spec.moe_intermediate_size
+    has_dense = len(spec.moe_layers) < spec.num_layers  # Qwen-MoE's mlp_only_layers stay split
+    return "intermediate_size", spec.intermediate_size if has_dense else 0
+
+
+def tensor_parallel_problem(spec: ModelSpec, tp: int, expert_parallel: bool = False) -> str | None:
+    """Rule 4: why `tp` cannot shard this model (its experts whole per rank with expert_parallel), or None."""
     if tp == 1:
         return None
+    if expert_parallel and expert_parallel_problem(spec, tp):
+        return expert_parallel_problem(spec, tp)
     heads, kv = spec.num_attention_heads, spec.num_kv_heads
     if heads % tp:
         return f"{heads} attention heads are not divisible by tensor_parallel_size {tp}"
     if kv % tp and tp % kv:
         return (f"{kv} KV heads neither divide by tensor_parallel_size {tp} nor divide it "
                 "(KV heads can only be split evenly or replicated whole)")
-    inter = spec.moe_intermediate_size if spec.is_moe else spec.intermediate_size
-    label = "moe_intermediate_size" if spec.is_moe else "intermediate_size"
+    label, inter = _split_mlp(spec, expert_parallel)
     if inter % tp:
         return f"{label} {inter} is not divisible by tensor_parallel_size {tp}"
     if spec.shared_expert_intermediate_size and spec.shared_expert_intermediate_size % tp:
@@ -52,7 +96,7 @@ def tensor_parallel_problem(spec: ModelSpec, tp: int) -> str | None:
             if (features // tp) % q.group_size:
                 return (f"{q.method} group_size {q.group_size} does not divide the {name} per "
                         f"rank ({features} / {tp} = {features // tp})")
-    if q and q.block_shape:
+    if q and q.block_shape and inter:
         block_out, block_in = q.block_shape
         if (inter // tp) % block_in or (inter // tp) % block_out:
             return (f"fp8 weight blocks {block_out}x{block_in} do not divide the intermediate "

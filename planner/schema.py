@@ -27,6 +27,7 @@ def plan_record(plan) -> PlanFile:
             "data_parallel_size": layout.data_parallel_size,
             "layer_split": tuple(chosen.split),
             "distributed_executor_backend": plan.executor,
+            "enable_expert_parallel": chosen.expert_parallel,
         }),
         memory=MemorySection(**{
             "per_gpu": per_gpu(tightest),

@@ -8,7 +8,7 @@ from shardserve.planner.hardware import Hardware
 from shardserve.planner.memory import MemoryPlan, plan_memory
 from shardserve.planner.model_source import ModelInfo
 from shardserve.planner.options import PlanOptions, RuntimeSettings
-from shardserve.planner.rules import (Layout, max_replicas, placement_problem,
+from shardserve.planner.rules import (Layout, expert_parallel_reason, max_replicas, placement_problem,
                                       replica_spans_nodes, tensor_parallel_problem)
 from shardserve.planner.speed import Estimates, estimate
 
@@ -20,6 +20,7 @@ class Candidate:
     split: tuple[int, ...] = ()
     memory: MemoryPlan | None = None
     estimates: Estimates | None = None
+    expert_parallel: bool = False  # MoE: whole experts per tp rank
 
     @property
     def is_feasible(self) -> bool:
@@ -30,13 +31,14 @@ def evaluate(model: ModelInfo, layout: Layout, hardware: Hardware, options: Plan
              settings: RuntimeSettings) -> Candidate:
     spec = model.spec
     tp, pp = layout.tensor_parallel_size, layout.pipeline_parallel_size
-    problem = tensor_parallel_problem(spec, tp) or placement_problem(layout, spec, hardware)
+    ep = uses_expert_parallel(model, tp, options)
+    problem = tensor_parallel_problem(spec, tp, ep) or placement_problem(layout, spec, hardware)
     if problem:
-        return Candidate(layout, problem)
-    sharded = model.sharded(tp, settings.dtype, pp)
+        return Candidate(layout, problem, expert_parallel=ep)
+    sharded = model.sharded(tp, settings.dtype, pp, ep)
     split = sharded.split(pp)
     stage_weights = sharded.stage_bytes(split)
-    memory = plan_memory(spec, stage_weights, split, tp, hardware.gpu, settings)
+    memory = plan_memory(spec, stage_weights, split, tp, hardware.gpu, settings, ep)
     needed = settings.max_model_len * options.target_concurrency
     problem = None
     if memory.tightest.kv_budget_bytes <= 0:
@@ -50,7 +52,14 @@ def evaluate(model: ModelInfo, layout: Layout, hardware: Hardware, options: Plan
     est = estimate(spec, model.num_params, sharded, split, stage_weights,
                    [s.kv_bytes_per_token for s in memory.stages], tp,
                    layout.data_parallel_size, hardware, settings, memory.kv_cache_tokens)
-    return Candidate(layout, problem, tuple(split), memory, est)
+    return Candidate(layout, problem, tuple(split), memory, est, ep)
+
+
+def uses_expert_parallel(model: ModelInfo, tp: int, options: PlanOptions) -> bool:
+    """As enable_expert_parallel forces it, else where expert_parallel_reason finds whole experts better."""
+    if options.enable_expert_parallel is not None:
+        return options.enable_expert_parallel
+    return expert_parallel_reason(model.spec, tp) is not None
 
 
 def candidate_layouts(model: ModelInfo, hardware: Hardware,

@@ -103,6 +103,10 @@ SETTINGS: tuple[Setting, ...] = (
        "choice.", "plan server", minimum=1, short="-dp"),
     _s("distributed_executor_backend", str, None, "mp (local processes), ray, or uni (one rank "
        "in-process). Default: the planner's rule.", "plan engine", choices=("mp", "ray", "uni")),
+    _s("enable_expert_parallel", bool, None, "Mixture-of-experts models: whole experts on each rank of "
+       "the tensor-parallel group (num_experts divided over tensor_parallel_size) instead of every expert "
+       "split; attention stays tensor parallel. Default: the planner's choice (LLM(...): off).",
+       "plan engine"),
     _s("layer_split", tuple, None, "Layers per pipeline stage, such as [20, 12] (a plan's "
        "choice; default: balanced by weight bytes).", "engine"),
     _s("max_model_len", int, None, "Longest prompt plus output, in tokens. Default: the model's.",

@@ -115,23 +115,26 @@ def _site_and_shard(pattern: str) -> tuple[str, Shard]:
 
 
 def shard_model(spec: ModelSpec, groups: TensorGroups, tp: int, dtype: str,
-                num_stages: int = 1) -> ShardedModel:
+                num_stages: int = 1, expert_parallel: bool = False) -> ShardedModel:
     """Bytes per rank, float tensors converted to `dtype`, quantized ones kept as stored. With fp8
     quantization, float linear weights of the decoder layers count one byte (a float checkpoint
-    quantized while loading)."""
+    quantized while loading). With expert_parallel a rank holds num_experts / tp whole experts (the
+    runtime refuses uneven counts), so expert bytes scale by its share of experts, not of features."""
     is_fp8 = spec.quantization is not None and spec.quantization.method == "fp8"
     kv_per_rank = max(1, spec.num_kv_heads // tp)  # replicated once tp > KV heads
     factors = {Shard.COLUMN: 1 / tp, Shard.ROW: 1 / tp,
                Shard.KV: kv_per_rank / spec.num_kv_heads,
                Shard.VOCAB: math.ceil(spec.vocab_size / tp) / spec.vocab_size,
                Shard.REPLICATED: 1.0}
+    expert_share = -(-spec.num_experts // tp) / spec.num_experts if expert_parallel else None
     layers = [0.0] * spec.num_layers
     first = last = embedding = experts = 0.0
     has_lm_head = False
     for (site, layer, shard, is_expert, is_float), (numel, stored) in \
             groups.items():
         quantized_here = is_fp8 and site == "layer" and shard is not Shard.REPLICATED
-        size = (numel * (1 if quantized_here else DTYPE_BYTES[dtype]) if is_float else stored) * factors[shard]
+        factor = expert_share if is_expert and expert_share is not None else factors[shard]
+        size = (numel * (1 if quantized_here else DTYPE_BYTES[dtype]) if is_float else stored) * factor
         if site == "layer":
             if layer < spec.num_layers:
                 layers[layer] += size

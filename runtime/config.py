@@ -144,6 +144,7 @@ class ParallelConfig:
     pipeline_parallel_size: int
     distributed_executor_backend: str | None = None
     layer_split: tuple[int, ...] | None = None  # layers per stage (a plan's); None: the planner's rule
+    enable_expert_parallel: bool = False  # MoE experts whole on tp ranks instead of split across them
 
     @property
     def world_size(self) -> int:

@@ -44,10 +44,11 @@ class WorkerHandle(ABC):
         """Wait up to `grace` seconds for a clean exit, then kill."""
 
 
-def rank_states(parallel_size: tuple[int, int], layer_split: tuple[int, ...]) -> list[ParallelState]:
+def rank_states(parallel_size: tuple[int, int], layer_split: tuple[int, ...],
+                enable_expert_parallel: bool = False) -> list[ParallelState]:
     """Global rank order: rank = pp_rank * tp_size + tp_rank (see parallel_state)."""
     tp_size, pp_size = parallel_size
-    return [ParallelState(rank % tp_size, tp_size, rank // tp_size, pp_size, layer_split)
+    return [ParallelState(rank % tp_size, tp_size, rank // tp_size, pp_size, layer_split, enable_expert_parallel)
             for rank in range(tp_size * pp_size)]
 
 
@@ -55,7 +56,8 @@ class DistributedExecutor(Executor):
     def __init__(self, config: EngineConfig, layer_split: tuple[int, ...]):
         parallel = config.parallel
         self.config = config
-        self.states = rank_states((parallel.tensor_parallel_size, parallel.pipeline_parallel_size), layer_split)
+        self.states = rank_states((parallel.tensor_parallel_size, parallel.pipeline_parallel_size), layer_split,
+                                  parallel.enable_expert_parallel)
         self.output_rank = next(s.global_rank for s in self.states if s.is_output_rank)
         self.store, rendezvous = start_rendezvous(self.rendezvous_host(), parallel.world_size)
         self.handles: list[WorkerHandle] = []

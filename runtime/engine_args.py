@@ -40,7 +40,8 @@ class EngineArgs(settings_dataclass(ENGINE, "EngineArgsFields")):
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size or 1,
                                     pipeline_parallel_size=self.pipeline_parallel_size or 1,
                                     distributed_executor_backend=self.distributed_executor_backend,
-                                    layer_split=self.layer_split),
+                                    layer_split=self.layer_split,
+                                    enable_expert_parallel=bool(self.enable_expert_parallel)),
             device=device,
             seed=self.seed,
         )

@@ -29,6 +29,7 @@ class ParallelState:
     pp_rank: int = 0
     pp_size: int = 1
     layer_split: tuple[int, ...] | None = None  # layers per stage; None: the even split
+    enable_expert_parallel: bool = False  # MoE: whole experts per tp rank (num_experts / tp_size each)
 
     def __post_init__(self) -> None:
         if not (0 <= self.tp_rank < self.tp_size and 0 <= self.pp_rank < self.pp_size):

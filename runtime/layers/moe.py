@@ -1,4 +1,5 @@
-"""Top-k routed experts with gated SiLU MLPs, expert weights stacked per kind and split by tensor rank."""
+"""Top-k routed experts with gated SiLU MLPs, expert weights stacked per kind; across tensor ranks each
+expert is split (Megatron) or, with expert parallel, whole experts are dealt out to the ranks."""
 
 from __future__ import annotations
 
@@ -41,41 +42,69 @@ def wrapped_moe_target(inner, name: str, kinds: dict[str, str]):
 
 
 class FusedMoE(nn.Module):
-    """w13: [num_experts, 2 * intermediate_per_rank, hidden] (gate | up), w2: [num_experts, hidden,
-    intermediate_per_rank]. The checkpoint's per-expert w1/w3/w2 load via shard (expert, "w1"|"w3"|"w2")."""
+    """w13: [local_experts, 2 * intermediate_per_rank, hidden] (gate | up), w2: [local_experts, hidden,
+    intermediate_per_rank]. The checkpoint's per-expert w1/w3/w2 load via shard (expert, "w1"|"w3"|"w2").
+
+        tensor parallel:  every rank holds all experts, 1/tp of each one's intermediate features
+        expert parallel:  rank r holds experts [r * E / tp, (r + 1) * E / tp) whole
+    Either way a rank's output is a partial sum over its share, and one all-reduce completes it."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool = True):
         super().__init__()
         state = get_parallel_state()
-        self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
-        self.intermediate = shard_range(intermediate_size, 0, self.tp_size)[1]
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate, hidden_size), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate), requires_grad=False)
+        if state.enable_expert_parallel:
+            self.first_expert, self.num_local_experts = shard_range(num_experts, state.tp_rank, state.tp_size)
+            self.feature_rank, self.feature_ranks = 0, 1  # experts whole
+        else:
+            self.first_expert, self.num_local_experts = 0, num_experts
+            self.feature_rank, self.feature_ranks = state.tp_rank, state.tp_size
+        self.intermediate = shard_range(intermediate_size, 0, self.feature_ranks)[1]
+        self.w13 = nn.Parameter(torch.empty(self.num_local_experts, 2 * self.intermediate, hidden_size),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, self.intermediate),
+                               requires_grad=False)
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard: tuple[int, str]) -> None:
         expert, kind = shard
+        local = expert - self.first_expert
+        if not 0 <= local < self.num_local_experts:
+            return  # another rank's expert: never read
         if kind == "w2":  # [hidden, intermediate]: split the input dimension
-            start, size = shard_range(loaded.shape[1], self.tp_rank, self.tp_size)
-            copy_into(param.data[expert], loaded.narrow(1, start, size))
+            start, size = shard_range(loaded.shape[1], self.feature_rank, self.feature_ranks)
+            copy_into(param.data[local], loaded.narrow(1, start, size))
             return
-        start, size = shard_range(loaded.shape[0], self.tp_rank, self.tp_size)
+        start, size = shard_range(loaded.shape[0], self.feature_rank, self.feature_ranks)
         offset = 0 if kind == "w1" else self.intermediate
-        copy_into(param.data[expert].narrow(0, offset, size), loaded.narrow(0, start, size))
+        copy_into(param.data[local].narrow(0, offset, size), loaded.narrow(0, start, size))
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """hidden: [num_tokens, hidden_size], router_logits: [num_tokens, num_experts]."""
+        """hidden: [num_tokens, hidden_size], router_logits: [num_tokens, num_experts]. On CUDA the Triton
+        kernel (no host sync: capturable); elsewhere the torch loop, which is also its reference."""
         weights, experts = self.route(router_logits)  # [num_tokens, top_k]
+        if hidden.is_cuda:
+            from shardserve.runtime.layers.triton_moe import fused_moe  # triton is needed only on CUDA
+            out = fused_moe(hidden, self.w13, self.w2, weights, experts, self.first_expert)
+        else:
+            out = self.forward_loop(hidden, weights, experts)
+        return tensor_parallel_all_reduce(out)
+
+    def forward_loop(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """One pass per chosen expert of this rank: gather its tokens, gated MLP, scale, scatter-add.
+        NOTE: lists the chosen experts on the host (a sync), so it is the CPU path, not a graph's."""
         weights = weights.to(hidden.dtype)
         out = torch.zeros_like(hidden)
         for expert in experts.unique().tolist():
+            local = expert - self.first_expert
+            if not 0 <= local < self.num_local_experts:
+                continue  # another rank's expert adds its part there
             token_index, slot = torch.nonzero(experts == expert, as_tuple=True)
             x = hidden[token_index]
-            gate, up = F.linear(x, self.w13[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w2[expert]) * weights[token_index, slot, None]
+            gate, up = F.linear(x, self.w13[local]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.w2[local]) * weights[token_index, slot, None]
             out.index_add_(0, token_index, y)
-        return tensor_parallel_all_reduce(out)
+        return out
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Softmax over all experts, then the top k (renormalized to sum 1 when asked): float32

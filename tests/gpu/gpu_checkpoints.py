@@ -1,4 +1,4 @@
-"""Random Llama and Qwen3 checkpoints for the GPU tests (transformers save_pretrained), bigger than the
+"""Random Llama, Qwen3 and Qwen3-MoE checkpoints for the GPU tests (transformers save_pretrained), bigger than the
 CPU tests' so that the kernels see real head sizes, GQA groups and several KV blocks per request."""
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ def gpu_config(family: str, num_hidden_layers: int = 3):
         return tf.LlamaConfig(head_dim=64, **common)  # GQA groups of 4
     if family == "qwen3":
         return tf.Qwen3Config(head_dim=128, tie_word_embeddings=False, **common)  # head_dim above hidden / heads
+    if family == "qwen3_moe":  # 16 experts, top 4: the fused MoE kernel in a whole model
+        return tf.Qwen3MoeConfig(head_dim=128, tie_word_embeddings=False, num_experts=16, num_experts_per_tok=4,
+                                 moe_intermediate_size=256, norm_topk_prob=True, **common)
     raise KeyError(family)
 
 

@@ -27,6 +27,7 @@ VALUES = {
     "model": DEMO, "hardware": "2xcpu", "device": "cpu", "tensor_parallel_size": 2, "pipeline_parallel_size": 2,
     "data_parallel_size": 2, "distributed_executor_backend": "mp", "layer_split": (3, 1), "max_model_len": 512,
     "dtype": "bfloat16", "quantization": "fp8", "kv_cache_dtype": "fp8", "gpu_memory_utilization": 0.5, "kv_cache_memory_bytes": SMALL_POOL,
+    "enable_expert_parallel": False,  # the default is None (the planner's choice); True needs a MoE model
     "block_size": 32, "max_num_seqs": 8, "max_num_batched_tokens": 1024, "enable_prefix_caching": False,
     "enforce_eager": True, "seed": 7, "chat_template": "{{ messages[0].content }}", "generation_config": "vllm",
     "skip_tokenizer_init": True, "target_concurrency": 3, "host": "127.0.0.2",
@@ -41,6 +42,7 @@ PLAN_READBACK = {
     "pipeline_parallel_size": lambda p: p.parallel.pipeline_parallel_size,
     "data_parallel_size": lambda p: p.parallel.data_parallel_size,
     "distributed_executor_backend": lambda p: p.parallel.distributed_executor_backend,
+    "enable_expert_parallel": lambda p: p.parallel.enable_expert_parallel,
     "max_model_len": lambda p: p.runtime.max_model_len, "dtype": lambda p: p.runtime.dtype,
     "quantization": lambda p: p.runtime.quantization,
     "kv_cache_dtype": lambda p: p.runtime.kv_cache_dtype,
@@ -57,7 +59,8 @@ ENGINE_READBACK = {
     "tensor_parallel_size": lambda c: c.parallel.tensor_parallel_size,
     "pipeline_parallel_size": lambda c: c.parallel.pipeline_parallel_size,
     "distributed_executor_backend": lambda c: c.parallel.distributed_executor_backend,
-    "layer_split": lambda c: c.parallel.layer_split, "max_model_len": lambda c: c.model.max_model_len,
+    "layer_split": lambda c: c.parallel.layer_split,
+    "enable_expert_parallel": lambda c: c.parallel.enable_expert_parallel, "max_model_len": lambda c: c.model.max_model_len,
     "dtype": lambda c: str(c.model.dtype).removeprefix("torch."),
     "quantization": lambda c: c.model.quantization.format, "kv_cache_dtype": lambda c: c.cache.kv_cache_dtype,
     "gpu_memory_utilization": lambda c: c.cache.gpu_memory_utilization,
@@ -151,3 +154,27 @@ def test_a_setting_the_engine_does_not_act_on_is_refused_by_name():
         LLM(DEMO, data_parallel_size=2)
     with pytest.raises(SettingError, match="unknown setting 'max_num_seqz'"):
         LLM(DEMO, max_num_seqz=2)
+
+
+@pytest.mark.slow
+def test_expert_parallel_on_reaches_the_moe_layers(tmp_path):
+    """True (the demo is dense, so VALUES holds False): a MoE folder at tp 2 through plan, launch and the ranks."""
+    from tests.runtime.runtime_checkpoints import save_checkpoint
+
+    folder = str(tmp_path / "moe")
+    save_checkpoint(folder, "qwen3_moe")
+    config, plan = settle(None, None, {"model": folder, "hardware": "2xcpu", "tensor_parallel_size": 2,
+                                       "enable_expert_parallel": True, "kv_cache_memory_bytes": SMALL_POOL}, None)
+    assert plan.parallel.enable_expert_parallel is True
+    assert any(line.startswith("rule 8: expert parallel") for line in plan.rationale)
+    engine = AsyncEngine(folder, **engine_kwargs(config))
+    try:
+        assert [s.enable_expert_parallel for s in engine.engine.executor.states] == [True, True]
+    finally:
+        engine.engine.shutdown()
+
+
+def test_expert_parallel_on_a_dense_model_is_a_clear_cli_error():
+    result = CliRunner().invoke(app, ["plan", "--model", DEMO, "--hardware", "2xcpu", "--enable-expert-parallel"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "enable_expert_parallel: " in result.output and "has no routed experts" in result.output

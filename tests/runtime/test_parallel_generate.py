@@ -26,6 +26,7 @@ LAYOUTS = [
     ("qwen3_moe", 2, 2, 1),
     ("qwen2_moe", 2, 1, 2),  # the sparse layer and the dense one on different stages
     ("qwen3_moe", 2, 1, 2),
+    ("mixtral", 2, 1, 2),
     ("mistral-window", 2, 2, 1),  # every layer's window
     ("qwen2-window", 2, 1, 2),  # the full-attention layer and the windowed one on different stages
     ("mistral", 2, 4, 1),  # 2 KV heads on 4 ranks: replicated
@@ -50,6 +51,29 @@ def test_parallel_greedy_matches_transformers(family, num_layers, tp, pp, checkp
         if pp > 1:
             abort_while_in_flight(llm)
     assert max(depths) == min(pp, 2)  # 4 requests over pp batches: stages do not wait for each other
+    assert rank_pids() == []
+
+
+EXPERT_PARALLEL = [("mixtral", 1), ("qwen2_moe", 1), ("qwen3_moe", 1), ("mixtral", 2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, pp", EXPERT_PARALLEL, ids=[f"{f}-tp2-pp{p}" for f, p in EXPERT_PARALLEL])
+def test_expert_parallel_greedy_matches_transformers(family, pp, checkpoint_factory):
+    """tp 2 with whole experts per rank (2 of the 4 each); attention and shared experts stay split."""
+    folder, hf_model = checkpoint_factory(family, num_layers=2)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    with LLM(folder, device="cpu", kv_cache_memory_bytes=2**22, block_size=4, tensor_parallel_size=2,
+             pipeline_parallel_size=pp, distributed_executor_backend="mp", enable_expert_parallel=True) as llm:
+        assert [s.enable_expert_parallel for s in llm.engine.executor.states] == [True] * 2 * pp
+        assert token_outputs(llm, PROMPTS, params) == reference(hf_model, PROMPTS, MAX_TOKENS)
+    assert rank_pids() == []
+
+
+def test_expert_parallel_needs_experts(checkpoint_factory):
+    folder, _ = checkpoint_factory("llama3")
+    with pytest.raises(ValueError, match="enable_expert_parallel: LlamaForCausalLM has no routed experts"):
+        LLM(folder, device="cpu", kv_cache_memory_bytes=2**22, tensor_parallel_size=2, enable_expert_parallel=True)
     assert rank_pids() == []
 
 

@@ -14,10 +14,10 @@ from shardserve.runtime.parallel_layout import check_parallel_layout
 from test_parallel_generate import rank_pids
 
 
-def model_config(heads=8, kv_heads=4, layers=4, intermediate=96) -> ModelConfig:
+def model_config(heads=8, kv_heads=4, layers=4, intermediate=96, experts=None) -> ModelConfig:
     hf = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads, num_hidden_layers=layers,
-                         intermediate_size=intermediate, hidden_size=64)
-    return ModelConfig("m", hf, "LlamaForCausalLM", torch.float32, 128)
+                         intermediate_size=intermediate, hidden_size=64, num_local_experts=experts)
+    return ModelConfig("m", hf, "MixtralForCausalLM" if experts else "LlamaForCausalLM", torch.float32, 128)
 
 
 @pytest.mark.parametrize("kwargs, tp, pp, devices, message", [
@@ -31,6 +31,26 @@ def model_config(heads=8, kv_heads=4, layers=4, intermediate=96) -> ModelConfig:
 def test_refusals_name_the_rule(kwargs, tp, pp, devices, message):
     with pytest.raises(ValueError, match=message):
         check_parallel_layout(model_config(**kwargs), ParallelConfig(tp, pp), devices)
+
+
+@pytest.mark.parametrize("experts, tp, message", [
+    (None, 2, "enable_expert_parallel: LlamaForCausalLM has no routed experts"),
+    (6, 4, "enable_expert_parallel: the model's 6 experts do not divide evenly over tensor_parallel_size=4"),
+])
+def test_expert_parallel_refusals_name_the_setting(experts, tp, message):
+    with pytest.raises(ValueError, match=message):
+        check_parallel_layout(model_config(experts=experts), ParallelConfig(tp, 1, enable_expert_parallel=True), None)
+    check_parallel_layout(model_config(experts=experts), ParallelConfig(tp, 1), None)  # fine without it
+
+
+def test_expert_parallel_layouts_pass():
+    check_parallel_layout(model_config(experts=8), ParallelConfig(4, 1, enable_expert_parallel=True), None)
+    # Mixtral's experts are its intermediate_size: whole per rank, 90 features need not divide by 4
+    with pytest.raises(ValueError, match="does not divide the experts' 90 intermediate features; "
+                                         "enable_expert_parallel keeps experts whole"):
+        check_parallel_layout(model_config(experts=8, intermediate=90), ParallelConfig(4, 1), None)
+    check_parallel_layout(model_config(experts=8, intermediate=90), ParallelConfig(4, 1, enable_expert_parallel=True),
+                          None)
 
 
 @pytest.mark.parametrize("tp, pp", [(8, 1), (4, 1), (2, 2), (1, 4)])

@@ -20,7 +20,7 @@ from triton.compiler import compile as triton_compile
 
 from shardserve.runtime.attention import triton_decode, triton_prefill, triton_rotary_kv
 from shardserve.runtime.attention import triton_kernels as kernels
-from shardserve.runtime.layers import triton_activation, triton_norm
+from shardserve.runtime.layers import triton_activation, triton_moe, triton_norm
 from shardserve.runtime.layers.quantization import triton_packed_int
 
 INDEX = {"query_start_ptr": "*i32", "seq_lens_ptr": "*i32", "tables_ptr": "*i32", "table_stride": "i32",
@@ -112,6 +112,18 @@ def compile_packed_int_gemm(dtype: str, is_fp32: bool) -> None:
                         "BLOCK_K": 32})
 
 
+def compile_moe(dtype: str, is_fp32: bool) -> None:
+    index = {"sorted_pairs_ptr": "*i32", "block_experts_ptr": "*i32", "num_pairs": "i32", "num_experts": "i32",
+             "hidden_size": "i32", "intermediate": "i32", "stride_xm": "i32", "stride_we": "i32",
+             "stride_wn": "i32", "stride_om": "i32"}
+    for block_m in (16, 64):
+        blocks = {"IS_FP32": is_fp32, "BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 64}
+        compile_kernel(triton_moe._moe_gate_up_kernel,
+                       {"x_ptr": dtype, "w13_ptr": dtype, "out_ptr": dtype, "top_k": "i32", **index}, blocks)
+        compile_kernel(triton_moe._moe_down_kernel,
+                       {"x_ptr": dtype, "w2_ptr": dtype, "weights_ptr": "*fp32", "out_ptr": dtype, **index}, blocks)
+
+
 def main() -> None:
     for dtype, is_fp32 in (("*bf16", False), ("*fp32", True)):
         for cache in (dtype, "*fp8e4nv", "*fp8e5"):
@@ -119,6 +131,7 @@ def main() -> None:
         compile_packed_int_gemm(dtype, is_fp32)
         compile_kernel(triton_activation._silu_and_mul_kernel,
                        {"x_ptr": dtype, "out_ptr": dtype, "x_stride": "i64", "size": "i32"}, {"BLOCK": 1024})
+        compile_moe(dtype, is_fp32)
         for has_residual in (False, True):
             compile_kernel(triton_norm._rms_norm_kernel,
                            {"x_ptr": dtype, "residual_ptr": dtype, "weight_ptr": dtype, "out_ptr": dtype,

@@ -1,0 +1,154 @@
+"""Fused mixture-of-experts on the GPU: (token, k) pairs grouped by expert on the device, a grouped GEMM
+for gate|up with SiLU-and-mul, a grouped GEMM for down scaled by the routing weight, a sum over top-k.
+
+A pair p = token * top_k + k picks expert topk_ids[token, k]. The align step lays the pairs out by
+(local) expert, each expert's run padded to a whole number of BLOCK_M rows:
+
+    sorted_pairs:  | e0 e0 e0 pad | e1 e1 e1 e1 | e3 pad pad pad | (pairs of other ranks' experts)
+    block_experts: |      0       |      1      |       3        |  E   E ...   (E: nothing to do)
+
+Padding rows hold num_pairs (past every pair) and are masked; a block whose expert is E exits at once.
+Every size comes from the shapes (the buffers hold the worst case), so nothing is read on the host and
+a forward can be captured in a CUDA graph."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, first_expert: int,
+              block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_ids [num_tokens, top_k] (global expert ids; this rank holds experts [first_expert,
+    first_expert + num_experts)) -> sorted_pairs [capacity] int32 and block_experts [capacity // block_m]
+    int32, laid out as the module docstring draws them."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    num_pairs, device = flat.numel(), flat.device
+    local = flat - first_expert
+    local = torch.where((local >= 0) & (local < num_experts), local, num_experts)  # E: another rank's
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, local, torch.ones_like(local))
+    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)  # [E]: where each expert's run ends
+    run_start = torch.cat((padded_end - padded, padded_end[-1:]))  # [E + 1]: others' pairs after all runs
+    order = torch.argsort(local, stable=True)  # pair ids grouped by expert
+    grouped = local[order]
+    first_of_group = torch.cumsum(counts, 0) - counts
+    dest = run_start[grouped] + torch.arange(num_pairs, device=device) - first_of_group[grouped]
+    # NOTE: runs plus others' pairs never pass num_pairs + E * (block_m - 1) rows
+    capacity = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
+    sorted_pairs = torch.full((capacity,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
+    block_starts = torch.arange(0, capacity, block_m, device=device)
+    block_experts = torch.searchsorted(padded_end, block_starts, right=True).to(torch.int32)
+    return sorted_pairs, block_experts
+
+
+@triton.jit
+def _moe_gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs, num_experts,
+                        top_k, hidden_size, intermediate, stride_xm, stride_we, stride_wn, stride_om,
+                        IS_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    """out[pair, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, intermediate + n]) for the pairs
+    of one block, n in one BLOCK_N tile of the intermediate features."""
+    expert = tl.load(block_experts_ptr + tl.program_id(0))
+    if expert >= num_experts:
+        return
+    pairs = tl.load(sorted_pairs_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
+    pair_ok = pairs < num_pairs
+    tokens = (pairs // top_k).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < intermediate
+    w_base = w13_ptr + expert.to(tl.int64) * stride_we
+    gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, hidden_size, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < hidden_size
+        x = tl.load(x_ptr + tokens[:, None] * stride_xm + ks[None, :], mask=pair_ok[:, None] & k_ok[None, :],
+                    other=0.0)  # [BLOCK_M, BLOCK_K]
+        w_ok = k_ok[:, None] & col_ok[None, :]
+        w_gate = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=w_ok, other=0.0)  # [BLOCK_K, BLOCK_N]
+        w_up = tl.load(w_base + (cols + intermediate)[None, :] * stride_wn + ks[:, None], mask=w_ok, other=0.0)
+        if IS_FP32:
+            gate += tl.dot(x, w_gate, input_precision="ieee")
+            up += tl.dot(x, w_up, input_precision="ieee")
+        else:
+            gate += tl.dot(x, w_gate)
+            up += tl.dot(x, w_up)
+    act = gate * tl.sigmoid(gate) * up
+    out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    tl.store(out, act.to(out_ptr.dtype.element_ty), mask=pair_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(x_ptr, w2_ptr, weights_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs,
+                     num_experts, intermediate, hidden_size, stride_xm, stride_we, stride_wn, stride_om,
+                     IS_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    """out[pair, n] = weight[pair] * (x[pair] . w2[e, n]): x is the gate-up output, one row per pair."""
+    expert = tl.load(block_experts_ptr + tl.program_id(0))
+    if expert >= num_experts:
+        return
+    pairs = tl.load(sorted_pairs_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
+    pair_ok = pairs < num_pairs
+    rows = pairs.to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden_size
+    w_base = w2_ptr + expert.to(tl.int64) * stride_we
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, intermediate, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < intermediate
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=pair_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=k_ok[:, None] & col_ok[None, :],
+                    other=0.0)  # [BLOCK_K, BLOCK_N]
+        if IS_FP32:
+            acc += tl.dot(x, w, input_precision="ieee")
+        else:
+            acc += tl.dot(x, w)
+    weight = tl.load(weights_ptr + pairs, mask=pair_ok, other=0.0)  # float32 routing weights
+    acc = acc * weight[:, None]
+    out = out_ptr + rows[:, None] * stride_om + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=pair_ok[:, None] & col_ok[None, :])
+
+
+def block_sizes(num_pairs: int, num_experts: int, is_fp32: bool) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): 16-row blocks while experts see few pairs each (decode), 64 above.
+    NOTE: fixed shapes, no autotuning, so a captured graph and an eager step run the same code."""
+    block_m = 16 if num_pairs <= 16 * num_experts else 64
+    return block_m, (32 if is_fp32 else 64), (32 if is_fp32 else 64)
+
+
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, first_expert: int = 0,
+              blocks: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """hidden [num_tokens, hidden_size], w13 [E, 2 * I, hidden_size] (gate | up), w2 [E, hidden_size, I],
+    topk_weights [num_tokens, top_k] float32, topk_ids [num_tokens, top_k] global expert ids (this rank
+    holds [first_expert, first_expert + E); pairs of other experts add nothing) -> [num_tokens, hidden_size]."""
+    num_tokens, hidden_size = hidden.shape
+    num_experts, intermediate = w13.shape[0], w2.shape[2]
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    is_fp32 = hidden.dtype == torch.float32
+    block_m, block_n, block_k = blocks or block_sizes(num_pairs, num_experts, is_fp32)
+    if num_tokens == 0:
+        return torch.zeros_like(hidden)
+    sorted_pairs, block_experts = moe_align(topk_ids, num_experts, first_expert, block_m)
+    num_blocks = block_experts.numel()
+    x = hidden.contiguous()
+    act = torch.empty((num_pairs, intermediate), dtype=hidden.dtype, device=hidden.device)
+    _moe_gate_up_kernel[(num_blocks, triton.cdiv(intermediate, block_n))](
+        x, w13, act, sorted_pairs, block_experts, num_pairs, num_experts, top_k, hidden_size, intermediate,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        IS_FP32=is_fp32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    # rows of pairs routed to other ranks' experts are never written: they must add zero
+    out = torch.zeros((num_pairs, hidden_size), dtype=hidden.dtype, device=hidden.device)
+    weights = topk_weights.to(torch.float32).reshape(-1).contiguous()
+    _moe_down_kernel[(num_blocks, triton.cdiv(hidden_size, block_n))](
+        act, w2, weights, out, sorted_pairs, block_experts, num_pairs, num_experts, intermediate, hidden_size,
+        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        IS_FP32=is_fp32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    return out.view(num_tokens, top_k, hidden_size).sum(dim=1)
