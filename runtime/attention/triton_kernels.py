@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from shardserve.runtime.attention.torch_backend import is_fp8
+
 
 @triton.jit
 def _quantized(x, kv_scale, largest, IS_FP8: tl.constexpr):
@@ -31,10 +33,6 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, row_size,
     v = _quantized(tl.load(v_ptr + token * row_size + cols, mask=mask), v_scale, largest, IS_FP8)
     tl.store(k_cache_ptr + slot * row_size + cols, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + slot * row_size + cols, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
-
-
-def is_fp8(dtype: torch.dtype) -> bool:
-    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def largest_value(dtype: torch.dtype) -> float:

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from shardserve.runtime.attention.triton_kernels import (_dequantized, _dot, _load_kv_tile, _soft_capped, block_d,
-                                                         is_fp8)
+from shardserve.runtime.attention.torch_backend import is_fp8
+from shardserve.runtime.attention.triton_kernels import _dequantized, _dot, _load_kv_tile, _soft_capped, block_d
 
 
 @triton.jit

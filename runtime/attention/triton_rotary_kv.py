@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from shardserve.runtime.attention.triton_kernels import _quantized, is_fp8, largest_value
+from shardserve.runtime.attention.torch_backend import is_fp8
+from shardserve.runtime.attention.triton_kernels import _quantized, largest_value
 
 
 @triton.jit
