@@ -6,6 +6,7 @@
 #   3  Llama-3.1-8B shape: offline 1000 x 128/128 beside transformers' generate_batch
 #   4  Qwen3-0.6B shape: batch-1 decode; offline 128/128 and 1024/128 beside transformers
 #   5  Llama-3.1-8B shape: serving at concurrency 1, 16, 64 through `shardserve launch`
+#   6  Llama-3.1-8B attention shapes: the decode, prefill, rotary+KV and SiLU kernels alone (bench/kernel_bench.py)
 # Records append to bench/results.json as each is measured; with $OUT set (the device tool) a copy,
 # the test log and the server log land there. Arguments after the part go to gpu_bench.py.
 #   bash bench/run_gpu.sh --part 2
@@ -13,12 +14,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" != "--part" ] || [ -z "${2:-}" ]; then
-  sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 part=$2
 shift 2
-case "$part" in 1|2|3|4|5) ;; *) echo "unknown part $part: use 1 to 5" >&2; exit 2 ;; esac
+case "$part" in 1|2|3|4|5|6) ;; *) echo "unknown part $part: use 1 to 6" >&2; exit 2 ;; esac
 py=${PYTHON:-python3}
 
 if ! "$py" -c "import shardserve.runtime" 2> /dev/null; then
@@ -51,6 +52,7 @@ case "$part" in
     bench offline --model qwen3-0.6b --shapes 128/128 1024/128 "$@"
     ;;
   5) bench serve --model llama-3.1-8b "$@" ;;
+  6) "$py" bench/kernel_bench.py "$@" ;;
 esac
 if [ -n "${OUT:-}" ] && [ -f bench/results.json ]; then cp bench/results.json "$OUT/"; fi
 exit "$status"

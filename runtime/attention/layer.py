@@ -32,18 +32,25 @@ class Attention(nn.Module):
         """Read the loaded scales once, so that no step reads a tensor value on the host."""
         self.kv_scales = (float(self.k_scale), float(self.v_scale))
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [num_tokens, num_heads * head_dim], k/v: [num_tokens, num_kv_heads * head_dim]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None,
+                rotary_emb=None) -> torch.Tensor:
+        """q: [num_tokens, num_heads(, head_dim)], k/v: [num_tokens, num_kv_heads(, head_dim)]; given a
+        RotaryEmbedding, q and k are rotated by positions [num_tokens] here, or in the backend's kernel
+        that writes the cache when it fuses_rotary."""
         context = get_forward_context()
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        fused = rotary_emb is not None and context.attn_metadata is not None and context.backend.fuses_rotary
+        if rotary_emb is not None and not fused:
+            q, k = rotary_emb(positions, q, k)
         if context.attn_metadata is None:  # profiling run without a cache: plain causal attention (no window)
             out = _causal_attention(q, k, v, self.scale, self.logits_soft_cap)
-        elif self.logits_soft_cap is None:
+        elif fused:
             out = context.backend.forward(q, k, v, self.kv_cache, context.attn_metadata, self.scale,
-                                          self.sliding_window, self.kv_scales)
-        else:  # NOTE: only when set, so backends without the keyword still serve every other model
+                                          self.sliding_window, self.kv_scales, positions=positions,
+                                          rotary_emb=rotary_emb, logits_soft_cap=self.logits_soft_cap)
+        else:
             out = context.backend.forward(q, k, v, self.kv_cache, context.attn_metadata, self.scale,
                                           self.sliding_window, self.kv_scales, logits_soft_cap=self.logits_soft_cap)
         return out.reshape(-1, self.num_heads * self.head_dim)

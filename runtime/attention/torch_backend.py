@@ -129,6 +129,7 @@ def _decode_batch(q, kv_cache, meta, scale, rows: list[int], out, sliding_window
 
 class TorchAttentionBackend:
     name = "torch"
+    fuses_rotary = False  # the Attention layer rotates q and k before forward
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
                 sliding_window: int | None = None, kv_scales: tuple[float, float] = NO_SCALES,

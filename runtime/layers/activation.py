@@ -7,12 +7,21 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class SiluAndMul(nn.Module):
-    """[n, 2 * d] (gate | up) -> [n, d] silu(gate) * up."""
+    """[n, 2 * d] (gate | up) -> [n, d] silu(gate) * up.
+    NOTE: on CUDA one Triton kernel (runtime/layers/triton_activation.py) where torch launches two and
+    writes the silu to memory in between."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        if x.is_cuda:
+            from shardserve.runtime.layers import triton_activation  # triton is needed only on CUDA
+            return triton_activation.silu_and_mul(x)
+        return silu_and_mul_reference(x)
 
 
 _ACTIVATIONS = {

@@ -74,10 +74,9 @@ class GemmaAttention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
-        if self.has_qk_norm:
+        if self.has_qk_norm:  # before the rotation
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q.flatten(1), k.flatten(1), v))
+        return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb))
 
 
 class GemmaMLP(nn.Module):

@@ -9,12 +9,12 @@ import torch
 VOCAB_SIZE = 512
 
 
-def gpu_config(family: str):
+def gpu_config(family: str, num_hidden_layers: int = 3):
     import transformers as tf
 
-    common = dict(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6,
-                  bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    common = dict(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=512,
+                  num_hidden_layers=num_hidden_layers, num_attention_heads=8, num_key_value_heads=2,
+                  max_position_embeddings=2048, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1, pad_token_id=2)
     if family == "llama":
         return tf.LlamaConfig(head_dim=64, **common)  # GQA groups of 4
     if family == "qwen3":
@@ -32,12 +32,12 @@ def gpu_config(family: str):
     raise KeyError(family)
 
 
-def save_gpu_checkpoint(folder: str, family: str, seed: int = 0):
+def save_gpu_checkpoint(folder: str, family: str, seed: int = 0, num_hidden_layers: int = 3):
     """Writes float32 weights (each run casts them to its dtype); returns the transformers model, float32."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(gpu_config(family), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(gpu_config(family, num_hidden_layers), dtype=torch.float32)
     with torch.no_grad():  # larger than the default init: peaked logits, so greedy argmax is robust in bf16
         for name, param in model.named_parameters():
             if param.dim() >= 2:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardserve.runtime.attention import triton_kernels
+from shardserve.runtime.attention import triton_decode, triton_kernels, triton_prefill
 from shardserve.runtime.attention.torch_backend import paged_attention, write_kv
 from shardserve.runtime.forward_context import AttentionMetadata
 from shardserve.runtime.inputs import RequestState
@@ -54,7 +54,7 @@ def test_store_kv_writes_exactly_the_reference_slots():
 def test_prefill_bf16_matches_float32_reference(shapes):
     meta, q, _, _, cache = random_case(shapes)
     expected = paged_attention(q.float(), cache.float(), meta, scale=128**-0.5)
-    actual = triton_kernels.paged_prefill(q, cache, meta, scale=128**-0.5)
+    actual = triton_prefill.paged_prefill(q, cache, meta, scale=128**-0.5)
     assert actual.dtype == torch.bfloat16
     torch.testing.assert_close(actual.float(), expected, **BF16)
 
@@ -65,7 +65,7 @@ def test_split_kv_decode_bf16_matches_float32_reference(num_splits, num_heads, n
     meta, q, _, _, cache = random_case([(3000, 1), (16, 1), (1000, 1), (0, 1), (4095, 1)], num_heads, num_kv_heads,
                                        head_dim, seed=3)
     expected = paged_attention(q.float(), cache.float(), meta, scale=0.1)
-    actual = triton_kernels.paged_decode(q, cache, meta, scale=0.1, num_splits=num_splits)
+    actual = triton_decode.paged_decode(q, cache, meta, scale=0.1, num_splits=num_splits)
     torch.testing.assert_close(actual.float(), expected, **BF16)
 
 
@@ -82,11 +82,11 @@ def test_decode_kernel_replays_in_a_cuda_graph_with_new_lengths():
                                torch.arange(size + 1, dtype=torch.int32, device=CUDA), static_lens, static_tables,
                                max_query_len=1, max_seq_len=max_model_len, query_start_loc_cpu=list(range(size + 1)),
                                seq_lens_cpu=None)
-    triton_kernels.paged_decode(static_q, cache, static, 0.1)  # compile before capture
+    triton_decode.paged_decode(static_q, cache, static, 0.1)  # compile before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_out = triton_kernels.paged_decode(static_q, cache, static, 0.1)
+        static_out = triton_decode.paged_decode(static_q, cache, static, 0.1)
     for seed, shapes in ((5, [(100, 1), (2000, 1), (5, 1), (4000, 1)]), (6, [(3, 1), (700, 1), (4090, 1), (64, 1)])):
         meta = make_meta(shapes, seed=seed)
         q = torch.randn(size, num_heads, head_dim, generator=generator, device=CUDA).to(torch.bfloat16)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardserve.runtime.attention import triton_kernels
+from shardserve.runtime.attention import triton_decode, triton_kernels, triton_prefill
 from shardserve.runtime.attention.torch_backend import paged_attention, write_kv
 from shardserve.runtime.layers.quantization.triton_packed_int import packed_int_matmul
 
@@ -25,13 +25,13 @@ def test_fp8_cache_kernels_match_the_reference(dtype):
     triton_kernels.store_kv(k, v, cache, meta.slot_mapping, SCALES)
     assert torch.equal(cache.view(torch.uint8), expected_cache.view(torch.uint8))  # the GPU rounds like torch
     expected = paged_attention(q.float(), cache, meta, 128**-0.5, kv_scales=SCALES)
-    torch.testing.assert_close(triton_kernels.paged_prefill(q, cache, meta, 128**-0.5, kv_scales=SCALES).float(),
+    torch.testing.assert_close(triton_prefill.paged_prefill(q, cache, meta, 128**-0.5, kv_scales=SCALES).float(),
                                expected, **BF16)
     meta, q, k, v, cache = random_case([(3000, 1), (16, 1), (0, 1)], seed=3)
     cache = cache.to(dtype)
     write_kv(k, v, cache, meta.slot_mapping, SCALES)
     expected = paged_attention(q.float(), cache, meta, 0.1, kv_scales=SCALES)
-    torch.testing.assert_close(triton_kernels.paged_decode(q, cache, meta, 0.1, kv_scales=SCALES).float(),
+    torch.testing.assert_close(triton_decode.paged_decode(q, cache, meta, 0.1, kv_scales=SCALES).float(),
                                expected, **BF16)
 
 

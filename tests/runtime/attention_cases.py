@@ -1,9 +1,11 @@
-"""Attention metadata for kernel tests: requests with cached and new tokens on shuffled blocks."""
+"""Attention metadata for kernel tests (requests with cached and new tokens on shuffled blocks) and a
+dense reference with Gemma 2's logit soft-cap."""
 
 from __future__ import annotations
 
 import torch
 
+from shardserve.runtime.attention.torch_backend import gather_kv
 from shardserve.runtime.inputs import RequestState, prepare_inputs
 from shardserve.runtime.sampling_params import SamplingParams
 
@@ -19,3 +21,20 @@ def make_batch(shapes, block_size: int, num_blocks: int, device: torch.device, s
         states.append(RequestState(f"r{i}", [1] * total, total, SamplingParams(), 0, frozenset(), blocks, num_cached))
         scheduled[f"r{i}"] = num_new
     return prepare_inputs(states, scheduled, block_size, device).attn_metadata
+
+
+def capped_reference(q, cache, meta, scale, cap, window=None):
+    """Dense attention per query with scores cap * tanh(scores / cap) (Gemma 2), float32."""
+    out = torch.empty_like(q)
+    starts, group = meta.query_start_loc_cpu, q.shape[1] // cache.shape[3]
+    for r in range(meta.num_requests):
+        seq_len = meta.seq_lens_cpu[r]
+        keys, values = gather_kv(cache, meta.block_tables[r], seq_len)
+        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+        for j, token in enumerate(range(starts[r], starts[r + 1])):
+            position = seq_len - (starts[r + 1] - starts[r]) + j
+            first = 0 if window is None else max(0, position - window + 1)
+            scores = torch.einsum("hd,lhd->hl", q[token], keys[first:position + 1]) * scale
+            probs = torch.softmax(cap * torch.tanh(scores / cap), dim=-1)
+            out[token] = torch.einsum("hl,lhd->hd", probs, values[first:position + 1])
+    return out

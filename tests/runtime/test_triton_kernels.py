@@ -10,6 +10,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from shardserve.runtime.attention import triton_kernels  # noqa: E402
+from shardserve.runtime.attention.triton_decode import max_decode_splits, paged_decode  # noqa: E402
+from shardserve.runtime.attention.triton_prefill import paged_prefill  # noqa: E402
 from shardserve.runtime.attention.torch_backend import TorchAttentionBackend, paged_attention, write_kv  # noqa: E402
 from shardserve.runtime.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from tests.runtime import attention_cases  # noqa: E402
@@ -48,7 +50,7 @@ def test_prefill_kernel_matches_reference(shapes, head_dim):
     meta, q, k, v, cache = random_case(shapes, head_dim=head_dim)
     write_kv(k, v, cache, meta.slot_mapping)
     expected = paged_attention(q, cache, meta, scale=0.3)
-    actual = triton_kernels.paged_prefill(q, cache, meta, scale=0.3)
+    actual = paged_prefill(q, cache, meta, scale=0.3)
     torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)
 
 
@@ -57,7 +59,7 @@ def test_split_kv_decode_matches_reference(num_splits):
     meta, q, k, v, cache = random_case([(20, 1), (2, 1), (37, 1)], num_heads=4, num_kv_heads=1)
     write_kv(k, v, cache, meta.slot_mapping)
     expected = paged_attention(q, cache, meta, scale=0.2)
-    actual = triton_kernels.paged_decode(q, cache, meta, scale=0.2, num_splits=num_splits)
+    actual = paged_decode(q, cache, meta, scale=0.2, num_splits=num_splits, split_min=8)
     torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)
 
 
@@ -81,7 +83,7 @@ def test_prefill_kernel_with_sliding_window_matches_reference(window):
     meta, q, k, v, cache = random_case([(0, 7), (21, 3), (9, 1), (13, 18)], head_dim=16)
     write_kv(k, v, cache, meta.slot_mapping)
     expected = paged_attention(q, cache, meta, scale=0.3, sliding_window=window)
-    actual = triton_kernels.paged_prefill(q, cache, meta, scale=0.3, sliding_window=window)
+    actual = paged_prefill(q, cache, meta, scale=0.3, sliding_window=window)
     torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)
     assert not torch.allclose(expected, paged_attention(q, cache, meta, scale=0.3), atol=1e-3)
 
@@ -91,8 +93,8 @@ def test_split_kv_decode_with_sliding_window_matches_reference(window, num_split
     meta, q, k, v, cache = random_case([(20, 1), (2, 1), (37, 1)], num_heads=4, num_kv_heads=1)
     write_kv(k, v, cache, meta.slot_mapping)
     expected = paged_attention(q, cache, meta, scale=0.2, sliding_window=window)
-    actual = triton_kernels.paged_decode(q, cache, meta, scale=0.2, num_splits=num_splits,
-                                         sliding_window=window)
+    actual = paged_decode(q, cache, meta, scale=0.2, num_splits=num_splits, sliding_window=window,
+                          split_min=4)
     torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)
 
 
@@ -108,13 +110,16 @@ def test_sliding_window_reference_sees_only_the_window():
         torch.testing.assert_close(out[j], torch.einsum("hl,lhd->hd", probs, values[seen]))
 
 
-def test_default_split_count_grows_with_length_not_batch():
-    assert triton_kernels.default_num_splits(1, 8, 4096) > 1
-    assert triton_kernels.default_num_splits(256, 32, 4096) == 1
-    assert triton_kernels.default_num_splits(1, 8, 100) == 1
+def test_split_limit_comes_from_the_batch_shape():
+    assert max_decode_splits(1, 8, 4096) == 16  # 8 programs: split while the GPU is not full
+    assert max_decode_splits(8, 8, 4096) == 5  # Llama-3-8B at batch 8 still splits
+    assert max_decode_splits(64, 8, 4096) == 1
+    assert max_decode_splits(1, 8, 100) == 1  # no request can be longer than one split
 
 
-@pytest.mark.parametrize("family", ["gpt2", "qwen3", "mistral-window"])  # strided q/k/v; head_dim 24; window 8
+# strided q/k/v (no rotary); q/k norm then fused rotary, head_dim 24; window 8; llama3 rope scaling;
+# soft caps and local/global layers (Gemma 2); local rope base (Gemma 3); fused tensors, partial rotary (Phi-3)
+@pytest.mark.parametrize("family", ["gpt2", "qwen3", "mistral-window", "llama3", "gemma2", "gemma3", "phi3"])
 def test_models_on_the_triton_backend_match_transformers(family, checkpoint_factory):
     from runtime_forward import PROMPT, run_chunks
 
@@ -156,11 +161,11 @@ def test_kernels_read_an_fp8_cache_like_the_reference(dtype):
     cache = cache.to(dtype)
     write_kv(k, v, cache, meta.slot_mapping, FP8_SCALES)
     expected = paged_attention(q, cache, meta, 0.3, kv_scales=FP8_SCALES)
-    actual = triton_kernels.paged_prefill(q, cache, meta, 0.3, kv_scales=FP8_SCALES)
+    actual = paged_prefill(q, cache, meta, 0.3, kv_scales=FP8_SCALES)
     torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)
     meta, q, k, v, cache = random_case([(20, 1), (2, 1), (37, 1)], num_kv_heads=1)
     cache = cache.to(dtype)
     write_kv(k, v, cache, meta.slot_mapping, FP8_SCALES)
     expected = paged_attention(q, cache, meta, 0.2, kv_scales=FP8_SCALES)
-    actual = triton_kernels.paged_decode(q, cache, meta, 0.2, num_splits=3, kv_scales=FP8_SCALES)
+    actual = paged_decode(q, cache, meta, 0.2, num_splits=3, kv_scales=FP8_SCALES, split_min=8)
     torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)

@@ -10,7 +10,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, i.e
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from shardserve.runtime.attention import triton_kernels  # noqa: E402
+from shardserve.runtime.attention import triton_decode, triton_prefill  # noqa: E402
 from shardserve.runtime.attention.torch_backend import paged_attention, write_kv  # noqa: E402
 from shardserve.runtime.block_manager import BlockManager  # noqa: E402
 from test_triton_kernels import BLOCK_SIZE, NUM_BLOCKS, random_case  # noqa: E402
@@ -37,7 +37,7 @@ def test_prefill_never_reads_freed_blocks(window):
     poison_freed_entries(meta, cache, window)
     assert meta.block_tables.unique().numel() < meta.block_tables.numel()  # something was poisoned
     torch.testing.assert_close(paged_attention(q, cache, meta, scale=0.3, sliding_window=window), expected)
-    actual = triton_kernels.paged_prefill(q, cache, meta, scale=0.3, sliding_window=window)
+    actual = triton_prefill.paged_prefill(q, cache, meta, scale=0.3, sliding_window=window)
     torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)
 
 
@@ -48,5 +48,6 @@ def test_decode_never_reads_freed_blocks(window, num_splits):
     expected = paged_attention(q, cache, meta, scale=0.2, sliding_window=window)
     poison_freed_entries(meta, cache, window)
     torch.testing.assert_close(paged_attention(q, cache, meta, scale=0.2, sliding_window=window), expected)
-    actual = triton_kernels.paged_decode(q, cache, meta, scale=0.2, num_splits=num_splits, sliding_window=window)
+    actual = triton_decode.paged_decode(q, cache, meta, scale=0.2, num_splits=num_splits, sliding_window=window,
+                                        split_min=1)
     torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)

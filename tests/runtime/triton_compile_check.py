@@ -2,30 +2,61 @@
 
 Run in a fresh process without TRITON_INTERPRET (test_triton_compile.py does that). The interpreter
 checks what the kernels compute; this checks that the real compiler accepts them (types of
-loop-carried values, tl.dot shapes and dtypes) all the way to a cubin."""
+loop-carried values, tl.dot shapes and dtypes) all the way to a cubin, and for the bf16 attention
+kernels what the issue asks of their code: wgmma in the prefill's dots, no register spills (ptxas -v)
+at head_dim 64, 128 and 256 (Gemma)."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+import tempfile
+
+import torch
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 from triton.compiler import compile as triton_compile
 
+from shardserve.runtime.attention import triton_decode, triton_prefill, triton_rotary_kv
 from shardserve.runtime.attention import triton_kernels as kernels
-from shardserve.runtime.layers import triton_moe, triton_norm
+from shardserve.runtime.layers import triton_activation, triton_moe, triton_norm
 from shardserve.runtime.layers.quantization import triton_packed_int
 
 INDEX = {"query_start_ptr": "*i32", "seq_lens_ptr": "*i32", "tables_ptr": "*i32", "table_stride": "i32",
          "scale": "fp32", "num_heads": "i32", "num_kv_heads": "i32", "head_dim": "i32", "block_size": "i32",
-         "window": "i32"}
+         "window": "i32", "soft_cap": "fp32"}
+TORCH = {"*bf16": torch.bfloat16, "*fp32": torch.float32}
 
 
-def compile_kernel(fn, types: dict, constexprs: dict) -> None:
+def compile_kernel(fn, types: dict, constexprs: dict, divisible: tuple[str, ...] = (), **options):
+    """divisible: integer arguments a launch specializes as multiples of 16 (as Triton's JIT does for
+    every pointer, since torch allocations are 16-byte aligned): head_dim 64/128 and block_size 16."""
     names = fn.arg_names
     signature = {n: "constexpr" if n in constexprs else types[n] for n in names}
+    aligned = [n for n in names if n not in constexprs and (types[n].startswith("*") or n in divisible)]
     source = ASTSource(fn=fn, signature=signature,
-                       constexprs={(names.index(k),): v for k, v in constexprs.items()})
-    compiled = triton_compile(source, target=GPUTarget("cuda", 90, 32))
+                       constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                       attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    compiled = triton_compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     assert "cubin" in compiled.asm, fn.__name__
+    return compiled
+
+
+def spill_bytes(compiled) -> int:
+    """Spill stores + loads ptxas reports for the kernel's PTX, on sm_90a as Triton builds it."""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
+        ptx.write(compiled.asm["ptx"])
+        ptx.flush()
+        log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", ptx.name, "-o", "/dev/null"],
+                             capture_output=True, text=True, check=True).stderr
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
+
+
+def require_fast(compiled, name: str, wgmma: bool) -> None:
+    assert spill_bytes(compiled) == 0, f"{name} spills registers"
+    if wgmma:
+        assert "wgmma.mma_async" in compiled.asm["ptx"], f"{name} does not use wgmma"
 
 
 def compile_attention(dtype: str, cache: str, is_fp32: bool) -> None:
@@ -34,17 +65,40 @@ def compile_attention(dtype: str, cache: str, is_fp32: bool) -> None:
     compile_kernel(kernels._store_kv_kernel, {"k_ptr": dtype, "v_ptr": dtype, "k_cache_ptr": cache,
                                               "v_cache_ptr": cache, "slot_ptr": "*i64", "row_size": "i32",
                                               **scales, "largest": "fp32"}, {"BLOCK": 1024, "IS_FP8": is_fp8})
+    compile_rotary_kv(dtype, cache, is_fp8)
     tensors = {"q_ptr": dtype, "k_cache_ptr": cache, "v_cache_ptr": cache}
     parts = {"part_out_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32"}
-    for has_window in (False, True):
-        compile_kernel(kernels._prefill_kernel, {**tensors, "out_ptr": dtype, **INDEX, **scales},
-                       {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_D": 128, "IS_FP32": is_fp32, "HAS_WINDOW": has_window,
-                        "IS_FP8": is_fp8})
-        compile_kernel(kernels._decode_split_kernel, {**tensors, **parts, **INDEX, "num_splits": "i32", **scales},
-                       {"BLOCK_N": 16, "BLOCK_D": 128, "HAS_WINDOW": has_window})
-    compile_kernel(kernels._decode_reduce_kernel,
-                   {**parts, "out_ptr": dtype, "query_start_ptr": "*i32", "num_heads": "i32",
-                    "head_dim": "i32", "num_splits": "i32"}, {"BLOCK_S": 4, "BLOCK_D": 128})
+    for has_window, has_cap in ((False, False), (True, True)) if cache == dtype else ((False, False),):
+        flags = {"IS_FP32": is_fp32, "HAS_WINDOW": has_window, "IS_FP8": is_fp8, "HAS_SOFT_CAP": has_cap}
+        for head_dim in (64, 128, 256) if cache == dtype and not is_fp32 else (128,):
+            block_m, block_n, num_warps = triton_prefill.prefill_tile(TORCH[dtype], head_dim, 4)
+            prefill = compile_kernel(triton_prefill._prefill_kernel, {**tensors, "out_ptr": dtype, **INDEX, **scales},
+                                     {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": head_dim, **flags},
+                                     divisible=("head_dim", "block_size"), num_warps=num_warps, num_stages=2)
+            decode = compile_kernel(triton_decode._decode_kernel,
+                                    {**tensors, "out_ptr": dtype, **parts, **INDEX, "max_splits": "i32", **scales},
+                                    {"BLOCK_G": 16, "BLOCK_N": 64, "BLOCK_D": head_dim,
+                                     "SPLIT_MIN": triton_decode.SPLIT_MIN, "NUM_STAGES": 3, **flags},
+                                    divisible=("head_dim", "block_size"), num_warps=4)
+            if not is_fp32:
+                require_fast(prefill, f"prefill {dtype} {cache} head_dim {head_dim}", wgmma=True)
+                require_fast(decode, f"decode {dtype} {cache} head_dim {head_dim}", wgmma=False)
+        compile_kernel(triton_decode._decode_reduce_kernel,
+                       {**parts, "out_ptr": dtype, "query_start_ptr": "*i32", "seq_lens_ptr": "*i32",
+                        "num_heads": "i32", "head_dim": "i32", "max_splits": "i32", "window": "i32"},
+                       {"BLOCK_S": 4, "BLOCK_D": 128, "SPLIT_MIN": triton_decode.SPLIT_MIN, "HAS_WINDOW": has_window})
+
+
+def compile_rotary_kv(dtype: str, cache: str, is_fp8: bool) -> None:
+    for is_partial in (False, True):
+        compile_kernel(triton_rotary_kv._rotary_kv_kernel,
+                       {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, "positions_ptr": "*i64", "cos_ptr": "*fp32",
+                        "sin_ptr": "*fp32", "q_out_ptr": dtype, "k_cache_ptr": cache, "v_cache_ptr": cache,
+                        "slot_ptr": "*i64", "q_stride": "i32", "k_stride": "i32", "v_stride": "i32",
+                        "num_heads": "i32", "num_kv_heads": "i32", "head_dim": "i32", "rotary_dim": "i32",
+                        "k_scale": "fp32", "v_scale": "fp32", "largest": "fp32"},
+                       {"BLOCK_H": 32, "BLOCK_KV": 8, "BLOCK_HALF": 64, "BLOCK_D": 128, "IS_FP8": is_fp8,
+                        "IS_PARTIAL": is_partial}, num_warps=4)
 
 
 def compile_packed_int_gemm(dtype: str, is_fp32: bool) -> None:
@@ -75,6 +129,8 @@ def main() -> None:
         for cache in (dtype, "*fp8e4nv", "*fp8e5"):
             compile_attention(dtype, cache, is_fp32)
         compile_packed_int_gemm(dtype, is_fp32)
+        compile_kernel(triton_activation._silu_and_mul_kernel,
+                       {"x_ptr": dtype, "out_ptr": dtype, "x_stride": "i64", "size": "i32"}, {"BLOCK": 1024})
         compile_moe(dtype, is_fp32)
         for has_residual in (False, True):
             compile_kernel(triton_norm._rms_norm_kernel,
