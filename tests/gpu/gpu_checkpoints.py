@@ -1,4 +1,4 @@
-"""Random Llama, Qwen3, Qwen3-MoE, Gemma 3 and Phi-3 checkpoints for the GPU tests (transformers
+"""Random Llama, Qwen3, Qwen3-MoE, Gemma 2, Gemma 3 and Phi-3 checkpoints for the GPU tests (transformers
 save_pretrained), bigger than the CPU tests' so that the kernels see real head sizes, GQA groups and
 several KV blocks per request."""
 
@@ -19,6 +19,9 @@ def gpu_config(family: str, num_hidden_layers: int = 3):
         return tf.LlamaConfig(head_dim=64, **common)  # GQA groups of 4
     if family == "qwen3":
         return tf.Qwen3Config(head_dim=128, tie_word_embeddings=False, **common)  # head_dim above hidden / heads
+    if family == "gemma2":  # soft caps in the kernels and the head; local layers (window 64); untied head
+        return tf.Gemma2Config(head_dim=128, query_pre_attn_scalar=128, sliding_window=64, attn_logit_softcapping=50.0,
+                               final_logit_softcapping=30.0, tie_word_embeddings=False, **common)
     if family == "gemma3":  # Gemma's 256-wide heads; local layers (window 64) with their own rope base
         # NOTE: an untied head: with the embedding scaled by sqrt(hidden), a random tied model repeats its input
         return tf.Gemma3TextConfig(head_dim=256, query_pre_attn_scalar=256, sliding_window=64, sliding_window_pattern=3,
