@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import weakref
 from collections.abc import AsyncIterator
 
@@ -27,6 +28,7 @@ logger = logging.getLogger("shardserve.launch")
 REPLICA_MODULE = "shardserve.launch.replica_process"
 SAFE_PATH = ("-P",) if sys.version_info >= (3, 11) else ()  # the caller's working directory stays off the path
 STOP_GRACE_SECONDS = 10.0
+SILENCE_SECONDS = 60.0  # a replica sends stats every half second; this long without a word: hung
 
 
 def replica_devices(device: str, num_ranks: int, replica: int, visible: str | None) -> str | None:
@@ -58,7 +60,8 @@ class ReplicaClient:
         child.close()
         weakref.finalize(self, _stop, self.process, 0.0)  # dropped without shutdown(): still stopped
         send_blocking(self.sock, ReplicaStartup(index, model, kwargs))
-        self.error: BaseException | None = None
+        self._error: BaseException | None = None
+        self._last_heard = time.monotonic()
         self.input_processor = None  # with the replica's ReplicaReady
         self._streams: dict[str, asyncio.Queue] = {}
         self._writer: asyncio.StreamWriter | None = None
@@ -89,6 +92,15 @@ class ReplicaClient:
         logger.info("replica %d up in process %d", self.index, self.pid)
 
     @property
+    def error(self) -> BaseException | None:
+        """Why the replica is dead (its engine failed, its process exited, or it went silent), or None."""
+        if self._error is None and self._reader_task is not None and \
+                time.monotonic() - self._last_heard > SILENCE_SECONDS:
+            self._fail(EngineDeadError(f"replica {self.index} (pid {self.pid}) has sent nothing for "
+                                       f"{SILENCE_SECONDS:.0f} s"))
+        return self._error
+
+    @property
     def kv_cache_info(self):
         return self.ready.kv_cache_info
 
@@ -107,6 +119,7 @@ class ReplicaClient:
     def start(self) -> None:
         """Relay the replica's messages from now on (inside the server's event loop)."""
         if self._reader_task is None:
+            self._last_heard = time.monotonic()
             self._reader_task = asyncio.get_running_loop().create_task(self._read())
 
     async def _connect(self) -> None:
@@ -123,6 +136,7 @@ class ReplicaClient:
                 code = await asyncio.to_thread(self.process.wait)
                 self._fail(EngineDeadError(f"replica {self.index}'s process (pid {self.pid}) exited with code {code}"))
                 return
+            self._last_heard = time.monotonic()
             if isinstance(message, DeltaMessage):
                 self._put(message.delta.prompt_id, message.delta)
             elif isinstance(message, PromptFailed):
@@ -138,8 +152,8 @@ class ReplicaClient:
             stream.put_nowait(item)
 
     def _fail(self, error: BaseException) -> None:
-        if self.error is None:
-            self.error = error
+        if self._error is None:
+            self._error = error
         for stream in self._streams.values():
             stream.put_nowait(error)
 
@@ -165,7 +179,7 @@ class ReplicaClient:
                 yield item
         finally:
             self._streams.pop(prompt_id, None)
-            if not finished and self.error is None and not self._writer.is_closing():
+            if not finished and self._error is None and not self._writer.is_closing():
                 self._writer.write(frame(AbortPrompt(prompt_id)))  # the consumer went away
 
     async def shutdown(self) -> None:

@@ -97,12 +97,14 @@ class EngineFailed:
 
 
 def portable_error(error: BaseException) -> BaseException:
-    """The error itself when it survives pickling, else a RuntimeError carrying its text."""
+    """The error itself when it survives pickling, else one of its kind (a ValueError stays a
+    request's fault) carrying its text."""
     try:
         pickle.loads(pickle.dumps(error))
         return error
     except Exception:
-        return RuntimeError(f"{type(error).__name__}: {error}")
+        kind = ValueError if isinstance(error, ValueError) else RuntimeError
+        return kind(f"{type(error).__name__}: {error}")
 
 
 def frame(message: object) -> bytes:

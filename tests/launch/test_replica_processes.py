@@ -1,6 +1,8 @@
 """data_parallel_size > 1: each replica in a process of its own behind the one server."""
 
 import asyncio
+import concurrent.futures
+import json
 import os
 import signal
 import subprocess
@@ -56,52 +58,67 @@ def _burst(url: str, num_requests: int) -> list:
     return asyncio.run(burst())
 
 
-def test_replicas_in_their_own_processes_share_the_load_and_stop_cleanly():
+def _running(url: str) -> list[float]:
+    metrics = http(f"{url}/metrics")[1]
+    return [float(line.split()[-1]) for line in metrics.splitlines()
+            if line.startswith("shardserve_num_requests_running{")]
+
+
+def _wait_running(url: str, done) -> list[float]:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not done(_running(url)):
+        time.sleep(0.1)
+    return _running(url)
+
+
+def _check_the_load_is_shared(url: str) -> None:
+    results = _burst(url, 8)
+    assert all(r.usage.completion_tokens == 8 for r in results)
+    metrics = http(f"{url}/metrics")[1]
+    served = [line for line in metrics.splitlines()
+              if line.startswith("shardserve_e2e_request_latency_seconds_count")]
+    assert len(served) == 2 and all(float(line.split()[-1]) > 0 for line in served), served
+    assert _wait_running(url, lambda running: running == [0.0, 0.0]) == [0.0, 0.0]
+
+
+def _check_greedy_text_is_the_same_from_either_replica(url: str) -> None:
+    request = {"model": "shardserve-demo", "prompt": "The function returns", "max_tokens": 8,
+               "temperature": 0}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two at once: one on each replica
+        answers = list(pool.map(lambda _: http(f"{url}/v1/completions", request), range(2)))
+    answers.append(http(f"{url}/v1/completions", request))
+    assert all(code == 200 for code, _ in answers), answers
+    assert len({json.loads(body)["choices"][0]["text"] for _, body in answers}) == 1, answers
+
+
+def _check_a_dropped_stream_is_aborted(url: str) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    stream = client.completions.create(model="shardserve-demo", prompt="Once", max_tokens=1000,
+                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    assert sum(_wait_running(url, lambda running: sum(running) > 0)) == 1  # one replica decodes it
+    stream.close()  # the client goes away: its replica must free the request at once
+    assert _wait_running(url, lambda running: sum(running) == 0) == [0.0, 0.0]
+
+
+def test_replicas_in_their_own_processes_serve_and_stop_cleanly():
     proc, url = start_server(*DP2)
     replicas = _children(proc.pid, "shardserve.launch.replica_process")
     try:
         assert len(replicas) == 2, replicas
         # each replica's engine runs in its own process: no rank and no engine in the server's
         assert not _children(proc.pid, "shardserve.runtime.worker_process")
-        results = _burst(url, 8)
-        assert all(r.usage.completion_tokens == 8 for r in results)
-        one = http(f"{url}/v1/completions", {"model": "shardserve-demo", "prompt": "Item 3",
-                                             "max_tokens": 8, "temperature": 0,
-                                             "ignore_eos": True})
-        assert one[0] == 200 and '"text"' in one[1]
-        time.sleep(1.0)  # a stats message from each replica since the burst
-        metrics = http(f"{url}/metrics")[1]
-        served = [line for line in metrics.splitlines()
-                  if line.startswith("shardserve_e2e_request_latency_seconds_count")]
-        assert len(served) == 2 and all(float(line.split()[-1]) > 0 for line in served), served
-        running = [line for line in metrics.splitlines()
-                   if line.startswith("shardserve_num_requests_running{")]
-        assert len(running) == 2 and all(float(line.split()[-1]) == 0 for line in running)
+        _check_the_load_is_shared(url)
+        _check_greedy_text_is_the_same_from_either_replica(url)
+        _check_a_dropped_stream_is_aborted(url)
     finally:
         code, out = stop_server(proc)
     assert code == 0, out
     assert "data_parallel_size=2" in out and "replica 1 up in process" in out
     assert "shut down cleanly" in out
     assert _wait_gone(replicas), "a replica outlived the server"
-
-
-def test_greedy_text_is_the_same_from_either_replica():
-    proc, url = start_server(*DP2)
-    try:
-        request = {"model": "shardserve-demo", "prompt": "The function returns", "max_tokens": 8,
-                   "temperature": 0}
-        # two at once go to different replicas (least loaded), then two in a row to the first
-        import concurrent.futures
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            answers = list(pool.map(lambda _: http(f"{url}/v1/completions", request), range(2)))
-        answers.append(http(f"{url}/v1/completions", request))
-        assert all(code == 200 for code, _ in answers), answers
-        import json
-        texts = {json.loads(body)["choices"][0]["text"] for _, body in answers}
-        assert len(texts) == 1, texts
-    finally:
-        code, out = stop_server(proc)
-    assert code == 0, out
 
 
 def test_a_killed_replica_is_reported_and_the_server_stops():
