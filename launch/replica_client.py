@@ -120,15 +120,13 @@ class ReplicaClient:
         """Relay the replica's messages from now on (inside the server's event loop)."""
         if self._reader_task is None:
             self._last_heard = time.monotonic()
+            self._connected = asyncio.get_running_loop().create_future()
             self._reader_task = asyncio.get_running_loop().create_task(self._read())
 
-    async def _connect(self) -> None:
-        if self._writer is None:
-            reader, self._writer = await asyncio.open_connection(sock=self.sock)
-            self._reader = reader
-
     async def _read(self) -> None:
-        await self._connect()
+        """NOTE: the one place the socket becomes a stream (two transports on one socket would race)."""
+        self._reader, self._writer = await asyncio.open_connection(sock=self.sock)
+        self._connected.set_result(None)
         while True:
             try:
                 message = await read_message(self._reader)
@@ -164,7 +162,7 @@ class ReplicaClient:
         if prompt_id in self._streams:
             raise ValueError(f"prompt id {prompt_id!r} is already in use")
         self.start()
-        await self._connect()
+        await asyncio.shield(self._connected)  # a cancelled prompt must not cancel the connection
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[prompt_id] = stream
         finished = False
@@ -183,7 +181,10 @@ class ReplicaClient:
                 self._writer.write(frame(AbortPrompt(prompt_id)))  # the consumer went away
 
     async def shutdown(self) -> None:
-        """Ask the replica to stop its engine and exit; after STOP_GRACE_SECONDS, stop it by pid."""
+        """Ask the replica to stop its engine and exit; after STOP_GRACE_SECONDS, stop it by pid. Its
+        going is expected from here on: it sets no error."""
+        if self._reader_task is not None:
+            self._reader_task.cancel()
         if self._writer is not None and not self._writer.is_closing():
             try:
                 self._writer.write(frame(StopReplica()))
@@ -196,8 +197,6 @@ class ReplicaClient:
             except OSError:
                 pass
         await asyncio.to_thread(_stop, self.process, STOP_GRACE_SECONDS)
-        if self._reader_task is not None:
-            self._reader_task.cancel()
         if self._writer is not None:
             self._writer.close()
         self.sock.close()
