@@ -17,7 +17,10 @@ from shardserve.runtime.attention.layer import Attention  # noqa: E402
 from shardserve.runtime.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from shardserve.runtime.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from shardserve.runtime.config import load_model_config  # noqa: E402
-from shardserve.runtime.cuda_graph_plan import CaptureDecision, agree  # noqa: E402
+from shardserve.runtime.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,  # noqa: E402
+                                       SchedulerConfig)
+from shardserve.runtime.cuda_graph_plan import CaptureDecision, agree, agreed_decision  # noqa: E402
+from shardserve.runtime.models.llama import LlamaForCausalLM  # noqa: E402
 from shardserve.runtime.cuda_graphs import DecodeGraphRunner, leading_rows, static_intermediate  # noqa: E402
 from shardserve.runtime.forward_context import ForwardContext, forward_context  # noqa: E402
 from shardserve.runtime.inputs import RequestState, build_host_inputs, to_device  # noqa: E402
@@ -134,6 +137,7 @@ def _send_and_receive(rank: int, store_path: str, results) -> None:
             send_intermediate(IntermediateTensors(hidden, -hidden))
             send_intermediate(IntermediateTensors(hidden[:2], None))
             send_intermediate(IntermediateTensors(hidden, None))
+            results.put((rank, True))
             return
         buffers = IntermediateTensors(torch.full((8, 5), 7.0), torch.full((8, 5), 7.0))
         recv_intermediate_into(buffers, 3)
@@ -147,24 +151,60 @@ def _send_and_receive(rank: int, store_path: str, results) -> None:
         except RuntimeError as error:
             ok &= "expects [2, 5]" in str(error)
             dist.recv(torch.empty(3, 5), 0)  # what was sent still arrives
-        results.put(ok)
+        results.put((rank, ok))
     finally:
         dist.destroy_process_group()
 
 
 def test_static_buffers_are_filled_over_a_process_group(tmp_path):
+    assert run_ranks(_send_and_receive, tmp_path) == {0: True, 1: True}
+
+def engine_config(enforce_eager: bool, max_num_seqs: int) -> EngineConfig:
+    model = ModelConfig(model="m", hf_config=None, architecture="LlamaForCausalLM", dtype=torch.bfloat16,
+                        max_model_len=128, enforce_eager=enforce_eager)
+    cache = CacheConfig(block_size=16, gpu_memory_utilization=0.9, kv_cache_memory_bytes=None,
+                        enable_prefix_caching=True, kv_cache_dtype="auto")
+    return EngineConfig(model=model, cache=cache, scheduler=SchedulerConfig(max_num_seqs, 8192),
+                        parallel=ParallelConfig(2, 1), device="cuda")
+
+
+def _decide(rank: int, store_path: str, settings: list[tuple[bool, int]], results) -> None:
+    """Each rank decides on its own settings (on a 'cuda' device: deciding touches no GPU), then agrees."""
+    set_parallel_state(ParallelState(tp_rank=rank, tp_size=2))
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    try:
+        model = LlamaForCausalLM.__new__(LlamaForCausalLM)
+        decision = agreed_decision(engine_config(*settings[rank]), torch.device("cuda"), model)
+        results.put((rank, decision))
+    except RuntimeError as error:
+        results.put((rank, str(error)))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(target, tmp_path, *args) -> dict:
     context = mp.get_context("spawn")
     results = context.Queue()
-    processes = [context.Process(target=_send_and_receive, args=(rank, str(tmp_path / "store"), results))
+    processes = [context.Process(target=target, args=(rank, str(tmp_path / "store"), *args, results))
                  for rank in range(2)]
     for process in processes:
         process.start()
     try:
-        assert results.get(timeout=120) is True
+        return dict(results.get(timeout=60) for _ in processes)
     finally:
         for process in processes:
             process.join(timeout=30)
             if process.is_alive():
                 process.kill()
                 process.join()
-    assert all(process.exitcode == 0 for process in processes)
+
+
+@pytest.mark.parametrize("settings, expected", [
+    ([(False, 8), (False, 8)], CaptureDecision(None, (1, 2, 4, 8))),
+    ([(False, 8), (True, 8)], CaptureDecision("rank 1: enforce_eager=True")),
+    ([(False, 8), (False, 16)], "ranks [1] would capture CUDA graphs at sizes other than rank 0's [1, 2, 4, 8]: "
+                                "every rank must capture the same sizes in the same order"),
+])
+def test_ranks_agree_over_their_process_group(settings, expected, tmp_path):
+    decisions = run_ranks(_decide, tmp_path, settings)
+    assert decisions == {0: expected, 1: expected}
