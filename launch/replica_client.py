@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from shardserve.launch.replica_protocol import (AbortPrompt, AddPrompt, DeltaMessage, EngineFailed, PromptFailed,
                                                 ReplicaFailed, ReplicaReady, ReplicaStartup, StatsMessage,
                                                 StopReplica, frame, read_message, recv_blocking, send_blocking)
+from shardserve.runtime.config import resolve_device
 from shardserve.runtime.errors import EngineDeadError
 
 logger = logging.getLogger("shardserve.launch")
@@ -48,7 +49,7 @@ class ReplicaClient:
     def __init__(self, index: int, model: str, engine_kwargs: dict):
         self.index = index
         kwargs, env = dict(engine_kwargs), dict(os.environ)
-        device = str(kwargs.get("device", "auto"))
+        device = resolve_device(str(kwargs.get("device", "auto")))  # 'auto' on a GPU machine slices too
         num_ranks = kwargs.get("tensor_parallel_size", 1) * kwargs.get("pipeline_parallel_size", 1)
         devices = replica_devices(device, num_ranks, index, os.environ.get("CUDA_VISIBLE_DEVICES"))
         if devices is not None:  # the replica's GPUs are its 0..n-1
@@ -211,8 +212,10 @@ def _stop(process: subprocess.Popen, grace: float) -> None:
 def start_replicas(model: str, engine_kwargs: dict, num_replicas: int) -> list[ReplicaClient]:
     """Every replica's process at once (they load in parallel), then each one's readiness; if one
     fails, the others are stopped and its error raised."""
-    replicas = [ReplicaClient(r, model, engine_kwargs) for r in range(num_replicas)]
+    replicas: list[ReplicaClient] = []
     try:
+        for index in range(num_replicas):
+            replicas.append(ReplicaClient(index, model, engine_kwargs))
         for replica in replicas:
             replica.wait_ready()
     except BaseException:
