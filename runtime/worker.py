@@ -86,7 +86,7 @@ class Worker:
             budget = self._profile_cuda_kv_budget()
         if local_decision(self.config, self.device, self.model).captures:
             graphs = reserved_graph_bytes(self.config, len(self.attention_layers))
-            logger.info("%.3f GiB of the KV budget left for CUDA graphs", graphs / 1024**3)
+            logger.info("%.3f GiB of the KV budget set aside for CUDA graphs", graphs / 1024**3)
             budget = max(budget - graphs, 0)
         return budget
 
