@@ -46,6 +46,18 @@ class AsyncEngine:
     def kv_cache_info(self):
         return self.engine.kv_cache_info
 
+    @property
+    def sampling_defaults(self) -> dict:
+        """The model's generation_config.json sampling fields, for requests that set none."""
+        return self.engine.sampling_defaults
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.config.model.max_model_len
+
+    def get_stats(self):
+        return self.engine.get_stats()
+
     async def generate(self, prompt: PromptType | ProcessedPrompt, sampling_params: SamplingParams,
                        prompt_id: str) -> AsyncIterator[PromptDelta]:
         """Yield the prompt's delta after every step that advanced it; the last one is finished.

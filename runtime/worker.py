@@ -11,14 +11,16 @@ from shardserve.planner.settings import DEFAULT_CPU_KV_CACHE_BYTES
 from shardserve.runtime.attention.layer import Attention
 from shardserve.runtime.attention.torch_backend import TorchAttentionBackend
 from shardserve.runtime.config import EngineConfig
-from shardserve.runtime.cuda_graphs import DecodeGraphRunner, capture_sizes, cuda_graphs_disabled_reason
+from shardserve.runtime.cuda_graph_plan import agreed_decision, local_decision, log_graph_memory, reserved_graph_bytes
+from shardserve.runtime.cuda_graphs import DecodeGraphRunner, static_intermediate
 from shardserve.runtime.forward_context import ForwardContext, forward_context
 from shardserve.runtime.inputs import (HostInputs, RequestState, apply_scheduler_output, build_host_inputs,
                                        host_to_device, to_device)
 from shardserve.runtime.loader import load_model
 from shardserve.runtime.messages import ModelRunnerOutput, SchedulerOutput
 from shardserve.runtime.parallel_state import get_parallel_state
-from shardserve.runtime.pipeline import IntermediateTensors, recv_intermediate, send_intermediate
+from shardserve.runtime.pipeline import (IntermediateTensors, recv_intermediate, recv_intermediate_into,
+                                         send_intermediate)
 from shardserve.runtime.prompt_logprobs import score_prompts, wants_prompt_logprobs
 from shardserve.runtime.sampler import sample
 from shardserve.runtime.structured_output import GrammarMatchers, sync_matchers
@@ -93,7 +95,12 @@ class Worker:
                         DEFAULT_CPU_KV_CACHE_BYTES / 1024**3)
             return DEFAULT_CPU_KV_CACHE_BYTES
         with self._on_device():
-            return self._profile_cuda_kv_budget()
+            budget = self._profile_cuda_kv_budget()
+        if local_decision(self.config, self.device, self.model).captures:
+            graphs = reserved_graph_bytes(self.config, len(self.attention_layers))
+            logger.info("%.3f GiB of the KV budget set aside for CUDA graphs", graphs / 1024**3)
+            budget = max(budget - graphs, 0)
+        return budget
 
     def _on_device(self):
         """NOTE: Triton launches on torch's current device, and a data-parallel replica steps in
@@ -132,22 +139,26 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """The pool of num_blocks blocks, plus one scratch block after them where CUDA graphs write
         the padding rows of a decode step (the block manager never hands it out)."""
-        reason = cuda_graphs_disabled_reason(self.config, self.device, self.model)
-        num_scratch = 1 if reason is None else 0
+        decision = agreed_decision(self.config, self.device, self.model)  # a collective: every rank is here
+        num_scratch = 1 if decision.captures else 0
         layer = self.attention_layers[0]
         shape = (len(self.attention_layers), 2, num_blocks + num_scratch, self.config.cache.block_size,
                  layer.num_kv_heads, layer.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
         for index, attention in enumerate(self.attention_layers):
             attention.kv_cache = self.kv_cache[index]  # [2, num_blocks, block_size, kv_heads, head_dim]
-        if reason is not None:
-            logger.info("decode runs eagerly, without CUDA graphs: %s", reason)
+        if not decision.captures:
+            logger.info("decode runs eagerly, without CUDA graphs: %s", decision.reason)
             return
-        sizes = capture_sizes(self.config.scheduler.max_num_seqs)
-        self.cuda_graphs = DecodeGraphRunner(self.model, self.backend, sizes, self.config.model.max_model_len,
+        max_size, model = decision.sizes[-1], self.config.model
+        intermediate = None if self.parallel_state.is_first_stage else \
+            static_intermediate(max_size, model.hf_config.hidden_size, model.dtype, self.device)
+        self.cuda_graphs = DecodeGraphRunner(self.model, self.backend, list(decision.sizes), model.max_model_len,
                                              self.config.cache.block_size, scratch_block=num_blocks,
-                                             device=self.device)
-        self.cuda_graphs.capture()
+                                             device=self.device, intermediate=intermediate)
+        with self._on_device():
+            measured = self.cuda_graphs.capture()
+        log_graph_memory(measured, reserved_graph_bytes(self.config, len(self.attention_layers)))
 
     def release(self) -> None:
         """Drop the model, the KV pool (and the layers' views of it) and the graphs, then hand cached
@@ -206,10 +217,12 @@ class Worker:
 
     def _forward(self, host: HostInputs):
         """A captured graph for a decode step that has one; the model run eagerly otherwise."""
-        if self.cuda_graphs is not None and self.cuda_graphs.can_replay(host):
+        state = self.parallel_state
+        if self.cuda_graphs is not None and self.cuda_graphs.can_replay(host):  # the same on every rank
+            if not state.is_first_stage:
+                recv_intermediate_into(self.cuda_graphs.intermediate, host.num_requests)
             return self.cuda_graphs.replay(host)
         inputs = to_device(host, self.device)
-        state = self.parallel_state
         intermediate = None if state.is_first_stage else recv_intermediate(self.config.model.dtype, self.device)
         with forward_context(ForwardContext(inputs.attn_metadata, self.backend)):
             return self.model(inputs.input_ids, inputs.positions, intermediate)

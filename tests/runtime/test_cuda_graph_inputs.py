@@ -16,8 +16,9 @@ from shardserve.runtime.attention.torch_backend import TorchAttentionBackend  # 
 from shardserve.runtime.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from shardserve.runtime.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,  # noqa: E402
                                        SchedulerConfig, load_model_config)
-from shardserve.runtime.cuda_graphs import (DecodeGraphRunner, capture_sizes, cuda_graphs_disabled_reason,  # noqa: E402
-                                            pad_decode_batch, padded_size)
+from shardserve.planner.graph_memory import capture_sizes  # noqa: E402
+from shardserve.runtime.cuda_graph_plan import local_decision  # noqa: E402
+from shardserve.runtime.cuda_graphs import DecodeGraphRunner, pad_decode_batch, padded_size  # noqa: E402
 from shardserve.runtime.forward_context import ForwardContext, forward_context  # noqa: E402
 from shardserve.runtime.inputs import RequestState, build_host_inputs, to_device  # noqa: E402
 from shardserve.runtime.loader import load_model  # noqa: E402
@@ -52,13 +53,12 @@ def engine_config(device="cuda", enforce_eager=False, tensor_parallel_size=1):
 def test_graphs_only_where_they_can_be_captured():
     llama, moe = LlamaForCausalLM.__new__(LlamaForCausalLM), MixtralForCausalLM.__new__(MixtralForCausalLM)
     cuda = torch.device("cuda")
-    assert cuda_graphs_disabled_reason(engine_config(), cuda, llama) is None
-    assert "cpu" in cuda_graphs_disabled_reason(engine_config("cpu"), torch.device("cpu"), llama)
-    assert "enforce_eager" in cuda_graphs_disabled_reason(engine_config(enforce_eager=True), cuda, llama)
-    assert "parallel" in cuda_graphs_disabled_reason(engine_config(tensor_parallel_size=2), cuda, llama)
-    assert cuda_graphs_disabled_reason(engine_config(), cuda, moe) is None  # the Triton MoE kernel syncs nothing
-    assert "Linear reads tensor values on the host" in cuda_graphs_disabled_reason(engine_config(), cuda,
-                                                                                   torch.nn.Linear(2, 2))
+    assert local_decision(engine_config(), cuda, llama).sizes == tuple(capture_sizes(256))
+    assert "cpu" in local_decision(engine_config("cpu"), torch.device("cpu"), llama).reason
+    assert "enforce_eager" in local_decision(engine_config(enforce_eager=True), cuda, llama).reason
+    assert local_decision(engine_config(tensor_parallel_size=2), cuda, llama).captures  # TP ranks capture too
+    assert local_decision(engine_config(), cuda, moe).captures  # the Triton MoE kernel syncs nothing
+    assert "Linear" in local_decision(engine_config(), cuda, torch.nn.Linear(2, 2)).reason
 
 
 def make_states(lengths, seed=0):
