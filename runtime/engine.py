@@ -46,7 +46,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.kv_cache_info.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, config.model.max_model_len)
-        self.input_processor = InputProcessor(config.model, self.tokenizer)
+        self.input_processor = InputProcessor(config.model, self.tokenizer, config.scheduler.async_scheduling)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._seeds = random.Random(config.seed)  # seeds for prompts that bring none
         self.in_flight: deque[SchedulerOutput] = deque()  # submitted batches, oldest first
@@ -79,7 +79,9 @@ class LLMEngine:
 
     def step(self) -> list[PromptDelta]:
         """Schedule, execute, update. With pipeline stages, up to max_concurrent_batches batches are
-        submitted before the oldest is collected, so no stage idles while another computes."""
+        submitted before the oldest is collected, so no stage idles while another computes. With
+        async scheduling, two: step N+1 is queued on the device before step N's tokens are read
+        (the scheduler then schedules every running request, not a share)."""
         if self.executor.is_dead:
             raise EngineDeadError("the engine's workers have stopped; start a new engine")
         if self.executor.max_concurrent_batches == 1:
@@ -89,8 +91,9 @@ class LLMEngine:
             return self._update(scheduler_output, self.executor.execute_model(scheduler_output))
         num_batches = self.executor.max_concurrent_batches
         share = -(-self.scheduler.num_unfinished_requests // num_batches)  # requests per batch, rounded up
+        share = None if self.config.scheduler.async_scheduling else max(share, 1)
         while len(self.in_flight) < num_batches:
-            scheduler_output = self.scheduler.schedule(max_num_requests=max(share, 1))
+            scheduler_output = self.scheduler.schedule(max_num_requests=share)
             if scheduler_output.is_empty and not scheduler_output.finished_request_ids:
                 break  # (an empty batch still goes out alone to tell the workers what finished)
             self.executor.submit_batch(scheduler_output)
