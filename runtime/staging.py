@@ -10,7 +10,7 @@ import torch
 
 from shardserve.runtime.messages import ModelRunnerOutput, TokenLogprobs
 
-_ALIGN = 8  # bytes: every array starts where an int64 may
+_ALIGN = 16  # bytes: every array starts where an int64 may, and kernels load vectors
 _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
                  np.dtype(np.float64): torch.float64, np.dtype(np.float32): torch.float32}
 
@@ -29,7 +29,7 @@ class StagingBuffer:
 
         host slot s (pinned):  | input_ids | positions | slot_mapping | ... | block_tables |
         device buffer:         | the same bytes; the views handed back point here        |
-                               ^ each array at a multiple of 8 bytes
+                               ^ each array at a multiple of 16 bytes
 
     NOTE: two host slots, used in turn, each refilled only after the copy that last read it is
     done: with async scheduling the host packs step N+1 while step N's copy may still be queued.
