@@ -8,8 +8,10 @@ The engine runs as is; each phase is timed by wrapping the method that does it (
 copy to the device), forward (the model, logits included), sampling, update (the scheduler's
 bookkeeping), output (OutputProcessor.process: stop checks, deltas) of which detokenize is the
 incremental detokenizer's share. host_ms is the step less forward and sampling (both run on the
-device on a GPU): the time a GPU would wait for the host each step unless it overlaps the forward;
-the goal is under 2 ms a step at batch 256.
+device on a GPU): the host's loop per step. Without --async-scheduling a GPU waits for all of it
+every step; with it, step N+1 is queued before the host reads step N, so a GPU waits only for
+what of the loop exceeds its own step time, max(0, host_ms - device step). The goal is under 2 ms
+a step at batch 256.
 """
 
 from __future__ import annotations

@@ -52,7 +52,8 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         self.check_can_ever_fit(request)
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self.in_flight:
+            # (in flight after an abort: the step's token must not reach a new request of that id)
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)

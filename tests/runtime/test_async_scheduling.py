@@ -4,9 +4,12 @@ chunked prefill), step N+1 really queued before step N is read, and what it cann
 
 from __future__ import annotations
 
+import asyncio
+from contextlib import aclosing
+
 import pytest
 
-from shardserve.runtime import LLM, SamplingParams
+from shardserve.runtime import LLM, AsyncEngine, SamplingParams
 from shardserve.runtime.input_processor import InvalidPromptError
 from shardserve.runtime.structured_output import StructuredOutputs
 from test_runtime_matches_transformers import MIXED, SHARED, random_prompts, reference
@@ -164,3 +167,44 @@ def test_what_async_scheduling_cannot_honour_is_refused_by_name(llama):
     for kwargs in ({"tensor_parallel_size": 2}, {"distributed_executor_backend": "mp"}):
         with pytest.raises(ValueError, match="async_scheduling.*tensor_parallel_size x pipeline_parallel_size"):
             make_llm(llama[0], True, **kwargs)
+
+
+def test_the_server_engine_streams_the_same_with_overlap(llama):
+    """AsyncEngine (the server's) with async_scheduling: concurrent streams carry the offline tokens
+    and text, one token per delta; a consumer that leaves mid-stream frees its blocks."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:5]]
+    with make_llm(llama[0], False) as llm:
+        offline = llm.generate(prompts, params)
+
+    async def stream(engine, prompt, prompt_id, leave_after=None):
+        deltas = []
+        async with aclosing(engine.generate(prompt, params, prompt_id)) as deltas_in:
+            async for delta in deltas_in:
+                deltas.append(delta)
+                if len(deltas) == leave_after:
+                    break
+        return deltas
+
+    async def main():
+        engine = AsyncEngine(llama[0], device="cpu", kv_cache_memory_bytes=2**24, block_size=4, async_scheduling=True)
+        try:
+            streams = await asyncio.gather(*(stream(engine, p, f"p{i}") for i, p in enumerate(prompts)),
+                                           stream(engine, prompts[0], "leaver", leave_after=2))
+            for _ in range(50):  # the abort lands between steps
+                if not engine.engine.has_unfinished_requests():
+                    break
+                await asyncio.sleep(0.01)
+            pool = engine.engine.block_manager
+            assert pool.num_free_blocks == pool.num_blocks
+            return streams
+        finally:
+            await engine.shutdown()
+
+    streams = asyncio.run(main())
+    for deltas, expected in zip(streams, offline):
+        samples = [d.samples[0] for d in deltas]
+        assert [len(s.new_token_ids) for s in samples] == [1] * 8 and deltas[-1].finished
+        assert [t for s in samples for t in s.new_token_ids] == expected.outputs[0].token_ids
+        assert "".join(s.new_text for s in samples) == expected.outputs[0].text
+    assert len(streams[-1]) == 2

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import replace
 
+import pytest
+
 from shardserve.runtime.messages import ModelRunnerOutput, SchedulerOutput
 from shardserve.runtime.request import Request, RequestStatus
 from shardserve.runtime.sampling_params import SamplingParams
@@ -122,3 +124,19 @@ def test_requests_in_flight_may_be_preempted_and_finish_after_recompute():
     for request in requests:
         assert request.output_token_ids == list(range(20, 30))
     assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
+
+
+def test_an_aborted_request_id_is_refused_until_its_step_is_back():
+    scheduler = make_async_scheduler()
+    (request,) = make_requests(1, prompt_len=5, max_tokens=4)
+    scheduler.add_request(request)
+    output = scheduler.schedule()
+    result = sampled_by(scheduler, output)
+    scheduler.finish_requests(["r0"], RequestStatus.FINISHED_ABORTED)
+    again = Request("r0", [3] * 5, SamplingParams(max_tokens=4), seed=0)
+    with pytest.raises(ValueError, match="already in use"):
+        scheduler.add_request(again)
+    assert result.sampled_token_ids == {"r0": SAMPLED}
+    assert scheduler.update_from_output(output, result) == []  # the token is dropped
+    scheduler.add_request(again)
+    scheduler.block_manager.check_integrity()
