@@ -1,10 +1,12 @@
 """async_scheduling end to end on a tiny random checkpoint: the same outputs as without it (greedy
 and seeded sampling, stop strings, stop tokens, max_tokens, EOS, aborts mid-stream, preemption,
-chunked prefill), step N+1 really queued before step N is read, and what it cannot honour refused."""
+chunked prefill), step N+1 really queued before step N is read, outputs processed on a thread of
+their own, and what it cannot honour refused."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from contextlib import aclosing
 
 import pytest
@@ -115,9 +117,12 @@ def test_step_n_plus_1_is_queued_before_step_n_is_read(llama):
         submit, collect, forward = worker.submit, worker.collect, worker._forward
         worker.submit = lambda output: log.append("submit") or submit(output)
         worker.collect = lambda step: log.append("collect") or collect(step)
-        pending = []
+        pending, threads, process = [], set(), llm.engine.output_processor.process
         worker._forward = lambda host: pending.append(len(host.pending_rows)) or forward(host)
+        llm.engine.output_processor.process = lambda updates: threads.add(threading.current_thread()) or \
+            process(updates)
         llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:6]], SamplingParams(temperature=0.0, max_tokens=8))
+    assert threads and threading.current_thread() not in threads  # outputs are processed beside the loop
     depth, depths = 0, []
     for entry in log:
         depth += 1 if entry == "submit" else -1
