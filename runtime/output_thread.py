@@ -17,9 +17,11 @@ class OutputThread:
         step loop:     update N -> put | schedule N+2, submit | update N+1 -> put, take (N) ...
         this thread:                   | process N                         | process N+1 ...
 
-    NOTE: a thread, not a process: it runs while the step loop waits without the GIL (on a GPU,
-    for the device's step; on a CPU, inside torch's kernels). The engine's own calls into the
-    output processor (add, abort) take `lock`, as process() does here."""
+    NOTE: a thread shares the GIL with the step loop: its work is free only while the loop waits
+    without the GIL (on a GPU, for the device's step; on a CPU, inside torch's kernels), and it may
+    take the GIL at any torch call of the loop (bench/RESULTS.md measures this). A process of its
+    own would make it parallel. The engine's own calls into the output processor (add, abort)
+    take `lock`, as process() does here."""
 
     def __init__(self, output_processor: OutputProcessor):
         self.output_processor = output_processor
