@@ -61,8 +61,8 @@ class StagingBuffer:
             self._wait_all()
             self._allocate(max(end, 2 * self.num_bytes))  # (views handed out before keep the old buffer)
         slot, self._slot = self._slot, 1 - self._slot
-        if self._copied[slot] is not None:
-            self._copied[slot].synchronize()
+        if self._copied[slot] is not None and not self._copied[slot].query():
+            self._copied[slot].synchronize()  # (two steps back: done already but on a busy queue)
         host = self._host_views[slot]
         for array, offset in zip(arrays, offsets):
             host[offset: offset + array.nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
