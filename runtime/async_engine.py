@@ -34,7 +34,9 @@ class AsyncEngine:
     def __init__(self, model: str, **engine_kwargs):
         self.engine_args = EngineArgs.from_kwargs(model, engine_kwargs, "AsyncEngine(...)")
         self.engine = LLMEngine(self.engine_args.create_engine_config())
-        self.input_processor = InputProcessor(self.engine.config.model, load_tokenizer(self.engine.config.model))
+        config = self.engine.config
+        self.input_processor = InputProcessor(config.model, load_tokenizer(config.model),
+                                              config.scheduler.async_scheduling)
         self._streams: dict[str, asyncio.Queue] = {}
         self._pending_adds: list[_PendingAdd] = []
         self._pending_aborts: list[tuple[str, asyncio.Future]] = []

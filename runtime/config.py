@@ -141,6 +141,7 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
+    async_scheduling: bool = False  # schedule step N+1 before step N's tokens are back
 
 
 @dataclass(frozen=True)

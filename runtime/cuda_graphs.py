@@ -23,8 +23,9 @@ import numpy as np
 import torch
 
 from shardserve.runtime.forward_context import AttentionMetadata, ForwardContext, forward_context
-from shardserve.runtime.inputs import HostInputs, host_to_device
+from shardserve.runtime.inputs import HostInputs, PendingTokens
 from shardserve.runtime.pipeline import IntermediateTensors
+from shardserve.runtime.staging import StagingBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,8 @@ class DecodeBatch:
     slot_mapping: np.ndarray  # [size] int64
     seq_lens: np.ndarray  # [size] int32
     block_tables: np.ndarray  # [size, widest block table of the step] int32
+    pending_rows: np.ndarray  # [num_pending] int64: input ids to take from the last step's samples
+    pending_sources: np.ndarray  # [num_pending] int64
 
     @property
     def size(self) -> int:
@@ -65,7 +68,7 @@ def pad_decode_batch(host: HostInputs, size: int, scratch_block: int, block_size
         slot_mapping=np.concatenate((host.slot_mapping,
                                      np.full(num_padding, scratch_block * block_size, dtype=np.int64))),
         seq_lens=np.concatenate((host.seq_lens, np.ones(num_padding, dtype=np.int32))),
-        block_tables=tables)
+        block_tables=tables, pending_rows=host.pending_rows, pending_sources=host.pending_sources)
 
 
 class StaticDecodeInputs:
@@ -87,13 +90,17 @@ class StaticDecodeInputs:
         self.block_tables = torch.zeros((max_size, max_blocks_per_request), **int32)
         self.block_tables[:, 0] = scratch_block
 
-    def load(self, batch: DecodeBatch) -> None:
+    def load(self, batch: DecodeBatch, staging: StagingBuffer) -> PendingTokens | None:
+        """One host->device copy through the staging buffer, then copies on the device into the
+        static tensors. Returns where the pending input ids go (filled by the caller)."""
         size, width = batch.size, batch.block_tables.shape[1]
-        device = self.input_ids.device
-        for static, values in ((self.input_ids, batch.input_ids), (self.positions, batch.positions),
-                               (self.slot_mapping, batch.slot_mapping), (self.seq_lens, batch.seq_lens)):
-            static[:size].copy_(host_to_device(values, device), non_blocking=True)
-        self.block_tables[:size, :width].copy_(host_to_device(batch.block_tables, device), non_blocking=True)
+        *values, tables, rows, sources = staging.to_device(batch.input_ids, batch.positions, batch.slot_mapping,
+                                                           batch.seq_lens, batch.block_tables, batch.pending_rows,
+                                                           batch.pending_sources)
+        for static, value in zip((self.input_ids, self.positions, self.slot_mapping, self.seq_lens), values):
+            static[:size].copy_(value)
+        self.block_tables[:size, :width].copy_(tables)
+        return PendingTokens(rows, sources) if len(batch.pending_rows) else None
 
     def metadata(self, size: int) -> AttentionMetadata:
         """Views of the first `size` rows. Nothing in it is read from a tensor on the host: the decode
@@ -165,15 +172,15 @@ class DecodeGraphRunner:
     def can_replay(self, host: HostInputs) -> bool:
         return host.is_decode_only and host.num_requests <= self.sizes[-1]
 
-    def load(self, host: HostInputs) -> int:
-        """Copy the step into the static inputs; returns the padded size that runs it."""
+    def load(self, host: HostInputs, staging: StagingBuffer) -> tuple[int, PendingTokens | None]:
+        """Copy the step into the static inputs; returns the padded size that runs it and where its
+        pending input ids go (into self.inputs.input_ids)."""
         size = padded_size(host.num_requests, self.sizes)
-        self.inputs.load(pad_decode_batch(host, size, self.scratch_block, self.block_size))
-        return size
+        return size, self.inputs.load(pad_decode_batch(host, size, self.scratch_block, self.block_size), staging)
 
-    def replay(self, host: HostInputs) -> torch.Tensor | IntermediateTensors:
+    def replay(self, size: int, num_requests: int) -> torch.Tensor | IntermediateTensors:
         """[num_requests, hidden_size]: the step's hidden states (and residual, before the last stage),
-        valid until the next replay. Past the first stage, `intermediate` holds the step's rows by now."""
-        size = self.load(host)
+        valid until the next replay (read on the device before it: the next step's replay is queued
+        behind this step's sampling). Past the first stage, `intermediate` holds the step's rows by now."""
         self.graphs[size].replay()  # on the current device: the worker makes its own current
-        return leading_rows(self.outputs[size], host.num_requests)
+        return leading_rows(self.outputs[size], num_requests)

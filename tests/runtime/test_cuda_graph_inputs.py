@@ -25,6 +25,7 @@ from shardserve.runtime.loader import load_model  # noqa: E402
 from shardserve.runtime.models.llama import LlamaForCausalLM  # noqa: E402
 from shardserve.runtime.models.mixtral import MixtralForCausalLM  # noqa: E402
 from shardserve.runtime.sampling_params import SamplingParams  # noqa: E402
+from shardserve.runtime.staging import StagingBuffer  # noqa: E402
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 40
 SCRATCH = NUM_BLOCKS  # the block after the pool, as the worker allocates it
@@ -103,7 +104,7 @@ def eager_step(model, states, backend) -> torch.Tensor:
     """Run every state's uncomputed tokens; returns the hidden state of each request's last token."""
     scheduled = {s.request_id: len(s.token_ids) - s.num_computed_tokens for s in states}
     host = build_host_inputs(states, scheduled, BLOCK_SIZE)
-    inputs = to_device(host, torch.device("cpu"))
+    inputs = to_device(host, StagingBuffer(torch.device("cpu")))
     with forward_context(ForwardContext(inputs.attn_metadata, backend)):
         hidden = model(inputs.input_ids, inputs.positions)
     for state in states:
@@ -132,7 +133,8 @@ def test_static_decode_forward_matches_an_eager_step(family, max_model_len, chec
         for batch in (states, states[1:2]):  # 3 requests -> 4 rows, then 1 -> 2 (over a stale real row)
             eager_cache = cache.clone()
             host = build_host_inputs(batch, {s.request_id: 1 for s in batch}, BLOCK_SIZE)
-            size = runner.load(host)
+            size, pending = runner.load(host, StagingBuffer(torch.device("cpu")))
+            assert pending is None
             assert size == (4 if len(batch) == 3 else 2)
             static = runner.forward_static(size)[: len(batch)]
             static_cache = cache.clone()
