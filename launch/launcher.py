@@ -146,14 +146,6 @@ def setting(config: DeployConfig, name: str):
     return BY_NAME[name].default if value is None else value
 
 
-def replica_kwargs(kwargs: dict, replica: int) -> dict:
-    """Replica r's ranks take the r-th block of tp x pp GPUs: its first is 'cuda:<r * tp * pp>'."""
-    if not str(kwargs.get("device", "")).startswith("cuda") or replica == 0:
-        return kwargs
-    ranks = kwargs.get("tensor_parallel_size", 1) * kwargs.get("pipeline_parallel_size", 1)
-    return kwargs | {"device": f"cuda:{replica * ranks}"}
-
-
 def log_plan(plan: PlanFile) -> None:
     par = plan.parallel
     logger.info("plan: %s on %s: tensor_parallel_size=%d pipeline_parallel_size=%d "
@@ -237,7 +229,6 @@ def serve_once(config: DeployConfig, plan: PlanFile, host: str, port: int, api_k
     from shardserve.launch.metrics import ServerMetrics
     from shardserve.launch.openai_serving import OpenAIServing
     from shardserve.launch.replicas import ReplicaSet
-    from shardserve.runtime import AsyncEngine
 
     _Server = _server_class()
 
@@ -249,9 +240,7 @@ def serve_once(config: DeployConfig, plan: PlanFile, host: str, port: int, api_k
         logger.info("cluster: %d live nodes (%s) have the model's files and this host's "
                     "versions", sum(n["alive"] for n in nodes),
                     ", ".join(n["ip"] for n in nodes if n["alive"]))
-    kwargs = engine_kwargs(config)
-    engines = [AsyncEngine(path, **replica_kwargs(kwargs, r))
-               for r in range(config.data_parallel_size or 1)]
+    engines = start_engines(path, engine_kwargs(config), config.data_parallel_size or 1)
     info = engines[0].kv_cache_info
     compare_kv(plan, info)
 
@@ -267,6 +256,16 @@ def serve_once(config: DeployConfig, plan: PlanFile, host: str, port: int, api_k
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level="info",
                                     timeout_graceful_shutdown=GRACE_SECONDS, access_log=False))
     return asyncio.run(_run(server, replicas))
+
+
+def start_engines(path: str, kwargs: dict, num_replicas: int) -> list:
+    """One replica: its AsyncEngine in this process. More: each in a process of its own (its own
+    GIL, its own GPUs), talked to over a socket (replica_client.py)."""
+    if num_replicas == 1:
+        from shardserve.runtime import AsyncEngine
+        return [AsyncEngine(path, **kwargs)]
+    from shardserve.launch.replica_client import start_replicas
+    return start_replicas(path, kwargs, num_replicas)
 
 
 def _server_class():

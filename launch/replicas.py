@@ -13,12 +13,15 @@ from shardserve.runtime.sampling_params import SamplingParams
 
 
 class Replica:
+    """engine: an in-process AsyncEngine (data_parallel_size 1) or a ReplicaClient (a replica in a
+    process of its own); both answer generate, get_stats, error, start and shutdown alike."""
+
     def __init__(self, index: int, engine):
         self.index, self.engine = index, engine
         self.num_active = 0  # prompts this server has given the replica and not seen end
 
     def stats(self) -> dict:
-        return dataclasses.asdict(self.engine.engine.get_stats())
+        return dataclasses.asdict(self.engine.get_stats())
 
     @property
     def error(self) -> BaseException | None:
@@ -38,11 +41,11 @@ class ReplicaSet:
     @property
     def sampling_defaults(self) -> dict:
         """The model's generation_config.json sampling fields (every replica serves the same model)."""
-        return self.replicas[0].engine.engine.sampling_defaults
+        return self.replicas[0].engine.sampling_defaults
 
     @property
     def max_model_len(self) -> int:
-        return self.replicas[0].engine.engine.config.model.max_model_len
+        return self.replicas[0].engine.max_model_len
 
     def stats(self) -> list[dict]:
         return [r.stats() for r in self.replicas]

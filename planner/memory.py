@@ -4,18 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardserve.planner.graph_memory import GraphShape, cuda_graph_bytes
 from shardserve.planner.hardware import GIB, GpuSpec
 from shardserve.planner.model_spec import ModelSpec
 from shardserve.planner.options import RuntimeSettings
 
 # NOTE: outside torch's allocator a CUDA process holds its context, cuBLAS workspaces and
-# NCCL's buffers; CUDA graphs keep their own pool. These are the sizes seen on Hopper-class
-# GPUs with recent drivers; the runtime measures the real ones at start-up.
+# NCCL's buffers. These are the sizes seen on Hopper-class GPUs with recent drivers; the runtime
+# measures the real ones at start-up. CUDA graphs: graph_memory.py, per stage.
 CUDA_CONTEXT_BYTES = GIB // 2
 NCCL_BASE_BYTES = GIB // 8       # communicator setup, once a process joins a group
 NCCL_PEER_BYTES = 64 * 2**20     # channel buffers per tensor-parallel peer
 NCCL_PP_BYTES = GIB // 8
-CUDA_GRAPH_BYTES = GIB // 2
 CPU_PROCESS_BYTES = GIB // 4
 
 
@@ -114,9 +114,8 @@ def kv_heads_per_rank(spec: ModelSpec, tp: int) -> int:
     return max(1, spec.num_kv_heads // tp)
 
 
-def activation_bytes(spec: ModelSpec, tp: int, settings: RuntimeSettings, is_last: bool,
-                     expert_parallel: bool = False) -> int:
-    """Peak activations of one forward pass over max_num_batched_tokens, on one rank."""
+def activation_bytes_per_token(spec: ModelSpec, tp: int, dtype_bytes: int, expert_parallel: bool = False) -> int:
+    """One token's share of a forward's peak activations on one rank."""
     d = spec.head_dim
     qkv = (spec.num_attention_heads // tp + 2 * kv_heads_per_rank(spec, tp)) * d
     if spec.is_moe:
@@ -128,7 +127,13 @@ def activation_bytes(spec: ModelSpec, tp: int, settings: RuntimeSettings, is_las
     else:
         mlp = (2 if spec.is_gated_mlp else 1) * spec.intermediate_size // tp
     # residual, hidden states and normed input live beside the widest projection output
-    per_token = (3 * spec.hidden_size + qkv + mlp) * settings.dtype_bytes
+    return (3 * spec.hidden_size + qkv + mlp) * dtype_bytes
+
+
+def activation_bytes(spec: ModelSpec, tp: int, settings: RuntimeSettings, is_last: bool,
+                     expert_parallel: bool = False) -> int:
+    """Peak activations of one forward pass over max_num_batched_tokens, on one rank."""
+    per_token = activation_bytes_per_token(spec, tp, settings.dtype_bytes, expert_parallel)
     peak = settings.max_num_batched_tokens * per_token
     if is_last:  # logits for the sampled positions, in the dtype and then float32
         peak += settings.max_num_seqs * spec.vocab_size * (settings.dtype_bytes + 4)
@@ -139,7 +144,15 @@ def overhead_bytes(gpu: GpuSpec, tp: int, pp: int) -> int:
     if gpu.is_cpu:
         return CPU_PROCESS_BYTES
     nccl = NCCL_BASE_BYTES + NCCL_PEER_BYTES * (tp - 1) if tp > 1 else 0
-    return CUDA_CONTEXT_BYTES + CUDA_GRAPH_BYTES + nccl + (NCCL_PP_BYTES if pp > 1 else 0)
+    return CUDA_CONTEXT_BYTES + nccl + (NCCL_PP_BYTES if pp > 1 else 0)
+
+
+def graph_shape(spec: ModelSpec, tp: int, settings: RuntimeSettings, num_layers: int,
+                is_first_stage: bool, expert_parallel: bool = False) -> GraphShape:
+    """The decode graphs of one rank of a stage with num_layers layers."""
+    per_token = activation_bytes_per_token(spec, tp, settings.dtype_bytes, expert_parallel)
+    return GraphShape(settings.max_num_seqs, settings.max_model_len, settings.block_size, spec.hidden_size,
+                      settings.dtype_bytes, num_layers, per_token, is_first_stage)
 
 
 def plan_memory(spec: ModelSpec, stage_weights: list[float], split: list[int], tp: int,
@@ -150,6 +163,8 @@ def plan_memory(spec: ModelSpec, stage_weights: list[float], split: list[int], t
     for s, (weights, layers) in enumerate(zip(stage_weights, split)):
         act = activation_bytes(spec, tp, settings, is_last=s == pp - 1, expert_parallel=expert_parallel)
         over = overhead_bytes(gpu, tp, pp)
+        if not gpu.is_cpu:  # NOTE: reserved even under enforce_eager, which the planner is not told of
+            over += cuda_graph_bytes(graph_shape(spec, tp, settings, layers, s == 0, expert_parallel))
         budget = usable - int(weights) - act - over
         if settings.kv_cache_memory_bytes is not None:
             budget = min(budget, settings.kv_cache_memory_bytes)

@@ -139,6 +139,10 @@ SETTINGS: tuple[Setting, ...] = (
     _s("enable_prefix_caching", bool, True, "Reuse the KV blocks of shared prompt prefixes.",
        "plan engine"),
     _s("enforce_eager", bool, False, "No CUDA graphs: every decode step runs eagerly.", "engine"),
+    _s("async_scheduling", bool, False, "Overlap the host with the device: step N+1 is scheduled and "
+       "queued while step N runs, its input ids taken on the device from step N's samples, and outputs "
+       "arrive one step late. One rank in-process only (no tensor or pipeline parallel); requests with "
+       "structured outputs, prompt_logprobs or penalties are refused while it is on.", "engine"),
     _s("seed", int, 0, "Seed for requests that bring none.", "engine"),
     _s("chat_template", str, None, "A Jinja chat template, or the path of a file holding one, used instead of "
        "the tokenizer's.", "engine"),

@@ -34,7 +34,9 @@ class AsyncEngine:
     def __init__(self, model: str, **engine_kwargs):
         self.engine_args = EngineArgs.from_kwargs(model, engine_kwargs, "AsyncEngine(...)")
         self.engine = LLMEngine(self.engine_args.create_engine_config())
-        self.input_processor = InputProcessor(self.engine.config.model, load_tokenizer(self.engine.config.model))
+        config = self.engine.config
+        self.input_processor = InputProcessor(config.model, load_tokenizer(config.model),
+                                              config.scheduler.async_scheduling)
         self._streams: dict[str, asyncio.Queue] = {}
         self._pending_adds: list[_PendingAdd] = []
         self._pending_aborts: list[tuple[str, asyncio.Future]] = []
@@ -45,6 +47,18 @@ class AsyncEngine:
     @property
     def kv_cache_info(self):
         return self.engine.kv_cache_info
+
+    @property
+    def sampling_defaults(self) -> dict:
+        """The model's generation_config.json sampling fields, for requests that set none."""
+        return self.engine.sampling_defaults
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.config.model.max_model_len
+
+    def get_stats(self):
+        return self.engine.get_stats()
 
     async def generate(self, prompt: PromptType | ProcessedPrompt, sampling_params: SamplingParams,
                        prompt_id: str) -> AsyncIterator[PromptDelta]:

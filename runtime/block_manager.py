@@ -160,7 +160,8 @@ class BlockManager:
             return
         self._update_hashes(request)
         blocks = self._request_blocks.get(request.request_id, [])
-        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        # a pending token's id is not known yet: its block waits for the next call
+        num_full = min(min(request.num_computed_tokens, request.num_tokens) // self.block_size, len(blocks))
         # (a freed entry is never published: another request may own that block by now)
         start = max(self._num_published.get(request.request_id, 0), self._num_freed.get(request.request_id, 0))
         self._num_published[request.request_id] = max(start, num_full)

@@ -147,6 +147,7 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
+    async_scheduling: bool = False  # schedule step N+1 before step N's tokens are back
 
 
 @dataclass(frozen=True)
@@ -173,8 +174,7 @@ class EngineConfig:
 
 
 def resolve_device(device: str) -> str:
-    """'auto', 'cpu', 'cuda', or 'cuda:N' (N: the first GPU of this engine's ranks, so that
-    data-parallel replicas in one process each take their own GPUs)."""
+    """'auto', 'cpu', 'cuda', or 'cuda:N' (N: the first GPU of this engine's ranks)."""
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", device):

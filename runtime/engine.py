@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections import deque
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from shardserve.runtime.input_processor import InputProcessor, ProcessedPrompt, 
 from shardserve.runtime.kv_sizing import size_kv_cache, with_measured_len
 from shardserve.runtime.messages import ModelRunnerOutput, SchedulerOutput
 from shardserve.runtime.output_processor import OutputProcessor
+from shardserve.runtime.output_thread import OutputThread
 from shardserve.runtime.outputs import PromptDelta
 from shardserve.runtime.request import Request, RequestStatus
 from shardserve.runtime.sampling_params import SamplingParams
@@ -46,16 +48,19 @@ class LLMEngine:
         self.block_manager = BlockManager(self.kv_cache_info.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching, config.model.uniform_sliding_window)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, config.model.max_model_len)
-        self.input_processor = InputProcessor(config.model, self.tokenizer)
+        self.input_processor = InputProcessor(config.model, self.tokenizer, config.scheduler.async_scheduling)
         self.output_processor = OutputProcessor(self.tokenizer)
+        # with async scheduling, output processing leaves the step loop for a thread of its own
+        self.output_thread = OutputThread(self.output_processor) if config.scheduler.async_scheduling else None
         self._seeds = random.Random(config.seed)  # seeds for prompts that bring none
         self.in_flight: deque[SchedulerOutput] = deque()  # submitted batches, oldest first
 
     def add_request(self, prompt_id: str, prompt: PromptType | ProcessedPrompt, params: SamplingParams) -> None:
         """Queue a prompt: it fans out to n requests, one per sample, that share its cached blocks.
         A ProcessedPrompt was checked with these params already; anything else is checked here."""
-        if self.output_processor.has_prompt(prompt_id):
-            raise ValueError(f"prompt id {prompt_id!r} is already in use")
+        with self._output_lock():
+            if self.output_processor.has_prompt(prompt_id):
+                raise ValueError(f"prompt id {prompt_id!r} is already in use")
         if not isinstance(prompt, ProcessedPrompt):
             prompt = self.input_processor.process(prompt, params)
         base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(62)
@@ -63,23 +68,32 @@ class LLMEngine:
         for sample_index, request_id in enumerate(request_ids):  # the first refusal comes before any is queued
             self.scheduler.add_request(Request(request_id, list(prompt.prompt_token_ids), params,
                                                base_seed + sample_index, self.eos_token_ids))
-        self.output_processor.add_prompt(prompt_id, params, request_ids)
+        with self._output_lock():
+            self.output_processor.add_prompt(prompt_id, params, request_ids)
 
     def abort_request(self, prompt_id: str) -> None:
         """Free everything the prompt's requests hold, wherever they are."""
-        self.scheduler.finish_requests(self.output_processor.request_ids(prompt_id), RequestStatus.FINISHED_ABORTED)
-        self.output_processor.abort(prompt_id)
+        with self._output_lock():
+            request_ids = self.output_processor.request_ids(prompt_id)
+            self.output_processor.abort(prompt_id)
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def _output_lock(self):
+        return self.output_thread.lock if self.output_thread is not None else contextlib.nullcontext()
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation defaults (vLLM's get_default_sampling_params)."""
         return SamplingParams(**self.sampling_defaults)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests or bool(self.in_flight)
+        return (self.scheduler.has_unfinished_requests or bool(self.in_flight)
+                or (self.output_thread is not None and self.output_thread.is_busy))
 
     def step(self) -> list[PromptDelta]:
         """Schedule, execute, update. With pipeline stages, up to max_concurrent_batches batches are
-        submitted before the oldest is collected, so no stage idles while another computes."""
+        submitted before the oldest is collected, so no stage idles while another computes. With
+        async scheduling, two: step N+1 is queued on the device before step N's tokens are read
+        (the scheduler then schedules every running request, not a share)."""
         if self.executor.is_dead:
             raise EngineDeadError("the engine's workers have stopped; start a new engine")
         if self.executor.max_concurrent_batches == 1:
@@ -89,8 +103,9 @@ class LLMEngine:
             return self._update(scheduler_output, self.executor.execute_model(scheduler_output))
         num_batches = self.executor.max_concurrent_batches
         share = -(-self.scheduler.num_unfinished_requests // num_batches)  # requests per batch, rounded up
+        share = None if self.config.scheduler.async_scheduling else max(share, 1)
         while len(self.in_flight) < num_batches:
-            scheduler_output = self.scheduler.schedule(max_num_requests=max(share, 1))
+            scheduler_output = self.scheduler.schedule(max_num_requests=share)
             if scheduler_output.is_empty and not scheduler_output.finished_request_ids:
                 break  # (an empty batch still goes out alone to tell the workers what finished)
             self.executor.submit_batch(scheduler_output)
@@ -98,13 +113,25 @@ class LLMEngine:
         if not self.in_flight:
             if self.scheduler.has_unfinished_requests:
                 raise RuntimeError("the scheduler could not run any request; this is a bug")
-            return []
+            return self._take_outputs(wait=True)  # nothing left to run: the last outputs
         scheduler_output = self.in_flight.popleft()
         return self._update(scheduler_output, self.executor.collect_batch())
 
     def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[PromptDelta]:
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.output_thread is not None:
+            self.output_thread.put(updates)
+            return self._take_outputs(wait=False)
         deltas, stopped = self.output_processor.process(updates)
+        self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return deltas
+
+    def _take_outputs(self, wait: bool) -> list[PromptDelta]:
+        """The output thread's deltas so far; a request a stop string ended is finished (a step or
+        two late: its later tokens were dropped by the output processor)."""
+        if self.output_thread is None:
+            return []
+        deltas, stopped = self.output_thread.take(wait)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return deltas
 
@@ -121,4 +148,6 @@ class LLMEngine:
         self.executor.check_health()
 
     def shutdown(self) -> None:
+        if self.output_thread is not None:
+            self.output_thread.stop()
         self.executor.shutdown()

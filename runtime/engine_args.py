@@ -36,7 +36,8 @@ class EngineArgs(settings_dataclass(ENGINE, "EngineArgsFields")):
                               kv_cache_dtype=self.kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=resolved_max_num_batched_tokens(
-                                          self.max_num_batched_tokens, self.max_num_seqs)),
+                                          self.max_num_batched_tokens, self.max_num_seqs),
+                                      async_scheduling=self.async_scheduling),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size or 1,
                                     pipeline_parallel_size=self.pipeline_parallel_size or 1,
                                     distributed_executor_backend=self.distributed_executor_backend,

@@ -7,6 +7,7 @@ The in-process executor runs one worker in this process; the mp and Ray executor
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import deque
 
 from shardserve.runtime.config import EngineConfig, ParallelConfig
 from shardserve.runtime.messages import ModelRunnerOutput, SchedulerOutput
@@ -55,7 +56,9 @@ class InProcessExecutor(Executor):
         from shardserve.runtime.worker import Worker  # imports torch models; keep this module light
 
         set_parallel_state(ParallelState())
+        self.async_scheduling = config.scheduler.async_scheduling
         self.worker = Worker(config)
+        self._submitted: deque = deque()  # the worker's results of submitted steps, oldest first
 
     def available_kv_cache_bytes(self) -> int:
         return self.worker.available_kv_cache_bytes()
@@ -68,6 +71,17 @@ class InProcessExecutor(Executor):
 
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute(output)
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Two with async scheduling: the next step is queued on the device before the last is read."""
+        return 2 if self.async_scheduling else 1
+
+    def submit_batch(self, output: SchedulerOutput) -> None:
+        self._submitted.append(self.worker.submit(output))
+
+    def collect_batch(self) -> ModelRunnerOutput:
+        return self.worker.collect(self._submitted.popleft())
 
     def shutdown(self) -> None:
         self.worker.release()
@@ -110,6 +124,10 @@ def make_executor(config: EngineConfig) -> Executor:
             raise ValueError(f"distributed_executor_backend='uni' runs one rank; tensor_parallel_size x "
                              f"pipeline_parallel_size = {parallel.world_size}: use 'mp' or 'ray'")
         return InProcessExecutor(config)
+    if config.scheduler.async_scheduling:
+        raise ValueError(f"async_scheduling runs one rank in this process; tensor_parallel_size x "
+                         f"pipeline_parallel_size = {parallel.world_size} with distributed_executor_backend="
+                         f"{backend!r} cannot honour it: turn async_scheduling off")
     quant = config.model.quantization
     layer_split = parallel.layer_split or plan_layer_split(
         config.model.model, parallel.tensor_parallel_size, parallel.pipeline_parallel_size, config.model.dtype,

@@ -40,8 +40,9 @@ class InputProcessor:
     """NOTE: every check of a prompt against the model happens here and only here (the scheduler
     adds the one check that depends on its pool: enough KV blocks); the engine trusts a ProcessedPrompt."""
 
-    def __init__(self, model_config: ModelConfig, tokenizer):
+    def __init__(self, model_config: ModelConfig, tokenizer, async_scheduling: bool = False):
         self.tokenizer = tokenizer  # None with skip_tokenizer_init
+        self.async_scheduling = async_scheduling
         self.vocab_size = model_config.vocab_size
         self.max_model_len = model_config.max_model_len
 
@@ -102,6 +103,8 @@ class InputProcessor:
             raise InvalidPromptError("stop strings need a tokenizer; use stop_token_ids with "
                                      "skip_tokenizer_init=True", "stop")
         vocab, limit = self.vocab_size, self.max_model_len
+        if self.async_scheduling:
+            _check_async_scheduling(params)
         if params.structured_outputs is not None:
             self._check_structured_outputs(params.structured_outputs)
         if any(token >= vocab for token, _ in params.logit_bias):
@@ -123,3 +126,20 @@ class InputProcessor:
                                      f"max_model_len={limit}; shorten the prompt or lower max_tokens",
                                      "max_tokens")
         return ProcessedPrompt(text, ids)
+
+
+def _check_async_scheduling(params: SamplingParams) -> None:
+    """What async scheduling cannot honour: each needs the previous step's token on the host before
+    the next step is sampled (a grammar's matcher, the penalties' counts) or scores the prompt."""
+    if params.structured_outputs is not None:
+        raise InvalidPromptError("structured outputs (response_format) cannot run with async_scheduling: "
+                                 "start the engine without it", "response_format")
+    if params.prompt_logprobs is not None:
+        raise InvalidPromptError("prompt_logprobs cannot run with async_scheduling: start the engine without it",
+                                 "prompt_logprobs")
+    if params.has_penalties:
+        name = next(name for name, value, neutral in (("repetition_penalty", params.repetition_penalty, 1.0),
+                                                      ("presence_penalty", params.presence_penalty, 0.0),
+                                                      ("frequency_penalty", params.frequency_penalty, 0.0))
+                    if value != neutral)
+        raise InvalidPromptError(f"{name} cannot run with async_scheduling: start the engine without it", name)

@@ -70,12 +70,17 @@ def send_intermediate(tensors: IntermediateTensors) -> None:
         torch.distributed.send(tensors.residual.contiguous(), dst)
 
 
+def _recv_header(device: torch.device) -> tuple[int, ...]:
+    """(has_residual, num_tokens, hidden_size) from the previous stage's send_intermediate."""
+    header = torch.empty(3, dtype=torch.int64, device=device)  # on the device: NCCL sends no CPU tensors
+    torch.distributed.recv(header, get_parallel_state().previous_stage_rank)
+    return tuple(header.tolist())
+
+
 def recv_intermediate(dtype: torch.dtype, device: torch.device) -> IntermediateTensors:
     """From the same tp_rank of the previous stage; mirrors send_intermediate."""
     src = get_parallel_state().previous_stage_rank
-    header = torch.empty(3, dtype=torch.int64, device=device)  # on the device: NCCL sends no CPU tensors
-    torch.distributed.recv(header, src)
-    has_residual, num_tokens, hidden_size = header.tolist()
+    has_residual, num_tokens, hidden_size = _recv_header(device)
     hidden = torch.empty(num_tokens, hidden_size, dtype=dtype, device=device)
     torch.distributed.recv(hidden, src)
     residual = None
@@ -83,3 +88,16 @@ def recv_intermediate(dtype: torch.dtype, device: torch.device) -> IntermediateT
         residual = torch.empty_like(hidden)
         torch.distributed.recv(residual, src)
     return IntermediateTensors(hidden, residual)
+
+
+def recv_intermediate_into(buffers: IntermediateTensors, num_tokens: int) -> None:
+    """Like recv_intermediate, into the leading num_tokens rows of a CUDA graph's static buffers
+    (buffers.residual is there whatever the model; it stays untouched when no residual comes)."""
+    src = get_parallel_state().previous_stage_rank
+    has_residual, sent_tokens, hidden_size = _recv_header(buffers.hidden_states.device)
+    if (sent_tokens, hidden_size) != (num_tokens, buffers.hidden_states.shape[1]):
+        raise RuntimeError(f"the previous stage sent [{sent_tokens}, {hidden_size}] hidden states; this "
+                           f"stage's step expects [{num_tokens}, {buffers.hidden_states.shape[1]}]")
+    torch.distributed.recv(buffers.hidden_states[:num_tokens], src)  # leading rows: contiguous
+    if has_residual:
+        torch.distributed.recv(buffers.residual[:num_tokens], src)

@@ -23,11 +23,17 @@ class RequestStatus(enum.Enum):
 
 class Request:
     """Token state of one request. Invariants: the prompt is not empty (the input processor checked
-    it), num_computed_tokens <= num_tokens, and a running request always has at least one token not
-    yet computed (its prompt tail or its last sampled token)."""
+    it) and num_computed_tokens <= num_tokens + num_pending_tokens. The scheduler counts a step's work
+    as done when it schedules it, and a token the step samples as pending until its output is back:
+
+        known tokens:  | prompt ............ | outputs ... |
+        pending:                                          | p |        (sampled on the device)
+        computed:      |<------------------------------------->|       (after the step in flight)
+    """
 
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling_params", "seed",
-                 "eos_token_ids", "status", "stop_reason", "num_computed_tokens", "num_synced_tokens", "num_synced_blocks",
+                 "eos_token_ids", "status", "stop_reason", "num_computed_tokens", "num_pending_tokens", "num_synced_tokens",
+                 "num_synced_blocks",
                  "block_hashes", "num_preemptions", "arrival_time", "first_scheduled_time",
                  "num_prompt_logprobs_sent")
 
@@ -41,7 +47,8 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
-        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache once the steps scheduled so far ran
+        self.num_pending_tokens = 0  # sampled by steps scheduled so far, not yet known here (at most 2)
         self.num_synced_tokens = 0  # tokens the worker has been told about
         self.num_synced_blocks = 0  # blocks the worker has been told about
         self.block_hashes: list[bytes] = []  # one per full block of all_token_ids, filled lazily

@@ -77,7 +77,7 @@ def sample(logits: torch.Tensor, states: list[RequestState],
     xgrammar's [rows, vocab / 32] allowed tokens of constrained rows (logprobs stay the raw ones)."""
     tokens = sample_on_device(logits, states, token_bitmask)
     token_list = tokens.tolist()  # the step's one device->host copy
-    return token_list, _logprobs(logits, states, tokens)
+    return token_list, sampled_logprobs(logits, states, tokens)
 
 
 def sample_on_device(logits: torch.Tensor, states: list[RequestState],
@@ -187,7 +187,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.
     return logits
 
 
-def _logprobs(raw: torch.Tensor, states: list[RequestState], tokens: torch.Tensor) -> dict[str, TokenLogprobs]:
+def sampled_logprobs(raw: torch.Tensor, states: list[RequestState], tokens: torch.Tensor) -> dict[str, TokenLogprobs]:
     """Log-probabilities under the model's raw distribution (before penalties and temperature),
     for the rows that ask, computed together and copied to the host once."""
     rows = [i for i, s in enumerate(states) if s.sampling_params.logprobs is not None]

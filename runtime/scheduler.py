@@ -25,6 +25,17 @@ class Scheduler:
     With pipeline parallelism several batches are in flight at once: a request scheduled in one is
     left out of the next until its output is back, and is never preempted meanwhile (its blocks are
     being written). Ranks run batches in order, so blocks freed by an abort are safe to reuse.
+
+    With async_scheduling (one rank) step N+1 is scheduled while step N runs: a request in flight
+    is scheduled again for the token step N samples (pending: the worker reads it on the device),
+    and its real token and finish are learned one step late:
+
+        schedule:  N   N+1  N+2 ...           a request that step N finished has its step N+1
+        update:        N-1  N   N+1 ...       token dropped and its blocks freed at update(N)
+
+    A request whose pending token is its last (max_tokens, max_model_len) is not scheduled again,
+    and any request may be preempted: its blocks are reused only by steps that run after the one
+    in flight, and its sampled token is dropped (recomputed, it samples the same: see sampler.py).
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int) -> None:
@@ -42,7 +53,8 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         self.check_can_ever_fit(request)
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self.in_flight:
+            # (in flight after an abort: the step's token must not reach a new request of that id)
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -76,13 +88,14 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0 and len(num_scheduled) < limit:
             request = self.running[index]
-            if request.request_id in self.in_flight:
+            if not self._can_schedule_again(request):
                 index += 1
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens + request.num_pending_tokens - request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, num_new):
                 break  # it preempted itself: everything after it is gone too
             cached.append(self._cached_data(request))
+            self._commit(request, num_new)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             index += 1
@@ -93,13 +106,29 @@ class Scheduler:
         self.in_flight.update(num_scheduled)
         return self._finish_output(new, cached, num_scheduled)
 
+    def _can_schedule_again(self, request: Request) -> bool:
+        """Without async_scheduling: not while in flight. With it: unless its last token is pending."""
+        if not self.config.async_scheduling:
+            return request.request_id not in self.in_flight
+        params, num_tokens = request.sampling_params, request.num_tokens + request.num_pending_tokens
+        if params.max_tokens is not None and num_tokens - request.num_prompt_tokens >= params.max_tokens:
+            return False  # the step in flight samples its last token
+        return num_tokens < self.max_model_len
+
+    def _commit(self, request: Request, num_new: int) -> None:
+        """Count the step's tokens as computed; a step that reaches the end of the request samples."""
+        request.num_computed_tokens += num_new
+        if request.num_computed_tokens == request.num_tokens + request.num_pending_tokens:
+            request.num_pending_tokens += 1
+
     def _allocate_or_preempt(self, request: Request, num_new: int) -> bool:
         """Allocate for `request`, preempting the newest running requests until it fits. Returns
         False if `request` itself had to be preempted."""
         total = request.num_computed_tokens + num_new
         while not self.block_manager.allocate_slots(request, total):
-            # the newest request not in flight; `request` itself qualifies, so there always is one
-            victim = next(r for r in reversed(self.running) if r.request_id not in self.in_flight)
+            # the newest request not in flight (any, with async_scheduling); `request` qualifies
+            victim = next(r for r in reversed(self.running)
+                          if self.config.async_scheduling or r.request_id not in self.in_flight)
             self.running.remove(victim)
             self._preempt(victim)
             if victim is request:
@@ -110,6 +139,7 @@ class Scheduler:
         self.block_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_pending_tokens = 0  # a token still in flight is dropped when it lands
         request.num_synced_tokens = 0
         request.num_synced_blocks = 0
         request.num_preemptions += 1
@@ -140,6 +170,7 @@ class Scheduler:
             request.num_synced_blocks = len(self.block_manager.block_ids(request.request_id))
             self.running.append(request)
             new.append(self._new_data(request))
+            self._commit(request, num_new)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
         return new
@@ -170,14 +201,14 @@ class Scheduler:
                                num_scheduled_tokens=num_scheduled, finished_request_ids=finished)
 
     def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestUpdate]:
-        """Advance each scheduled request by what ran, append sampled tokens, finish requests."""
+        """Append the tokens the step sampled (its work was counted when it was scheduled), finish
+        requests. A token for a request finished, aborted or preempted since is dropped."""
         updates = []
         self.in_flight.difference_update(output.num_scheduled_tokens)
-        for request_id, num_tokens in output.num_scheduled_tokens.items():
+        for request_id in output.num_scheduled_tokens:
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            request.num_computed_tokens += num_tokens
+                continue  # aborted (or preempted) while the step ran
             self.block_manager.cache_full_blocks(request)
             update = self._update_request(request, runner_output)
             if update is not None:
@@ -191,6 +222,7 @@ class Scheduler:
         if token is None:  # mid-prefill: nothing sampled yet
             return RequestUpdate(request_id, (), (), None, new_prompt_logprobs=prompt_logprobs) \
                 if prompt_logprobs else None
+        request.num_pending_tokens -= 1
         if request.sampling_params.max_tokens == 0:  # the prompt alone was asked for (its logprobs)
             self._finish(request, RequestStatus.FINISHED_LENGTH)
             return RequestUpdate(request_id, (), (), "length", new_prompt_logprobs=prompt_logprobs)

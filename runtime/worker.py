@@ -11,16 +11,19 @@ from shardserve.planner.settings import DEFAULT_CPU_KV_CACHE_BYTES
 from shardserve.runtime.attention.layer import Attention
 from shardserve.runtime.attention.torch_backend import TorchAttentionBackend
 from shardserve.runtime.config import EngineConfig
-from shardserve.runtime.cuda_graphs import DecodeGraphRunner, capture_sizes, cuda_graphs_disabled_reason
+from shardserve.runtime.cuda_graph_plan import agreed_decision, local_decision, log_graph_memory, reserved_graph_bytes
+from shardserve.runtime.cuda_graphs import DecodeGraphRunner, static_intermediate
 from shardserve.runtime.forward_context import ForwardContext, forward_context
 from shardserve.runtime.inputs import (HostInputs, RequestState, apply_scheduler_output, build_host_inputs,
-                                       host_to_device, to_device)
+                                       count_samples, to_device)
 from shardserve.runtime.loader import load_model
 from shardserve.runtime.messages import ModelRunnerOutput, SchedulerOutput
 from shardserve.runtime.parallel_state import get_parallel_state
-from shardserve.runtime.pipeline import IntermediateTensors, recv_intermediate, send_intermediate
+from shardserve.runtime.pipeline import (IntermediateTensors, recv_intermediate, recv_intermediate_into,
+                                         send_intermediate)
 from shardserve.runtime.prompt_logprobs import score_prompts, wants_prompt_logprobs
-from shardserve.runtime.sampler import sample
+from shardserve.runtime.sampler import sample_on_device, sampled_logprobs
+from shardserve.runtime.staging import SampledTokenBuffers, StagingBuffer, StepOutput
 from shardserve.runtime.structured_output import GrammarMatchers, sync_matchers
 from shardserve.runtime.tokenizer import eos_token_ids, load_tokenizer
 
@@ -65,6 +68,9 @@ class Worker:
         self.kv_cache: torch.Tensor | None = None
         self.cuda_graphs: DecodeGraphRunner | None = None  # built with the KV cache
         self.matchers: GrammarMatchers | None = None  # the sampling rank's, made at the first grammar
+        self.staging = StagingBuffer(self.device)  # every step's inputs go to the device through it
+        self.token_buffers = SampledTokenBuffers(config.scheduler.max_num_seqs, self.device)
+        self.last_sampled: torch.Tensor | None = None  # [num_sampled] the last step's ids, on the device
 
     @property
     def bytes_per_block(self) -> int:
@@ -93,7 +99,12 @@ class Worker:
                         DEFAULT_CPU_KV_CACHE_BYTES / 1024**3)
             return DEFAULT_CPU_KV_CACHE_BYTES
         with self._on_device():
-            return self._profile_cuda_kv_budget()
+            budget = self._profile_cuda_kv_budget()
+        if local_decision(self.config, self.device, self.model).captures:
+            graphs = reserved_graph_bytes(self.config, len(self.attention_layers))
+            logger.info("%.3f GiB of the KV budget set aside for CUDA graphs", graphs / 1024**3)
+            budget = max(budget - graphs, 0)
+        return budget
 
     def _on_device(self):
         """NOTE: Triton launches on torch's current device, and a data-parallel replica steps in
@@ -132,22 +143,26 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """The pool of num_blocks blocks, plus one scratch block after them where CUDA graphs write
         the padding rows of a decode step (the block manager never hands it out)."""
-        reason = cuda_graphs_disabled_reason(self.config, self.device, self.model)
-        num_scratch = 1 if reason is None else 0
+        decision = agreed_decision(self.config, self.device, self.model)  # a collective: every rank is here
+        num_scratch = 1 if decision.captures else 0
         layer = self.attention_layers[0]
         shape = (len(self.attention_layers), 2, num_blocks + num_scratch, self.config.cache.block_size,
                  layer.num_kv_heads, layer.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
         for index, attention in enumerate(self.attention_layers):
             attention.kv_cache = self.kv_cache[index]  # [2, num_blocks, block_size, kv_heads, head_dim]
-        if reason is not None:
-            logger.info("decode runs eagerly, without CUDA graphs: %s", reason)
+        if not decision.captures:
+            logger.info("decode runs eagerly, without CUDA graphs: %s", decision.reason)
             return
-        sizes = capture_sizes(self.config.scheduler.max_num_seqs)
-        self.cuda_graphs = DecodeGraphRunner(self.model, self.backend, sizes, self.config.model.max_model_len,
+        max_size, model = decision.sizes[-1], self.config.model
+        intermediate = None if self.parallel_state.is_first_stage else \
+            static_intermediate(max_size, model.hf_config.hidden_size, model.dtype, self.device)
+        self.cuda_graphs = DecodeGraphRunner(self.model, self.backend, list(decision.sizes), model.max_model_len,
                                              self.config.cache.block_size, scratch_block=num_blocks,
-                                             device=self.device)
-        self.cuda_graphs.capture()
+                                             device=self.device, intermediate=intermediate)
+        with self._on_device():
+            measured = self.cuda_graphs.capture()
+        log_graph_memory(measured, reserved_graph_bytes(self.config, len(self.attention_layers)))
 
     def release(self) -> None:
         """Drop the model, the KV pool (and the layers' views of it) and the graphs, then hand cached
@@ -156,45 +171,61 @@ class Worker:
             attention.kv_cache = None
         self.attention_layers = []
         self.states.clear()
-        self.kv_cache = self.cuda_graphs = self.model = None
+        self.kv_cache = self.cuda_graphs = self.model = self.last_sampled = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Every rank runs every step; only the output rank returns a result (the others None)."""
+        return self.collect(self.submit(output))
+
+    @torch.inference_mode()
+    def submit(self, output: SchedulerOutput) -> StepOutput | None:
+        """Queue the step on the device; returns without waiting for its sampled ids (collect does)."""
         with self._on_device():
             return self._step(output)
 
-    def _step(self, output: SchedulerOutput) -> ModelRunnerOutput | None:
-        state = self.parallel_state
+    @staticmethod
+    def collect(step: StepOutput | None) -> ModelRunnerOutput | None:
+        return None if step is None else step.to_runner_output()
+
+    def _step(self, output: SchedulerOutput) -> StepOutput | None:
         batch = apply_scheduler_output(self.states, output)
-        if state.is_output_rank:
+        if self.parallel_state.is_output_rank:
             self._sync_matchers(output)
         if not batch:
-            return ModelRunnerOutput() if state.is_output_rank else None
+            return StepOutput() if self.parallel_state.is_output_rank else None
         host = build_host_inputs(batch, output.num_scheduled_tokens, self.config.cache.block_size)
+        result = self._run(host, batch)
+        count_samples(host)
+        return result
+
+    def _run(self, host: HostInputs, batch: list[RequestState]) -> StepOutput | None:
+        state = self.parallel_state
         # NOTE: filled on the host before the forward is queued, so it overlaps the device's work
         bitmask = self.matchers.bitmask([s.request_id for s in host.sampled_states]) if self.matchers else None
-        hidden = self._forward(host)  # [num_tokens, hidden_size]
+        hidden, logits_indices = self._forward(host)  # [num_tokens, hidden_size]
         if not state.is_last_stage:
             send_intermediate(hidden)
             return None
         prompt_logprobs = (score_prompts(self.model, host, batch, hidden, state.is_output_rank)
                            if wants_prompt_logprobs(batch) else {})
         if not host.sampled_states:
-            return ModelRunnerOutput(prompt_logprobs=prompt_logprobs) if state.is_output_rank else None
+            return StepOutput(prompt_logprobs=prompt_logprobs) if state.is_output_rank else None
         if not host.samples_every_token:
-            hidden = hidden[host_to_device(host.logits_indices, self.device)]
+            hidden = hidden[logits_indices]
         # every TP rank of the last stage joins the logits gather; the output rank alone samples
         logits = self.model.compute_logits(hidden).float()  # [num_sampled, vocab]
         if not state.is_output_rank:
             return None
-        tokens, logprobs = sample(logits, host.sampled_states, bitmask)
-        if self.matchers is not None:
-            self.matchers.accept([s.request_id for s in host.sampled_states], tokens)
-        sampled = {state.request_id: token for state, token in zip(host.sampled_states, tokens)}
-        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        tokens = sample_on_device(logits, host.sampled_states, bitmask)  # [num_sampled]
+        self.last_sampled = tokens  # the next step's pending input ids
+        request_ids = [s.request_id for s in host.sampled_states]
+        result = StepOutput(request_ids, self.token_buffers.start_copy(tokens),
+                            sampled_logprobs(logits, host.sampled_states, tokens), prompt_logprobs)
+        if self.matchers is not None:  # (never with async scheduling: the grammar needs the ids now)
+            self.matchers.accept(request_ids, result.tokens.tolist())
+        return result
 
     def _sync_matchers(self, output: SchedulerOutput) -> None:
         if self.matchers is None and any(d.sampling_params.structured_outputs for d in output.new_requests):
@@ -204,12 +235,21 @@ class Worker:
         if self.matchers is not None:
             sync_matchers(self.matchers, output, self.states)
 
-    def _forward(self, host: HostInputs):
-        """A captured graph for a decode step that has one; the model run eagerly otherwise."""
-        if self.cuda_graphs is not None and self.cuda_graphs.can_replay(host):
-            return self.cuda_graphs.replay(host)
-        inputs = to_device(host, self.device)
+    def _forward(self, host: HostInputs) -> tuple[torch.Tensor | IntermediateTensors, torch.Tensor | None]:
+        """A captured graph for a decode step that has one (every row samples), the model run eagerly
+        otherwise. Returns the hidden states (a later stage's hand-off before the last stage) and the
+        rows that sample, on the device."""
         state = self.parallel_state
+        if self.cuda_graphs is not None and self.cuda_graphs.can_replay(host):  # the same on every rank
+            size, pending = self.cuda_graphs.load(host, self.staging)
+            if pending is not None:
+                pending.fill(self.cuda_graphs.inputs.input_ids, self.last_sampled)
+            if not state.is_first_stage:
+                recv_intermediate_into(self.cuda_graphs.intermediate, host.num_requests)
+            return self.cuda_graphs.replay(size, host.num_requests), None
+        inputs = to_device(host, self.staging)
+        if inputs.pending is not None:
+            inputs.pending.fill(inputs.input_ids, self.last_sampled)
         intermediate = None if state.is_first_stage else recv_intermediate(self.config.model.dtype, self.device)
         with forward_context(ForwardContext(inputs.attn_metadata, self.backend)):
-            return self.model(inputs.input_ids, inputs.positions, intermediate)
+            return self.model(inputs.input_ids, inputs.positions, intermediate), inputs.logits_indices

@@ -76,13 +76,13 @@ def generate_both(folder: str):
     llm = make_llm(folder, enforce_eager=False)
     runner = llm.engine.executor.worker.cuda_graphs
     assert runner is not None and runner.sizes == [1, 2, 4, 8]
-    replayed, replay = [], runner.replay
+    replayed, load = [], runner.load
 
-    def counting_replay(host):
+    def counting_load(host, staging):
         replayed.append(padded_size(host.num_requests, runner.sizes))
-        return replay(host)
+        return load(host, staging)
 
-    runner.replay = counting_replay
+    runner.load = counting_load
     graph_outputs = llm.generate(prompts, params)
     return eager_outputs, graph_outputs, replayed
 

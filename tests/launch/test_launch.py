@@ -114,34 +114,6 @@ def test_only_rank_0_shows_loading_progress():
     assert not [line for line in progress if "(rank 1)" in line]
 
 
-def test_replicas_behind_one_server_share_the_load():
-    proc, url = start_server("--profile", "demo", "--set", "hardware=2xcpu",
-                             "--set", "data_parallel_size=2",
-                             "--set", "kv_cache_memory_bytes=33554432")
-    try:
-        import asyncio
-
-        import openai
-
-        async def burst():
-            client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-            results = await asyncio.gather(*(client.completions.create(
-                model="shardserve-demo", prompt=f"Item {i}", max_tokens=8, temperature=0,
-                extra_body={"ignore_eos": True}) for i in range(8)))
-            await client.close()
-            return results
-
-        assert all(r.usage.completion_tokens == 8 for r in asyncio.run(burst()))
-        metrics = http(f"{url}/metrics")[1]
-        served = [line for line in metrics.splitlines()
-                  if line.startswith("shardserve_e2e_request_latency_seconds_count")]
-        assert len(served) == 2 and all(float(line.split()[-1]) > 0 for line in served)
-    finally:
-        code, out = stop_server(proc)
-    assert code == 0, out
-    assert "data_parallel_size=2" in out
-
-
 def _ranks(pid: int) -> list[int]:
     """The rank processes of a server (children running the rank module)."""
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
@@ -216,10 +188,12 @@ def test_restart_brings_the_gang_back_then_gives_up():
 
 
 def test_each_gpu_replica_takes_its_own_gpus():
-    from shardserve.launch.launcher import replica_kwargs
-    base = {"device": "cuda", "tensor_parallel_size": 2, "pipeline_parallel_size": 2}
-    assert [replica_kwargs(base, r)["device"] for r in range(3)] == ["cuda", "cuda:4", "cuda:8"]
-    assert replica_kwargs({"device": "cpu"}, 1)["device"] == "cpu"
+    from shardserve.launch.replica_client import replica_devices
+    assert [replica_devices("cuda", 4, r, None) for r in range(3)] == ["0,1,2,3", "4,5,6,7", "8,9,10,11"]
+    assert replica_devices("cuda:2", 1, 1, "5,6,7,8") == "8"  # counted in the server's visible GPUs
+    assert replica_devices("cpu", 2, 1, None) is None
+    with pytest.raises(ValueError, match="replica 1 needs GPUs"):
+        replica_devices("cuda", 2, 1, "0,1,2")
 
 
 def test_overload_answers_503_and_recovers():

@@ -29,7 +29,7 @@ VALUES = {
     "dtype": "bfloat16", "quantization": "fp8", "kv_cache_dtype": "fp8", "gpu_memory_utilization": 0.5, "kv_cache_memory_bytes": SMALL_POOL,
     "enable_expert_parallel": False,  # the default is None (the planner's choice); True needs a MoE model
     "block_size": 32, "max_num_seqs": 8, "max_num_batched_tokens": 1024, "enable_prefix_caching": False,
-    "enforce_eager": True, "seed": 7, "chat_template": "{{ messages[0].content }}", "generation_config": "vllm",
+    "enforce_eager": True, "async_scheduling": True, "seed": 7, "chat_template": "{{ messages[0].content }}", "generation_config": "vllm",
     "skip_tokenizer_init": True, "target_concurrency": 3, "host": "127.0.0.2",
     "port": 8123, "served_model_name": "tiny", "max_queued_requests": 5, "allowed_origins": ["https://app.example"],
     "tool_call_parser": "hermes", "enable_auto_tool_choice": True, "env": {"SHARDSERVE_T": "1"},
@@ -68,7 +68,7 @@ ENGINE_READBACK = {
     "max_num_seqs": lambda c: c.scheduler.max_num_seqs,
     "max_num_batched_tokens": lambda c: c.scheduler.max_num_batched_tokens,
     "enable_prefix_caching": lambda c: c.cache.enable_prefix_caching, "enforce_eager": lambda c: c.model.enforce_eager,
-    "seed": lambda c: c.seed, "skip_tokenizer_init": lambda c: c.model.skip_tokenizer_init,
+    "async_scheduling": lambda c: c.scheduler.async_scheduling, "seed": lambda c: c.seed, "skip_tokenizer_init": lambda c: c.model.skip_tokenizer_init,
     "chat_template": lambda c: c.model.chat_template, "generation_config": lambda c: c.model.generation_config,
 }
 

@@ -16,14 +16,16 @@ from shardserve.runtime.attention.torch_backend import TorchAttentionBackend  # 
 from shardserve.runtime.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from shardserve.runtime.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,  # noqa: E402
                                        SchedulerConfig, load_model_config)
-from shardserve.runtime.cuda_graphs import (DecodeGraphRunner, capture_sizes, cuda_graphs_disabled_reason,  # noqa: E402
-                                            pad_decode_batch, padded_size)
+from shardserve.planner.graph_memory import capture_sizes  # noqa: E402
+from shardserve.runtime.cuda_graph_plan import local_decision  # noqa: E402
+from shardserve.runtime.cuda_graphs import DecodeGraphRunner, pad_decode_batch, padded_size  # noqa: E402
 from shardserve.runtime.forward_context import ForwardContext, forward_context  # noqa: E402
 from shardserve.runtime.inputs import RequestState, build_host_inputs, to_device  # noqa: E402
 from shardserve.runtime.loader import load_model  # noqa: E402
 from shardserve.runtime.models.llama import LlamaForCausalLM  # noqa: E402
 from shardserve.runtime.models.mixtral import MixtralForCausalLM  # noqa: E402
 from shardserve.runtime.sampling_params import SamplingParams  # noqa: E402
+from shardserve.runtime.staging import StagingBuffer  # noqa: E402
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 40
 SCRATCH = NUM_BLOCKS  # the block after the pool, as the worker allocates it
@@ -52,13 +54,12 @@ def engine_config(device="cuda", enforce_eager=False, tensor_parallel_size=1):
 def test_graphs_only_where_they_can_be_captured():
     llama, moe = LlamaForCausalLM.__new__(LlamaForCausalLM), MixtralForCausalLM.__new__(MixtralForCausalLM)
     cuda = torch.device("cuda")
-    assert cuda_graphs_disabled_reason(engine_config(), cuda, llama) is None
-    assert "cpu" in cuda_graphs_disabled_reason(engine_config("cpu"), torch.device("cpu"), llama)
-    assert "enforce_eager" in cuda_graphs_disabled_reason(engine_config(enforce_eager=True), cuda, llama)
-    assert "parallel" in cuda_graphs_disabled_reason(engine_config(tensor_parallel_size=2), cuda, llama)
-    assert cuda_graphs_disabled_reason(engine_config(), cuda, moe) is None  # the Triton MoE kernel syncs nothing
-    assert "Linear reads tensor values on the host" in cuda_graphs_disabled_reason(engine_config(), cuda,
-                                                                                   torch.nn.Linear(2, 2))
+    assert local_decision(engine_config(), cuda, llama).sizes == tuple(capture_sizes(256))
+    assert "cpu" in local_decision(engine_config("cpu"), torch.device("cpu"), llama).reason
+    assert "enforce_eager" in local_decision(engine_config(enforce_eager=True), cuda, llama).reason
+    assert local_decision(engine_config(tensor_parallel_size=2), cuda, llama).captures  # TP ranks capture too
+    assert local_decision(engine_config(), cuda, moe).captures  # the Triton MoE kernel syncs nothing
+    assert "Linear" in local_decision(engine_config(), cuda, torch.nn.Linear(2, 2)).reason
 
 
 def make_states(lengths, seed=0):
@@ -103,7 +104,7 @@ def eager_step(model, states, backend) -> torch.Tensor:
     """Run every state's uncomputed tokens; returns the hidden state of each request's last token."""
     scheduled = {s.request_id: len(s.token_ids) - s.num_computed_tokens for s in states}
     host = build_host_inputs(states, scheduled, BLOCK_SIZE)
-    inputs = to_device(host, torch.device("cpu"))
+    inputs = to_device(host, StagingBuffer(torch.device("cpu")))
     with forward_context(ForwardContext(inputs.attn_metadata, backend)):
         hidden = model(inputs.input_ids, inputs.positions)
     for state in states:
@@ -132,7 +133,8 @@ def test_static_decode_forward_matches_an_eager_step(family, max_model_len, chec
         for batch in (states, states[1:2]):  # 3 requests -> 4 rows, then 1 -> 2 (over a stale real row)
             eager_cache = cache.clone()
             host = build_host_inputs(batch, {s.request_id: 1 for s in batch}, BLOCK_SIZE)
-            size = runner.load(host)
+            size, pending = runner.load(host, StagingBuffer(torch.device("cpu")))
+            assert pending is None
             assert size == (4 if len(batch) == 3 else 2)
             static = runner.forward_static(size)[: len(batch)]
             static_cache = cache.clone()

@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from shardserve.runtime.inputs import RequestState, apply_scheduler_output, build_host_inputs, prepare_inputs
+from shardserve.runtime.inputs import (RequestState, apply_scheduler_output, build_host_inputs, prepare_inputs,
+                                       to_device)
 from shardserve.runtime.messages import CachedRequestData, NewRequestData, SchedulerOutput
 from shardserve.runtime.sampling_params import SamplingParams
+from shardserve.runtime.staging import StagingBuffer
 
 
 def reference_inputs(batch: list[RequestState], num_scheduled: dict[str, int], block_size: int) -> dict:
@@ -87,3 +89,31 @@ def test_scheduler_diffs_extend_the_block_table():
     assert state.block_ids.tolist() == [7, 9, 2] and state.token_ids == [1, 2, 3, 4]
     apply_scheduler_output(states, SchedulerOutput((), (), {}, frozenset({"a"})))
     assert states == {}
+
+
+@pytest.mark.parametrize("seed, num_requests, block_size", [(4, 9, 4), (5, 40, 16)])
+def test_pending_tokens_are_filled_on_the_device_from_the_last_samples(seed, num_requests, block_size):
+    """With async scheduling a request's last token may still be on the device (sampled by the last
+    step, at some row of its sampled ids): the host leaves 0 there and the device copies it in."""
+    rng = np.random.default_rng(seed)
+    batch, scheduled = random_batch(rng, num_requests, block_size)
+    expected = reference_inputs(batch, scheduled, block_size)
+    expected_sampled = [s.request_id for s in batch if s.num_computed_tokens + scheduled[s.request_id] == len(s.token_ids)]
+    last_sampled = torch.from_numpy(rng.integers(0, 50_000, 64))  # the last step's ids (unrelated rows too)
+    hidden, rows = [], iter(rng.permutation(64).tolist())
+    for state in batch:
+        if state.num_computed_tokens + scheduled[state.request_id] == len(state.token_ids) and rng.random() < 0.7:
+            state.sampled_row = next(rows)
+            last_sampled[state.sampled_row] = state.token_ids.pop()  # its last token is pending
+            state.num_pending_tokens = 1
+            hidden.append(state.request_id)
+    assert hidden
+    host = build_host_inputs(batch, scheduled, block_size)
+    assert [s.request_id for s in host.sampled_states] == expected_sampled
+    assert len(host.pending_rows) == len(hidden) and host.input_ids[host.pending_rows].tolist() == [0] * len(hidden)
+    assert set(host.pending_rows.tolist()) <= set(host.logits_indices.tolist())  # a pending token is a last one
+    inputs = to_device(host, StagingBuffer(torch.device("cpu")))
+    inputs.pending.fill(inputs.input_ids, last_sampled)
+    assert inputs.input_ids.tolist() == expected["input_ids"]
+    assert inputs.positions.tolist() == expected["positions"] and inputs.logits_indices.tolist() == host.logits_indices.tolist()
+    assert inputs.attn_metadata.block_tables.tolist() == expected["block_tables"]

@@ -28,15 +28,18 @@ def make_requests(n: int, prompt_len: int, max_tokens: int = 4, first_token: int
             for i in range(n)]
 
 
+def sampled_by(scheduler: Scheduler, output: SchedulerOutput, token: int = SAMPLED) -> ModelRunnerOutput:
+    """A stand-in model's output for a step just scheduled: every request the step runs to its end
+    (its computed tokens reach the token it samples, pending since the schedule) samples `token`."""
+    requests = (scheduler.requests[request_id] for request_id in output.num_scheduled_tokens)
+    return ModelRunnerOutput(sampled_token_ids={
+        r.request_id: token for r in requests if r.num_computed_tokens == r.num_tokens + r.num_pending_tokens - 1})
+
+
 def run_step(scheduler: Scheduler) -> SchedulerOutput:
     """One step with a stand-in model: every request whose tokens are all computed samples SAMPLED."""
     output = scheduler.schedule()
-    sampled = {}
-    for request_id, num in output.num_scheduled_tokens.items():
-        request = scheduler.requests[request_id]
-        if request.num_computed_tokens + num == request.num_tokens:
-            sampled[request_id] = SAMPLED
-    scheduler.update_from_output(output, ModelRunnerOutput(sampled_token_ids=sampled))
+    scheduler.update_from_output(output, sampled_by(scheduler, output))
     scheduler.block_manager.check_integrity()
     return output
 

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 from shardserve.runtime.messages import ModelRunnerOutput, SchedulerOutput
 from shardserve.runtime.scheduler import Scheduler
-from test_scheduler import SAMPLED, make_requests, make_scheduler
+from test_scheduler import make_requests, make_scheduler, sampled_by
 
 
 def sampled_for(scheduler: Scheduler, output: SchedulerOutput) -> ModelRunnerOutput:
-    return ModelRunnerOutput(sampled_token_ids={
-        rid: SAMPLED for rid, num in output.num_scheduled_tokens.items()
-        if scheduler.requests[rid].num_computed_tokens + num == scheduler.requests[rid].num_tokens})
+    return sampled_by(scheduler, output)
 
 
 def test_two_batches_in_flight_share_the_requests():

@@ -1,0 +1,226 @@
+"""A data-parallel replica in a process of its own, seen from the API server as an engine.
+
+ReplicaClient starts `python -m shardserve.launch.replica_process`, hands it the engine's settings and
+its devices (a CUDA_VISIBLE_DEVICES slice on GPUs), then relays prompts and deltas over the socket
+(replica_protocol.py). It answers what ReplicaSet asks of an in-process AsyncEngine: generate,
+get_stats, error, input_processor, start, shutdown. The replica's death (its engine failing, or its
+process gone) sets `error`, as a dead rank does for an engine."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+import weakref
+from collections.abc import AsyncIterator
+
+from shardserve.launch.replica_protocol import (AbortPrompt, AddPrompt, DeltaMessage, EngineFailed, PromptFailed,
+                                                ReplicaFailed, ReplicaReady, ReplicaStartup, StatsMessage,
+                                                StopReplica, frame, read_message, recv_blocking, send_blocking)
+from shardserve.runtime.config import resolve_device
+from shardserve.runtime.errors import EngineDeadError
+
+logger = logging.getLogger("shardserve.launch")
+
+REPLICA_MODULE = "shardserve.launch.replica_process"
+SAFE_PATH = ("-P",) if sys.version_info >= (3, 11) else ()  # the caller's working directory stays off the path
+STOP_GRACE_SECONDS = 10.0
+SILENCE_SECONDS = 60.0  # a replica sends stats every half second; this long without a word: hung
+
+
+def replica_devices(device: str, num_ranks: int, replica: int, visible: str | None) -> str | None:
+    """The CUDA_VISIBLE_DEVICES of replica r: the r-th block of num_ranks GPUs after the first GPU that
+    `device` names ('cuda' or 'cuda:N'), counted in the server's own visible list; None off GPUs."""
+    if not device.startswith("cuda"):
+        return None
+    first = int(device.partition(":")[2] or 0)
+    ids = visible.split(",") if visible else None
+    chosen = range(first + replica * num_ranks, first + (replica + 1) * num_ranks)
+    if ids is not None and chosen[-1] >= len(ids):
+        raise ValueError(f"replica {replica} needs GPUs {list(chosen)} of CUDA_VISIBLE_DEVICES={visible}")
+    return ",".join(ids[i] if ids is not None else str(i) for i in chosen)
+
+
+class ReplicaClient:
+    def __init__(self, index: int, model: str, engine_kwargs: dict):
+        self.index = index
+        kwargs, env = dict(engine_kwargs), dict(os.environ)
+        device = resolve_device(str(kwargs.get("device", "auto")))  # 'auto' on a GPU machine slices too
+        num_ranks = kwargs.get("tensor_parallel_size", 1) * kwargs.get("pipeline_parallel_size", 1)
+        devices = replica_devices(device, num_ranks, index, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        if devices is not None:  # the replica's GPUs are its 0..n-1
+            env["CUDA_VISIBLE_DEVICES"], kwargs["device"] = devices, "cuda"
+        self.sock, child = socket.socketpair()
+        self.process = subprocess.Popen([sys.executable, *SAFE_PATH, "-m", REPLICA_MODULE, str(child.fileno()),
+                                         str(os.getpid())], pass_fds=(child.fileno(),), env=env,
+                                        stdin=subprocess.DEVNULL)
+        child.close()
+        weakref.finalize(self, _stop, self.process, 0.0)  # dropped without shutdown(): still stopped
+        send_blocking(self.sock, ReplicaStartup(index, model, kwargs))
+        self._error: BaseException | None = None
+        self._last_heard = time.monotonic()
+        self.input_processor = None  # with the replica's ReplicaReady
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def wait_ready(self) -> None:
+        """Block until the replica's engine is up; its start-up error (or death) is raised here."""
+        from shardserve.runtime.input_processor import InputProcessor
+        from shardserve.runtime.tokenizer import load_tokenizer
+
+        try:
+            message = recv_blocking(self.sock)
+        except (EOFError, OSError):
+            raise RuntimeError(f"replica {self.index} (pid {self.pid}) exited while starting, "
+                               f"code {self.process.wait()}") from None
+        if isinstance(message, ReplicaFailed):
+            logger.debug("replica %d failed to start:\n%s", self.index, message.traceback)
+            raise message.error
+        if not isinstance(message, ReplicaReady):
+            raise RuntimeError(f"replica {self.index} answered {type(message).__name__} to its start-up")
+        self.ready = message
+        self.input_processor = InputProcessor(message.model_config, load_tokenizer(message.model_config))
+        self._stats = message.stats
+        logger.info("replica %d up in process %d", self.index, self.pid)
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the replica is dead (its engine failed, its process exited, or it went silent), or None."""
+        if self._error is None and self._reader_task is not None and \
+                time.monotonic() - self._last_heard > SILENCE_SECONDS:
+            self._fail(EngineDeadError(f"replica {self.index} (pid {self.pid}) has sent nothing for "
+                                       f"{SILENCE_SECONDS:.0f} s"))
+        return self._error
+
+    @property
+    def kv_cache_info(self):
+        return self.ready.kv_cache_info
+
+    @property
+    def sampling_defaults(self) -> dict:
+        return self.ready.sampling_defaults
+
+    @property
+    def max_model_len(self) -> int:
+        return self.ready.model_config.max_model_len
+
+    def get_stats(self):
+        """The replica's latest StatsMessage (sent every replica_process.STATS_SECONDS)."""
+        return self._stats
+
+    def start(self) -> None:
+        """Relay the replica's messages from now on (inside the server's event loop)."""
+        if self._reader_task is None:
+            self._last_heard = time.monotonic()
+            self._connected = asyncio.get_running_loop().create_future()
+            self._reader_task = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        """NOTE: the one place the socket becomes a stream (two transports on one socket would race)."""
+        self._reader, self._writer = await asyncio.open_connection(sock=self.sock)
+        self._connected.set_result(None)
+        while True:
+            try:
+                message = await read_message(self._reader)
+            except EOFError:
+                code = await asyncio.to_thread(self.process.wait)
+                self._fail(EngineDeadError(f"replica {self.index}'s process (pid {self.pid}) exited with code {code}"))
+                return
+            self._last_heard = time.monotonic()
+            if isinstance(message, DeltaMessage):
+                self._put(message.delta.prompt_id, message.delta)
+            elif isinstance(message, PromptFailed):
+                self._put(message.prompt_id, message.error)
+            elif isinstance(message, StatsMessage):
+                self._stats = message.stats
+            elif isinstance(message, EngineFailed):
+                self._fail(EngineDeadError(f"replica {self.index}: {message.reason}"))
+
+    def _put(self, prompt_id: str, item) -> None:
+        stream = self._streams.get(prompt_id)
+        if stream is not None:
+            stream.put_nowait(item)
+
+    def _fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+        for stream in self._streams.values():
+            stream.put_nowait(error)
+
+    async def generate(self, prompt, sampling_params, prompt_id: str) -> AsyncIterator:
+        """The prompt's deltas from the replica (a ProcessedPrompt: the server processed it)."""
+        if self.error is not None:
+            raise RuntimeError(f"the engine stopped after an error: {self.error!r}")
+        if prompt_id in self._streams:
+            raise ValueError(f"prompt id {prompt_id!r} is already in use")
+        self.start()
+        await asyncio.shield(self._connected)  # a cancelled prompt must not cancel the connection
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[prompt_id] = stream
+        finished = False
+        try:
+            self._writer.write(frame(AddPrompt(prompt_id, prompt, sampling_params)))
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(prompt_id, None)
+            if not finished and self._error is None and not self._writer.is_closing():
+                self._writer.write(frame(AbortPrompt(prompt_id)))  # the consumer went away
+
+    async def shutdown(self) -> None:
+        """Ask the replica to stop its engine and exit; after STOP_GRACE_SECONDS, stop it by pid. Its
+        going is expected from here on: it sets no error."""
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+        if self._writer is not None and not self._writer.is_closing():
+            try:
+                self._writer.write(frame(StopReplica()))
+                await self._writer.drain()
+            except ConnectionError:
+                pass
+        elif self._writer is None and self.process.poll() is None:
+            try:
+                send_blocking(self.sock, StopReplica())
+            except OSError:
+                pass
+        await asyncio.to_thread(_stop, self.process, STOP_GRACE_SECONDS)
+        if self._writer is not None:
+            self._writer.close()
+        self.sock.close()
+
+
+def _stop(process: subprocess.Popen, grace: float) -> None:
+    from shardserve.runtime.mp_executor import stop_process
+
+    stop_process(process, grace)
+
+
+def start_replicas(model: str, engine_kwargs: dict, num_replicas: int) -> list[ReplicaClient]:
+    """Every replica's process at once (they load in parallel), then each one's readiness; if one
+    fails, the others are stopped and its error raised."""
+    replicas: list[ReplicaClient] = []
+    try:
+        for index in range(num_replicas):
+            replicas.append(ReplicaClient(index, model, engine_kwargs))
+        for replica in replicas:
+            replica.wait_ready()
+    except BaseException:
+        for replica in replicas:
+            _stop(replica.process, 0.0)
+            replica.sock.close()
+        raise
+    return replicas

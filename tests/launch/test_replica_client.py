@@ -1,0 +1,94 @@
+"""One replica process seen through its ReplicaClient, without the HTTP server: the deltas match an
+in-process engine's, an abandoned prompt is aborted in the replica, a rank dying inside the replica
+marks it dead, and shutdown leaves no process behind."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from shardserve.launch.demo import DEMO_MODEL_DIR
+from shardserve.launch.replica_client import start_replicas
+from shardserve.runtime import AsyncEngine, SamplingParams
+from shardserve.runtime.errors import EngineDeadError
+
+KWARGS = {"device": "cpu", "kv_cache_memory_bytes": 32 << 20, "max_model_len": 512}
+PROMPTS = ["The function returns", "Once upon a time", "def main():"]
+
+
+def _children(pid: int, module: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split() if module.encode() in Path(f"/proc/{p}/cmdline").read_bytes()]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+async def _tokens(engine, prompt_id: str, prompt: str, max_tokens: int) -> list[int]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    processed = engine.input_processor.process(prompt, params)
+    tokens = []
+    async for delta in engine.generate(processed, params, prompt_id):
+        tokens += delta.samples[0].new_token_ids
+    return tokens
+
+
+async def _serve_and_abort(replica) -> tuple[list[list[int]], int]:
+    replica.start()
+    outputs = await asyncio.gather(*(_tokens(replica, f"p{i}", p, 12) for i, p in enumerate(PROMPTS)))
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    stream = replica.generate(replica.input_processor.process("Long", params), params, "long")
+    await stream.__anext__()
+    await stream.aclose()  # the consumer goes away
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and replica.get_stats().num_running:
+        await asyncio.sleep(0.1)
+    num_running = replica.get_stats().num_running
+    await replica.shutdown()
+    return outputs, num_running
+
+
+async def _in_process() -> list[list[int]]:
+    engine = AsyncEngine(str(DEMO_MODEL_DIR), **KWARGS)
+    try:
+        return await asyncio.gather(*(_tokens(engine, f"p{i}", p, 12) for i, p in enumerate(PROMPTS)))
+    finally:
+        await engine.shutdown()
+
+
+def test_a_replica_process_gives_the_in_process_tokens_and_aborts_what_is_dropped():
+    (replica,) = start_replicas(str(DEMO_MODEL_DIR), KWARGS, 1)
+    outputs, num_running = asyncio.run(_serve_and_abort(replica))
+    assert outputs == asyncio.run(_in_process())
+    assert num_running == 0
+    assert replica.process.wait(10) == 0 and replica.error is None
+
+
+async def _until_dead(replica, seconds: float) -> BaseException | None:
+    replica.start()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and replica.error is None:
+        await asyncio.sleep(0.1)
+    error = replica.error
+    await replica.shutdown()
+    return error
+
+
+def test_a_rank_dying_inside_a_replica_marks_it_dead():
+    kwargs = KWARGS | {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+    (replica,) = start_replicas(str(DEMO_MODEL_DIR), kwargs, 1)
+    ranks = _children(replica.pid, "shardserve.runtime.worker_process")
+    assert len(ranks) == 2, ranks
+    os.kill(ranks[1], signal.SIGKILL)
+    error = asyncio.run(_until_dead(replica, 30))
+    assert isinstance(error, EngineDeadError) and str(error).startswith("replica 0: "), error
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and not all(_gone(p) for p in [replica.pid, *ranks]):
+        time.sleep(0.2)
+    assert all(_gone(p) for p in [replica.pid, *ranks]), "a process outlived its replica"

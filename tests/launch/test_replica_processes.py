@@ -1,0 +1,151 @@
+"""data_parallel_size > 1: each replica in a process of its own behind the one server."""
+
+import asyncio
+import concurrent.futures
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.launch.conftest import http, kill_if_running, start_server, stop_server
+
+DP2 = ("--profile", "demo", "--set", "hardware=2xcpu", "--set", "data_parallel_size=2",
+       "--set", "kv_cache_memory_bytes=33554432")
+
+
+def _children(pid: int, module: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    found = []
+    for child in out.split():
+        try:
+            if module.encode() in Path(f"/proc/{child}/cmdline").read_bytes():
+                found.append(int(child))
+        except FileNotFoundError:
+            pass
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def _wait_gone(pids: list[int], seconds: float = 15.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.2)
+    return not any(_alive(p) for p in pids)
+
+
+def _burst(url: str, num_requests: int) -> list:
+    import openai
+
+    async def burst():
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        results = await asyncio.gather(*(client.completions.create(
+            model="shardserve-demo", prompt=f"Item {i}", max_tokens=8, temperature=0,
+            extra_body={"ignore_eos": True}) for i in range(num_requests)))
+        await client.close()
+        return results
+
+    return asyncio.run(burst())
+
+
+def _running(url: str) -> list[float]:
+    metrics = http(f"{url}/metrics")[1]
+    return [float(line.split()[-1]) for line in metrics.splitlines()
+            if line.startswith("shardserve_num_requests_running{")]
+
+
+def _wait_running(url: str, done) -> list[float]:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not done(_running(url)):
+        time.sleep(0.1)
+    return _running(url)
+
+
+def _check_the_load_is_shared(url: str) -> None:
+    results = _burst(url, 8)
+    assert all(r.usage.completion_tokens == 8 for r in results)
+    metrics = http(f"{url}/metrics")[1]
+    served = [line for line in metrics.splitlines()
+              if line.startswith("shardserve_e2e_request_latency_seconds_count")]
+    assert len(served) == 2 and all(float(line.split()[-1]) > 0 for line in served), served
+    assert _wait_running(url, lambda running: running == [0.0, 0.0]) == [0.0, 0.0]
+
+
+def _check_greedy_text_is_the_same_from_either_replica(url: str) -> None:
+    request = {"model": "shardserve-demo", "prompt": "The function returns", "max_tokens": 8,
+               "temperature": 0}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two at once: one on each replica
+        answers = list(pool.map(lambda _: http(f"{url}/v1/completions", request), range(2)))
+    answers.append(http(f"{url}/v1/completions", request))
+    assert all(code == 200 for code, _ in answers), answers
+    assert len({json.loads(body)["choices"][0]["text"] for _, body in answers}) == 1, answers
+
+
+def _check_a_dropped_stream_is_aborted(url: str) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    stream = client.completions.create(model="shardserve-demo", prompt="Once", max_tokens=1000,
+                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    assert sum(_wait_running(url, lambda running: sum(running) > 0)) == 1  # one replica decodes it
+    stream.close()  # the client goes away: its replica must free the request at once
+    assert _wait_running(url, lambda running: sum(running) == 0) == [0.0, 0.0]
+
+
+def test_replicas_in_their_own_processes_serve_and_stop_cleanly():
+    proc, url = start_server(*DP2)
+    replicas = _children(proc.pid, "shardserve.launch.replica_process")
+    try:
+        assert len(replicas) == 2, replicas
+        # each replica's engine runs in its own process: no rank and no engine in the server's
+        assert not _children(proc.pid, "shardserve.runtime.worker_process")
+        _check_the_load_is_shared(url)
+        _check_greedy_text_is_the_same_from_either_replica(url)
+        _check_a_dropped_stream_is_aborted(url)
+    finally:
+        code, out = stop_server(proc)
+    assert code == 0, out
+    assert "data_parallel_size=2" in out and "replica 1 up in process" in out
+    assert "shut down cleanly" in out
+    assert _wait_gone(replicas), "a replica outlived the server"
+
+
+def test_a_killed_replica_is_reported_and_the_server_stops():
+    proc, url = start_server(*DP2)
+    replicas = _children(proc.pid, "shardserve.launch.replica_process")
+    try:
+        assert len(replicas) == 2, replicas
+        os.kill(replicas[1], signal.SIGKILL)
+        deadline, statuses, bodies = time.monotonic() + 30, set(), []
+        while time.monotonic() < deadline and proc.poll() is None:
+            status, body = http(f"{url}/health", timeout=2)
+            statuses.add(status)
+            bodies.append(body)
+            time.sleep(0.1)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        kill_if_running(proc)
+    assert proc.returncode == 1, out
+    assert 503 in statuses, statuses
+    assert any("replica 1" in body and "exited with code -9" in body for body in bodies), bodies
+    assert "engine died" in out
+    assert _wait_gone(replicas), "a replica outlived the server"
+
+
+def test_a_replica_that_cannot_start_fails_the_launch(tmp_path):
+    from shardserve.launch.demo import DEMO_MODEL_DIR
+    from shardserve.launch.replica_client import start_replicas
+
+    with pytest.raises(ValueError, match="max_model_len"):
+        start_replicas(str(DEMO_MODEL_DIR), {"device": "cpu", "max_model_len": 10**7}, 2)
