@@ -24,6 +24,7 @@ from shardserve.runtime.models.llama import LlamaForCausalLM  # noqa: E402
 from shardserve.runtime.cuda_graphs import DecodeGraphRunner, leading_rows, static_intermediate  # noqa: E402
 from shardserve.runtime.forward_context import ForwardContext, forward_context  # noqa: E402
 from shardserve.runtime.inputs import RequestState, build_host_inputs, to_device  # noqa: E402
+from shardserve.runtime.staging import StagingBuffer  # noqa: E402
 from shardserve.runtime.loader import load_model  # noqa: E402
 from shardserve.runtime.parallel_state import ParallelState, get_parallel_state, set_parallel_state  # noqa: E402
 from shardserve.runtime.pipeline import (IntermediateTensors, recv_intermediate_into,  # noqa: E402
@@ -77,7 +78,7 @@ def eager_chain(first, last, states) -> torch.Tensor:
     """Both stages eagerly over every state's uncomputed tokens; logits of each request's last token."""
     scheduled = {s.request_id: len(s.token_ids) - s.num_computed_tokens for s in states}
     host = build_host_inputs(states, scheduled, BLOCK_SIZE)
-    inputs = to_device(host, torch.device("cpu"))
+    inputs = to_device(host, StagingBuffer(torch.device("cpu")))
     with forward_context(ForwardContext(inputs.attn_metadata, TorchAttentionBackend())):
         handoff = first(inputs.input_ids, inputs.positions)
     with forward_context(ForwardContext(inputs.attn_metadata, TorchAttentionBackend())):
@@ -111,7 +112,7 @@ def test_a_later_stage_graph_reads_static_intermediate_buffers(family, checkpoin
         runners = [DecodeGraphRunner(model, TritonAttentionBackend(), [2, 4], MAX_MODEL_LEN, BLOCK_SIZE,
                                      scratch_block=SCRATCH, device=torch.device("cpu"), intermediate=intermediate)
                    for model, intermediate in ((first, None), (last, buffers))]
-        sizes = [runner.load(host) for runner in runners]
+        sizes = [runner.load(host, StagingBuffer(torch.device("cpu")))[0] for runner in runners]
         assert sizes == [4, 4]  # every stage replays the same padded size
         handoff = leading_rows(runners[0].forward_static(4), 3)  # what the first stage sends
         assert isinstance(handoff, IntermediateTensors) and handoff.hidden_states.shape == (3, hidden_size)
