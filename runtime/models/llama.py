@@ -46,11 +46,23 @@ def layer_sliding_window(config, index: int) -> int | None:
     return window
 
 
+def attention_head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def llama_rotary(config, variant: LlamaVariant, max_position: int) -> RotaryEmbedding:
+    """One table for the whole model (every layer rotates alike): 64 MiB at 128k positions, not that per layer."""
+    head_dim = attention_head_dim(config)
+    rope = rope_parameters(config)
+    rotary_dim = int(head_dim * rope.get("partial_rotary_factor", 1.0)) if variant.has_partial_rotary else None
+    return RotaryEmbedding(head_dim, max_position, rope, rotary_dim)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config, variant: LlamaVariant, max_position: int, sliding_window: int | None):
+    def __init__(self, config, variant: LlamaVariant, rotary_emb: RotaryEmbedding, sliding_window: int | None):
         super().__init__()
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        head_dim = attention_head_dim(config)
         qkv_bias = variant.qkv_bias if variant.qkv_bias is not None else getattr(config, "attention_bias", False)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, heads, kv_heads, bias=qkv_bias)
         self.o_proj = RowParallelLinear(heads * head_dim, config.hidden_size,
@@ -62,9 +74,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
         self.has_qk_norm = variant.qk_norm
-        rope = rope_parameters(config)
-        rotary_dim = int(head_dim * rope.get("partial_rotary_factor", 1.0)) if variant.has_partial_rotary else None
-        self.rotary_emb = RotaryEmbedding(head_dim, max_position, rope, rotary_dim)
+        self.rotary_emb = rotary_emb  # shared by every layer
         self.attn = Attention(self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads, sliding_window)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -94,11 +104,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, variant: LlamaVariant, max_position: int, mlp: nn.Module, index: int):
+    def __init__(self, config, variant: LlamaVariant, rotary_emb: RotaryEmbedding, mlp: nn.Module, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         window = layer_sliding_window(config, index) if variant.has_sliding_window else None
-        self.self_attn = LlamaAttention(config, variant, max_position, window)
+        self.self_attn = LlamaAttention(config, variant, rotary_emb, window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
 
@@ -119,8 +129,9 @@ class LlamaModel(nn.Module):
         self.is_first_stage, self.is_last_stage = state.is_first_stage, state.is_last_stage
         if self.is_first_stage:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        rotary_emb = llama_rotary(config, variant, max_position)
         self.layers, self.start_layer, self.end_layer = make_layers(
-            config.num_hidden_layers, lambda i: LlamaDecoderLayer(config, variant, max_position, build_mlp(i), i))
+            config.num_hidden_layers, lambda i: LlamaDecoderLayer(config, variant, rotary_emb, build_mlp(i), i))
         if self.is_last_stage:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

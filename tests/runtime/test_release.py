@@ -31,3 +31,16 @@ def test_shutdown_and_del_free_weights_and_kv_pool_without_gc(checkpoint_factory
         assert pool() is None, "the KV pool outlived its engine"
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("family", ["llama3", "phi3", "gemma3"])
+def test_one_rope_table_per_model_not_per_layer(checkpoint_factory, kv_bytes_for, family):
+    """Every layer rotates alike (Gemma: alike per layer type), so the cos/sin tables exist once: at 128k
+    positions a table is 64 MiB, which per layer would be GiBs the plan never counted."""
+    folder, _ = checkpoint_factory(family)
+    with LLM(folder, kv_cache_memory_bytes=kv_bytes_for(folder, 16, 16)) as llm:
+        model = llm.engine.executor.worker.model
+        tables = {id(m.cos) for m in model.modules() if hasattr(m, "cos") and hasattr(m, "sin")}
+        attentions = [m for m in model.modules() if hasattr(m, "rotary_emb")]
+        assert len(attentions) > 1
+        assert len(tables) == (2 if family == "gemma3" else 1)
