@@ -163,7 +163,7 @@ def plan_memory(spec: ModelSpec, stage_weights: list[float], split: list[int], t
     for s, (weights, layers) in enumerate(zip(stage_weights, split)):
         act = activation_bytes(spec, tp, settings, is_last=s == pp - 1, expert_parallel=expert_parallel)
         over = overhead_bytes(gpu, tp, pp)
-        if not gpu.is_cpu:  # NOTE: reserved even under enforce_eager, which the planner is not told of
+        if not gpu.is_cpu and not settings.enforce_eager:
             over += cuda_graph_bytes(graph_shape(spec, tp, settings, layers, s == 0, expert_parallel))
         budget = usable - int(weights) - act - over
         if settings.kv_cache_memory_bytes is not None:

@@ -30,6 +30,7 @@ class RuntimeSettings:
     gpu_memory_utilization: float
     enable_prefix_caching: bool
     kv_cache_memory_bytes: int | None
+    enforce_eager: bool = False
     is_max_model_len_auto: bool = False  # max_model_len is the model's limit until a layout fits it
 
     @property
@@ -65,7 +66,7 @@ def resolve_settings(options: PlanOptions, spec: ModelSpec, gpu: GpuSpec) -> Run
         max_num_batched_tokens=batched, block_size=options.block_size,
         gpu_memory_utilization=options.gpu_memory_utilization,
         enable_prefix_caching=options.enable_prefix_caching, kv_cache_memory_bytes=kv_pool,
-        is_max_model_len_auto=is_auto)
+        enforce_eager=options.enforce_eager, is_max_model_len_auto=is_auto)
 
 
 def _resolve_dtype(requested: str, spec: ModelSpec, gpu: GpuSpec) -> str:

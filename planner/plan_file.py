@@ -109,6 +109,7 @@ class RuntimeSection:
     block_size: int
     enable_prefix_caching: bool
     kv_cache_memory_bytes: int | None
+    enforce_eager: bool
 
 
 @dataclass(frozen=True)

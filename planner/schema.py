@@ -43,7 +43,7 @@ def plan_record(plan) -> PlanFile:
             "gpu_memory_utilization": s.gpu_memory_utilization,
             "max_num_seqs": s.max_num_seqs, "max_num_batched_tokens": s.max_num_batched_tokens,
             "block_size": s.block_size, "enable_prefix_caching": s.enable_prefix_caching,
-            "kv_cache_memory_bytes": s.kv_cache_memory_bytes,
+            "kv_cache_memory_bytes": s.kv_cache_memory_bytes, "enforce_eager": s.enforce_eager,
         }),
         estimates=EstimatesSection(**{
             "decode_tokens_per_s_batch1": round(est.decode_tokens_per_s_batch1, 1),

@@ -138,7 +138,8 @@ SETTINGS: tuple[Setting, ...] = (
        f"{DEFAULT_MAX_NUM_BATCHED_TOKENS}, or max_num_seqs if larger).", "plan engine", minimum=1),
     _s("enable_prefix_caching", bool, True, "Reuse the KV blocks of shared prompt prefixes.",
        "plan engine"),
-    _s("enforce_eager", bool, False, "No CUDA graphs: every decode step runs eagerly.", "engine"),
+    _s("enforce_eager", bool, False, "No CUDA graphs: every decode step runs eagerly (the plan then reserves "
+       "no graph memory).", "plan engine"),
     _s("async_scheduling", bool, False, "Overlap the host with the device: step N+1 is scheduled and "
        "queued while step N runs, its input ids taken on the device from step N's samples, and outputs "
        "arrive one step late. One rank in-process only (no tensor or pipeline parallel); requests with "

@@ -51,6 +51,7 @@ PLAN_READBACK = {
     "max_num_seqs": lambda p: p.runtime.max_num_seqs,
     "max_num_batched_tokens": lambda p: p.runtime.max_num_batched_tokens,
     "enable_prefix_caching": lambda p: p.runtime.enable_prefix_caching,
+    "enforce_eager": lambda p: p.runtime.enforce_eager,
     # the plan keeps KV room for target_concurrency full-length requests
     "target_concurrency": lambda p: min(3, int(p.memory.max_concurrency)),
 }

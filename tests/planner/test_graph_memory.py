@@ -37,3 +37,11 @@ def test_the_plan_reserves_graph_memory_on_every_gpu_stage():
     assert large["overhead_bytes"] - small["overhead_bytes"] > 100 * 2**20
     cpu = plan_for("shardserve-demo", "2xcpu").to_dict()["memory"]["per_gpu"]
     assert cpu["overhead_bytes"] == CPU_PROCESS_BYTES
+
+
+def test_enforce_eager_plans_no_graph_memory_and_says_so_in_the_plan():
+    eager = plan_for(LLAMA_8B, "H100", enforce_eager=True).to_dict()
+    graphs = plan_for(LLAMA_8B, "H100").to_dict()
+    assert eager["runtime"]["enforce_eager"] is True and graphs["runtime"]["enforce_eager"] is False
+    assert eager["memory"]["per_gpu"]["overhead_bytes"] == overhead_bytes(parse_declared("H100").gpu, 1, 1)
+    assert eager["memory"]["num_blocks"] > graphs["memory"]["num_blocks"]
