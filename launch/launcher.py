@@ -149,9 +149,10 @@ def setting(config: DeployConfig, name: str):
 def log_plan(plan: PlanFile) -> None:
     par = plan.parallel
     logger.info("plan: %s on %s: tensor_parallel_size=%d pipeline_parallel_size=%d "
-                "data_parallel_size=%d layer_split=%s (%s)", plan.model.id, plan.hardware.gpu.name,
+                "data_parallel_size=%d layer_split=%s (%s)%s", plan.model.id, plan.hardware.gpu.name,
                 par.tensor_parallel_size, par.pipeline_parallel_size, par.data_parallel_size,
-                list(par.layer_split), par.distributed_executor_backend)
+                list(par.layer_split), par.distributed_executor_backend,
+                " enable_expert_parallel" if par.enable_expert_parallel else "")
     for line in plan.rationale:
         logger.info("plan: %s", line)
     logger.info("plan predicts a KV cache of %d tokens, %.2fx concurrency", plan.memory.kv_cache_tokens,
