@@ -16,7 +16,7 @@ from shardserve.runtime.layers.activation import get_activation
 from shardserve.runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shardserve.runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from shardserve.runtime.layers.rotary import RotaryEmbedding, rope_parameters
-from shardserve.runtime.models.llama import LLAMA_PACKED
+from shardserve.runtime.models.llama import LLAMA_PACKED, LlamaAttention
 from shardserve.runtime.models.weight_map import WeightTarget, fold_packed, tied_head_target
 from shardserve.runtime.parallel_state import get_parallel_state
 from shardserve.runtime.pipeline import IntermediateTensors, make_layers
@@ -50,9 +50,12 @@ def gemma_layer_types(config) -> tuple[str, ...]:
     return types or ("full_attention",) * config.num_hidden_layers
 
 
-class GemmaAttention(nn.Module):
+class GemmaAttention(LlamaAttention):
+    """Llama's forward over Gemma's pieces: (1 + weight) q/k norms, the query pre-attention scalar, a
+    window on local layers, soft-capped scores."""
+
     def __init__(self, config, rotary_emb: RotaryEmbedding, layer_type: str, has_qk_norm: bool):
-        super().__init__()
+        nn.Module.__init__(self)  # NOTE: not LlamaAttention's: the same attributes, built differently
         heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         bias = bool(getattr(config, "attention_bias", False))
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, heads, kv_heads, bias=bias)
@@ -68,15 +71,6 @@ class GemmaAttention(nn.Module):
         window = config.sliding_window if layer_type == "sliding_attention" else None
         self.attn = Attention(self.num_heads, head_dim, config.query_pre_attn_scalar ** -0.5, self.num_kv_heads,
                               window, getattr(config, "attn_logit_softcapping", None))
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        if self.has_qk_norm:  # before the rotation
-            q, k = self.q_norm(q), self.k_norm(k)
-        return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb))
 
 
 class GemmaMLP(nn.Module):
