@@ -224,10 +224,14 @@ def offline(folder: Path, device: str, num_prompts: int, input_len: int, output_
         "dtype", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes", "gpu_memory_utilization",
         "seed", "distributed_executor_backend", "enforce_eager")}
     args = argparse.Namespace(**defaults, device=device, input_len=input_len, output_len=output_len,
-                              hf_batch_size=None, tensor_parallel_size=1, pipeline_parallel_size=1)
+                              hf_batch_size=None, tensor_parallel_size=1, pipeline_parallel_size=1,
+                              async_scheduling=False)
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
     prompts = throughput.random_prompts(vocab, num_prompts, input_len, 0)
     ours = throughput.bench_runtime(args, str(folder), prompts)
+    free_device_memory(device)
+    overlapped = throughput.bench_runtime(argparse.Namespace(**vars(args) | {"async_scheduling": True}),
+                                          str(folder), prompts)
     free_device_memory(device)
     hf, hf_error = None, None
     if not skip_hf:
@@ -238,10 +242,12 @@ def offline(folder: Path, device: str, num_prompts: int, input_len: int, output_
         free_device_memory(device)
     return {"benchmark": "offline_throughput",
             "shardserve_tok_s": ours["output_tokens_per_s"],
+            "shardserve_async_scheduling_tok_s": overlapped["output_tokens_per_s"],
             "hf_tok_s": hf["output_tokens_per_s"] if hf else None,
             "ratio": round(ours["output_tokens_per_s"] / hf["output_tokens_per_s"], 2) if hf else None,
             "settings": {"num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
-                         "shardserve": ours, "hf": hf, "hf_error": hf_error}}
+                         "shardserve": ours, "shardserve_async_scheduling": overlapped, "hf": hf,
+                         "hf_error": hf_error}}
 
 
 def hf_generate_batch(folder: Path, device: str, prompts: list[list[int]], output_len: int) -> dict:

@@ -40,6 +40,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     parser.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    parser.add_argument("--async-scheduling", action="store_true", help="overlap the host with the device")
     parser.add_argument("--hf-batch-size", type=int, default=None, help="transformers batch size (default: all)")
     parser.add_argument("--skip-hf", action="store_true", help="measure the runtime only")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -76,7 +77,8 @@ def bench_runtime(args, folder: str, prompts: list[list[int]]) -> dict:
               kv_cache_memory_bytes=args.kv_cache_memory_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
               enable_prefix_caching=False, seed=args.seed, skip_tokenizer_init=True,
               tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
-              distributed_executor_backend=args.distributed_executor_backend, enforce_eager=args.enforce_eager)
+              distributed_executor_backend=args.distributed_executor_backend, enforce_eager=args.enforce_eager,
+              async_scheduling=args.async_scheduling)
     params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=args.output_len, ignore_eos=True)
     with llm:
         llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], SamplingParams(max_tokens=4, ignore_eos=True))
@@ -93,6 +95,7 @@ def bench_runtime(args, folder: str, prompts: list[list[int]]) -> dict:
                                                  "tensor_parallel_size": args.tensor_parallel_size,
                                                  "pipeline_parallel_size": args.pipeline_parallel_size,
                                                  "enforce_eager": args.enforce_eager,
+                                                 "async_scheduling": args.async_scheduling,
                                                  "preemptions": llm.engine.scheduler.num_preemptions}
 
 

@@ -53,6 +53,8 @@ def test_each_part_appends_its_records(workdir, part, benchmarks):
     if part == 3:  # the transformers peer ran beside us, or its failure is on the record
         settings = new[0]["settings"]
         assert new[0]["hf_tok_s"] or settings["hf_error"]
+        assert new[0]["shardserve_async_scheduling_tok_s"] > 0  # the overlapped engine beside the plain one
+        assert settings["shardserve_async_scheduling"]["async_scheduling"] is True
 
 
 @pytest.mark.slow
