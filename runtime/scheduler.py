@@ -184,13 +184,15 @@ class Scheduler:
             num_computed_tokens=request.num_computed_tokens)
 
     def _cached_data(self, request: Request) -> CachedRequestData:
-        new_tokens = tuple(request.token_ids_slice(request.num_synced_tokens, request.num_tokens))
-        request.num_synced_tokens = request.num_tokens
+        num_tokens = request.num_tokens
+        new_tokens = () if request.num_synced_tokens == num_tokens else \
+            tuple(request.token_ids_slice(request.num_synced_tokens, num_tokens))
+        request.num_synced_tokens = num_tokens
         blocks = self.block_manager.block_ids(request.request_id)
-        new_blocks = tuple(blocks[request.num_synced_blocks:])  # blocks only ever grow while running
+        # blocks only ever grow while running; a new one comes once per block_size tokens
+        new_blocks = () if request.num_synced_blocks == len(blocks) else tuple(blocks[request.num_synced_blocks:])
         request.num_synced_blocks = len(blocks)
-        return CachedRequestData(request_id=request.request_id, new_token_ids=new_tokens,
-                                 new_block_ids=new_blocks, num_computed_tokens=request.num_computed_tokens)
+        return CachedRequestData(request.request_id, new_tokens, new_blocks, request.num_computed_tokens)
 
     def _finish_output(self, new, cached, num_scheduled) -> SchedulerOutput:
         if not num_scheduled and self.in_flight:  # the engine sends no empty batch behind others:
@@ -217,7 +219,8 @@ class Scheduler:
 
     def _update_request(self, request: Request, runner_output: ModelRunnerOutput) -> RequestUpdate | None:
         request_id = request.request_id
-        prompt_logprobs = _unsent_prompt_logprobs(request, runner_output.prompt_logprobs.get(request_id))
+        scored = runner_output.prompt_logprobs.get(request_id) if runner_output.prompt_logprobs else None
+        prompt_logprobs = () if scored is None else _unsent_prompt_logprobs(request, scored)
         token = runner_output.sampled_token_ids.get(request_id)
         if token is None:  # mid-prefill: nothing sampled yet
             return RequestUpdate(request_id, (), (), None, new_prompt_logprobs=prompt_logprobs) \
@@ -230,11 +233,10 @@ class Scheduler:
         finish = self._check_stop(request, token)
         if finish is not None:
             self._finish(request, finish)
-        logprobs = runner_output.logprobs.get(request_id)
-        return RequestUpdate(request_id=request_id, new_token_ids=(token,),
-                             new_logprobs=(logprobs,) if logprobs else (),
-                             finish_reason=finish.value if finish else None, stop_reason=request.stop_reason,
-                             times=_first_token_times(request), new_prompt_logprobs=prompt_logprobs)
+        logprobs = runner_output.logprobs.get(request_id) if runner_output.logprobs else None
+        times = _first_token_times(request) if len(request.output_token_ids) == 1 else None
+        return RequestUpdate(request_id, (token,), (logprobs,) if logprobs else (), finish.value if finish else None,
+                             request.stop_reason, times, prompt_logprobs)
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -277,8 +279,6 @@ def _first_token_times(request: Request) -> SampleTimes | None:
 def _unsent_prompt_logprobs(request: Request, scored) -> tuple:
     """The entries of (first token index, entries) not yet handed on: a preempted request scores its
     prompt again when it is recomputed, and those repeats are dropped here."""
-    if scored is None:
-        return ()
     start, entries = scored
     fresh = entries[max(0, request.num_prompt_logprobs_sent - start):]
     request.num_prompt_logprobs_sent = max(request.num_prompt_logprobs_sent, start + len(entries))
