@@ -85,26 +85,40 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         cached: list[CachedRequestData] = []
         num_preemptions_before = self.num_preemptions
-        index = 0
-        while index < len(self.running) and budget > 0 and len(num_scheduled) < limit:
-            request = self.running[index]
-            if not self._can_schedule_again(request):
-                index += 1
-                continue
-            num_new = min(request.num_tokens + request.num_pending_tokens - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, num_new):
-                break  # it preempted itself: everything after it is gone too
-            cached.append(self._cached_data(request))
-            self._commit(request, num_new)
-            num_scheduled[request.request_id] = num_new
-            budget -= num_new
-            index += 1
+        budget = self._schedule_running(budget, limit, num_scheduled, cached)
         # NOTE: after a preemption nobody is admitted this step; the preempted request heads the
         # queue and admitting it now would only evict someone else.
         new = [] if self.num_preemptions > num_preemptions_before else self._admit_waiting(budget, num_scheduled,
                                                                                            limit)
         self.in_flight.update(num_scheduled)
         return self._finish_output(new, cached, num_scheduled)
+
+    def _schedule_running(self, budget: int, limit: int, num_scheduled: dict[str, int],
+                          cached: list[CachedRequestData]) -> int:
+        """Advance the running requests in order (decode tokens or the next prefill chunk); returns
+        the budget left. NOTE: every running request passes here every step: the common path makes
+        three calls per request (the in-flight check, allocate_slots, whose fast path is a token that
+        fits in the last block, and the diff) and reads each count once."""
+        running, allocate = self.running, self.block_manager.allocate_slots
+        index = 0
+        while index < len(running) and budget > 0 and len(num_scheduled) < limit:
+            request = running[index]
+            if not self._can_schedule_again(request):
+                index += 1
+                continue
+            num_target = request.num_tokens + request.num_pending_tokens  # after the steps in flight
+            num_new = min(num_target - request.num_computed_tokens, budget)
+            if not allocate(request, request.num_computed_tokens + num_new) and \
+                    not self._allocate_or_preempt(request, num_new):
+                break  # it preempted itself: everything after it is gone too
+            cached.append(self._cached_data(request))
+            request.num_computed_tokens += num_new  # (_commit's rule, inline)
+            if request.num_computed_tokens == num_target:
+                request.num_pending_tokens += 1
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            index += 1
+        return budget
 
     def _can_schedule_again(self, request: Request) -> bool:
         """Without async_scheduling: not while in flight. With it: unless its last token is pending."""
