@@ -95,7 +95,8 @@ class BlockManager:
         behind the window are released first, as they are never read again; beyond that, returns
         False, changing nothing, if the pool is short."""
         table = self._request_blocks.get(request.request_id, [])
-        if table and not cached_block_ids and self.sliding_window is None and num_tokens <= len(table) * self.block_size:
+        if (table and not cached_block_ids and self.sliding_window is None
+                and num_tokens <= len(table) * self.block_size):
             return True  # the common decode step: its token fits in the last block (nothing to release)
         assert not (table and cached_block_ids), "cached blocks are taken only on first allocation"
         if table:

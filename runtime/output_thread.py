@@ -19,10 +19,11 @@ class OutputThread:
         this thread:                                | process N           |
 
     NOTE: a thread shares the GIL with the step loop: its work is free only while the loop waits
-    without the GIL (on a GPU, for the device's step; on a CPU, inside torch's kernels); handed
-    over earlier, it took the GIL at the torch calls that build the next step (bench/RESULTS.md
-    measures both). A process of its own would make it parallel. The engine's own calls into the output processor (add, abort)
-    take `lock`, as process() does here."""
+    without the GIL (on a GPU, for the device's step; on a CPU, inside torch's kernels). Handed
+    over at once, it took the GIL at the torch calls that build the next step, delaying its launch;
+    on a CPU, where the step is done when collected, it still contends with the loop (bench/RESULTS.md).
+    A process of its own would make it parallel. The engine's own calls into the
+    output processor (add, abort) take `lock`, as process() does here."""
 
     def __init__(self, output_processor: OutputProcessor):
         self.output_processor = output_processor

@@ -33,8 +33,8 @@ class Request:
 
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling_params", "seed",
                  "eos_token_ids", "stop_token_ids", "status", "stop_reason", "num_computed_tokens",
-                 "num_pending_tokens", "num_synced_tokens", "num_synced_blocks", "block_hashes", "num_preemptions", "arrival_time", "first_scheduled_time",
-                 "num_prompt_logprobs_sent")
+                 "num_pending_tokens", "num_synced_tokens", "num_synced_blocks", "block_hashes", "num_preemptions",
+                 "arrival_time", "first_scheduled_time", "num_prompt_logprobs_sent")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  seed: int, eos_token_ids: frozenset[int] = frozenset()) -> None:
