@@ -55,12 +55,14 @@ class LLMEngine:
         self._seeds = random.Random(config.seed)  # seeds for prompts that bring none
         self.in_flight: deque[SchedulerOutput] = deque()  # submitted batches, oldest first
         self._held_updates: list[RequestUpdate] | None = None  # for the output thread, not handed over yet
+        self._draining_ids: set[str] = set()  # aborted prompts whose earlier outputs are not all taken yet
 
     def add_request(self, prompt_id: str, prompt: PromptType | ProcessedPrompt, params: SamplingParams) -> None:
         """Queue a prompt: it fans out to n requests, one per sample, that share its cached blocks.
         A ProcessedPrompt was checked with these params already; anything else is checked here."""
         with self._output_lock():
-            if self.output_processor.has_prompt(prompt_id):
+            if self.output_processor.has_prompt(prompt_id) or prompt_id in self._draining_ids:
+                # (aborted, but deltas made before the abort are still on the way: they would reach this one)
                 raise ValueError(f"prompt id {prompt_id!r} is already in use")
         if not isinstance(prompt, ProcessedPrompt):
             prompt = self.input_processor.process(prompt, params)
@@ -77,6 +79,8 @@ class LLMEngine:
         with self._output_lock():
             request_ids = self.output_processor.request_ids(prompt_id)
             self.output_processor.abort(prompt_id)
+        if self._held_updates is not None or (self.output_thread is not None and self.output_thread.is_busy):
+            self._draining_ids.add(prompt_id)  # its last outputs are still on the way
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def _output_lock(self):
@@ -136,6 +140,8 @@ class LLMEngine:
         if wait:
             self._hand_over_updates()
         deltas, stopped = self.output_thread.take(wait)
+        if self._draining_ids and self._held_updates is None and not self.output_thread.is_busy:
+            self._draining_ids.clear()
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return deltas
 
