@@ -95,6 +95,9 @@ class BlockManager:
         behind the window are released first, as they are never read again; beyond that, returns
         False, changing nothing, if the pool is short."""
         table = self._request_blocks.get(request.request_id, [])
+        if (table and not cached_block_ids and self.sliding_window is None
+                and num_tokens <= len(table) * self.block_size):
+            return True  # the common decode step: its token fits in the last block (nothing to release)
         assert not (table and cached_block_ids), "cached blocks are taken only on first allocation"
         if table:
             self._release_behind_window(request.request_id, request.num_computed_tokens)
@@ -158,10 +161,13 @@ class BlockManager:
         """Publish the hashes of blocks whose tokens are all computed, for later prefix hits."""
         if not self.enable_prefix_caching:
             return
+        num_computed = min(request.num_computed_tokens, request.num_tokens)
+        if num_computed // self.block_size <= self._num_published.get(request.request_id, 0):
+            return  # no block filled since the last call (most decode steps): hashes wait, as they may
         self._update_hashes(request)
         blocks = self._request_blocks.get(request.request_id, [])
         # a pending token's id is not known yet: its block waits for the next call
-        num_full = min(min(request.num_computed_tokens, request.num_tokens) // self.block_size, len(blocks))
+        num_full = min(num_computed // self.block_size, len(blocks))
         # (a freed entry is never published: another request may own that block by now)
         start = max(self._num_published.get(request.request_id, 0), self._num_freed.get(request.request_id, 0))
         self._num_published[request.request_id] = max(start, num_full)

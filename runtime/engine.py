@@ -14,7 +14,7 @@ from shardserve.runtime.executor import make_executor
 from shardserve.runtime.generation_config import sampling_defaults
 from shardserve.runtime.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from shardserve.runtime.kv_sizing import size_kv_cache, with_measured_len
-from shardserve.runtime.messages import ModelRunnerOutput, SchedulerOutput
+from shardserve.runtime.messages import ModelRunnerOutput, RequestUpdate, SchedulerOutput
 from shardserve.runtime.output_processor import OutputProcessor
 from shardserve.runtime.output_thread import OutputThread
 from shardserve.runtime.outputs import PromptDelta
@@ -54,12 +54,15 @@ class LLMEngine:
         self.output_thread = OutputThread(self.output_processor) if config.scheduler.async_scheduling else None
         self._seeds = random.Random(config.seed)  # seeds for prompts that bring none
         self.in_flight: deque[SchedulerOutput] = deque()  # submitted batches, oldest first
+        self._held_updates: list[RequestUpdate] | None = None  # for the output thread, not handed over yet
+        self._draining_ids: set[str] = set()  # aborted prompts whose earlier outputs are not all taken yet
 
     def add_request(self, prompt_id: str, prompt: PromptType | ProcessedPrompt, params: SamplingParams) -> None:
         """Queue a prompt: it fans out to n requests, one per sample, that share its cached blocks.
         A ProcessedPrompt was checked with these params already; anything else is checked here."""
         with self._output_lock():
-            if self.output_processor.has_prompt(prompt_id):
+            if self.output_processor.has_prompt(prompt_id) or prompt_id in self._draining_ids:
+                # (aborted, but deltas made before the abort are still on the way: they would reach this one)
                 raise ValueError(f"prompt id {prompt_id!r} is already in use")
         if not isinstance(prompt, ProcessedPrompt):
             prompt = self.input_processor.process(prompt, params)
@@ -76,6 +79,8 @@ class LLMEngine:
         with self._output_lock():
             request_ids = self.output_processor.request_ids(prompt_id)
             self.output_processor.abort(prompt_id)
+        if self._held_updates is not None or (self.output_thread is not None and self.output_thread.is_busy):
+            self._draining_ids.add(prompt_id)  # its last outputs are still on the way
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def _output_lock(self):
@@ -86,7 +91,7 @@ class LLMEngine:
         return SamplingParams(**self.sampling_defaults)
 
     def has_unfinished_requests(self) -> bool:
-        return (self.scheduler.has_unfinished_requests or bool(self.in_flight)
+        return (self.scheduler.has_unfinished_requests or bool(self.in_flight) or self._held_updates is not None
                 or (self.output_thread is not None and self.output_thread.is_busy))
 
     def step(self) -> list[PromptDelta]:
@@ -115,12 +120,13 @@ class LLMEngine:
                 raise RuntimeError("the scheduler could not run any request; this is a bug")
             return self._take_outputs(wait=True)  # nothing left to run: the last outputs
         scheduler_output = self.in_flight.popleft()
+        self._hand_over_updates()  # the loop now waits on the device: the thread's turn
         return self._update(scheduler_output, self.executor.collect_batch())
 
     def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[PromptDelta]:
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self.output_thread is not None:
-            self.output_thread.put(updates)
+            self._held_updates = updates
             return self._take_outputs(wait=False)
         deltas, stopped = self.output_processor.process(updates)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
@@ -131,9 +137,21 @@ class LLMEngine:
         two late: its later tokens were dropped by the output processor)."""
         if self.output_thread is None:
             return []
+        if wait:
+            self._hand_over_updates()
         deltas, stopped = self.output_thread.take(wait)
+        if self._draining_ids and self._held_updates is None and not self.output_thread.is_busy:
+            self._draining_ids.clear()
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return deltas
+
+    def _hand_over_updates(self) -> None:
+        """Give the output thread the last step's updates. NOTE: held until the step loop is about
+        to wait for the device (after the next step is queued), so that the thread's work runs in
+        that wait instead of taking the GIL while the loop builds and launches the next step."""
+        if self._held_updates is not None:
+            self.output_thread.put(self._held_updates)
+            self._held_updates = None
 
     def get_stats(self) -> EngineStats:
         scheduler, pool = self.scheduler, self.block_manager

@@ -83,7 +83,13 @@ class OutputProcessor:
         return deltas, stopped
 
     def _sample_delta(self, sample: _Sample, params: SamplingParams, update: RequestUpdate) -> SampleDelta:
-        sample.num_tokens += len(update.new_token_ids)
+        token_ids = update.new_token_ids
+        sample.num_tokens += len(token_ids)
+        if (len(token_ids) == 1 and update.finish_reason is None and not params.stop and params.logprobs is None
+                and not update.new_prompt_logprobs and sample.detokenizer is not None):
+            # the common step (one token, nothing to search or score): constant work per token
+            return SampleDelta(sample.sample_index, token_ids, sample.detokenizer.push(token_ids[0]), None, None, None,
+                               update.times, None)
         finish_reason, stop_reason = update.finish_reason, update.stop_reason
         text, stop = self._new_text(sample, params, update.new_token_ids, finish_reason is not None)
         if stop is not None:

@@ -11,17 +11,19 @@ from shardserve.runtime.outputs import PromptDelta
 
 
 class OutputThread:
-    """With async scheduling the step loop hands each step's updates here and goes on to schedule
-    the next step; the deltas, and the requests a stop string ended, come back on a later call:
+    """With async scheduling the step loop hands each step's updates here when it next waits on
+    the device (engine.py holds them until then); the deltas, and the requests a stop string
+    ended, come back on a later call:
 
-        step loop:     update N -> put | schedule N+2, submit | update N+1 -> put, take (N) ...
-        this thread:                   | process N                         | process N+1 ...
+        step loop:  update N | schedule N+2, submit | put N, wait for N+1 | update N+1, take (N) ...
+        this thread:                                | process N           |
 
     NOTE: a thread shares the GIL with the step loop: its work is free only while the loop waits
-    without the GIL (on a GPU, for the device's step; on a CPU, inside torch's kernels), and it may
-    take the GIL at any torch call of the loop (bench/RESULTS.md measures this). A process of its
-    own would make it parallel. The engine's own calls into the output processor (add, abort)
-    take `lock`, as process() does here."""
+    without the GIL (on a GPU, for the device's step; on a CPU, inside torch's kernels). Handed
+    over at once, it took the GIL at the torch calls that build the next step, delaying its launch;
+    on a CPU, where the step is done when collected, it still contends with the loop (bench/RESULTS.md).
+    A process of its own would make it parallel. The engine's own calls into the
+    output processor (add, abort) take `lock`, as process() does here."""
 
     def __init__(self, output_processor: OutputProcessor):
         self.output_processor = output_processor

@@ -25,9 +25,10 @@ class SampleTimes:
     prefill_s: float  # first scheduled -> first token (chunked prefill and preemptions included)
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class SampleDelta:
-    """What one sample gained in one step; its size does not grow with the generation."""
+    """What one sample gained in one step; its size does not grow with the generation. Read-only
+    by convention (NOTE: not frozen, as messages.CachedRequestData says why: one per sample per step)."""
 
     sample_index: int  # 0 .. n-1 within its prompt
     new_token_ids: tuple[int, ...]
@@ -39,7 +40,7 @@ class SampleDelta:
     new_prompt_logprobs: tuple[dict[int, Logprob], ...] | None = None  # prompt tokens scored this step
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class PromptDelta:
     """The samples of one prompt that advanced in one step."""
 

@@ -32,10 +32,9 @@ class Request:
     """
 
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling_params", "seed",
-                 "eos_token_ids", "status", "stop_reason", "num_computed_tokens", "num_pending_tokens", "num_synced_tokens",
-                 "num_synced_blocks",
-                 "block_hashes", "num_preemptions", "arrival_time", "first_scheduled_time",
-                 "num_prompt_logprobs_sent")
+                 "eos_token_ids", "stop_token_ids", "status", "stop_reason", "num_computed_tokens",
+                 "num_pending_tokens", "num_synced_tokens", "num_synced_blocks", "block_hashes", "num_preemptions",
+                 "arrival_time", "first_scheduled_time", "num_prompt_logprobs_sent")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  seed: int, eos_token_ids: frozenset[int] = frozenset()) -> None:
@@ -45,6 +44,10 @@ class Request:
         self.sampling_params = sampling_params
         self.seed = seed  # every sample draws from (seed, output index); see sampler.py
         self.eos_token_ids = eos_token_ids
+        # tokens that end the request once min_tokens are out (EOS unless ignore_eos); fixed, so
+        # made once rather than at every sampled token's stop check
+        self.stop_token_ids: frozenset[int] = frozenset(sampling_params.stop_token_ids) | (
+            frozenset() if sampling_params.ignore_eos else eos_token_ids)
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_computed_tokens = 0  # tokens whose KV is in the cache once the steps scheduled so far ran
@@ -77,15 +80,6 @@ class Request:
     def max_total_tokens(self) -> int | None:
         max_tokens = self.sampling_params.max_tokens
         return None if max_tokens is None else self.num_prompt_tokens + max_tokens
-
-    @property
-    def stop_token_ids(self) -> frozenset[int]:
-        """Tokens that end the request once min_tokens are out (EOS unless ignore_eos)."""
-        params = self.sampling_params
-        ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            ids |= self.eos_token_ids
-        return frozenset(ids)
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
         """all_token_ids[start:end] without concatenating the whole history."""

@@ -7,68 +7,14 @@ device->host copy of the sampled ids."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from shardserve.runtime.inputs import RequestState, host_to_device
 from shardserve.runtime.messages import TokenLogprobs
+from shardserve.runtime.sampling_batch import BatchSampling, SamplingCache, SamplingTensors
 
 _MASK = float("-inf")
-
-
-def sample_seed(seed: int, step: int) -> int:
-    """NOTE: each draw is seeded from (request seed, output index) alone, so a request samples the
-    same tokens whatever it is batched with and even after preemption and recompute."""
-    return (seed * 1_000_003 + step) % (2**63 - 1)
-
-
-def seeded_uniforms(seeds: np.ndarray) -> np.ndarray:
-    """[rows] uint64 seeds -> [rows] float64 in [0, 1): SplitMix64's output function.
-    NOTE: a counter-based hash rather than a generator object per row: all rows in a few numpy
-    operations, and the same draw on every machine and device."""
-    with np.errstate(over="ignore"):
-        z = seeds.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
-    return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
-
-
-@dataclass(slots=True)
-class SamplingTensors:
-    """The per-request sampling parameters, on the logits' device ([rows] each). Greedy rows get
-    temperature 1 and no filters; their draw is discarded."""
-
-    temperature: torch.Tensor  # float32
-    top_k: torch.Tensor | None  # int64 in [1, vocab]; None when no row sets top_k
-    max_top_k: int | None  # the largest top_k of the batch, known on the host (no device read)
-    top_p: torch.Tensor | None  # float32; 1.0 (no filter) for rows without top_p
-    min_p: torch.Tensor | None  # float32
-    uniform: torch.Tensor  # float64, the seeded draw of each row
-    is_greedy: torch.Tensor  # bool
-
-    @classmethod
-    def from_states(cls, states: list[RequestState], vocab_size: int, device: torch.device) -> SamplingTensors:
-        params = [s.sampling_params for s in states]
-        greedy = np.array([p.is_greedy for p in params])
-        packed = np.empty((6, len(states)), dtype=np.float64)  # one copy to the device for all six
-        packed[0] = np.where(greedy, 1.0, [p.temperature for p in params])
-        packed[1] = [min(p.top_k or vocab_size, vocab_size) for p in params]
-        packed[2] = [p.top_p for p in params]
-        packed[3] = [p.min_p for p in params]
-        packed[4] = seeded_uniforms(np.array([sample_seed(s.seed, s.num_output_tokens) for s in states],
-                                             dtype=np.uint64))
-        packed[5] = greedy
-        values = host_to_device(packed, device)
-        has_top_k = any(p.top_k is not None for p in params)
-        return cls(temperature=values[0].float(),
-                   top_k=values[1].long() if has_top_k else None,
-                   max_top_k=int(packed[1].max()) if has_top_k else None,
-                   top_p=values[2].float() if any(p.top_p < 1.0 for p in params) else None,
-                   min_p=values[3].float() if any(p.min_p > 0.0 for p in params) else None,
-                   uniform=values[4], is_greedy=values[5].bool())
 
 
 def sample(logits: torch.Tensor, states: list[RequestState],
@@ -80,11 +26,18 @@ def sample(logits: torch.Tensor, states: list[RequestState],
     return token_list, sampled_logprobs(logits, states, tokens)
 
 
-def sample_on_device(logits: torch.Tensor, states: list[RequestState],
-                     token_bitmask: torch.Tensor | None = None) -> torch.Tensor:
+def _batch(states: list[RequestState], vocab_size: int, cache: SamplingCache | None) -> BatchSampling:
+    return BatchSampling(states, vocab_size) if cache is None else cache.get(states, vocab_size)
+
+
+def sample_on_device(logits: torch.Tensor, states: list[RequestState], token_bitmask: torch.Tensor | None = None,
+                     cache: SamplingCache | None = None) -> torch.Tensor:
     """[num_sampled] int64 token ids on the logits' device. Without penalties or min_tokens it waits
-    for nothing on the device: the decisions on the host come from the sampling parameters alone."""
-    if token_bitmask is not None or any(_edits_logits(s) for s in states):
+    for nothing on the device: the decisions on the host come from the sampling parameters alone
+    (made once per batch composition with a `cache`)."""
+    batch = _batch(states, logits.shape[1], cache)
+    if (token_bitmask is not None or batch.has_static_edits
+            or (batch.has_min_tokens and any(_masks_stop_tokens(s) for s in states))):
         logits = logits.clone()
         _apply_penalties(logits, states)
         _apply_logit_bias(logits, states)
@@ -93,16 +46,14 @@ def sample_on_device(logits: torch.Tensor, states: list[RequestState],
             import xgrammar as xgr
             xgr.apply_token_bitmask_inplace(logits, token_bitmask.to(logits.device, non_blocking=True))
     tokens = logits.argmax(dim=-1)
-    if all(s.sampling_params.is_greedy for s in states):
+    if batch.is_all_greedy:
         return tokens
-    params = SamplingTensors.from_states(states, logits.shape[1], logits.device)
+    params = batch.tensors(states, logits.device)
     return torch.where(params.is_greedy, tokens, _sample_random(logits, params))
 
 
-def _edits_logits(state: RequestState) -> bool:
-    params = state.sampling_params
-    return (params.has_penalties or bool(params.logit_bias)
-            or (state.num_output_tokens < params.min_tokens and bool(state.stop_token_ids)))
+def _masks_stop_tokens(state: RequestState) -> bool:
+    return state.num_output_tokens < state.sampling_params.min_tokens and bool(state.stop_token_ids)
 
 
 def _apply_penalties(logits: torch.Tensor, states: list[RequestState]) -> None:
@@ -187,10 +138,11 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.
     return logits
 
 
-def sampled_logprobs(raw: torch.Tensor, states: list[RequestState], tokens: torch.Tensor) -> dict[str, TokenLogprobs]:
+def sampled_logprobs(raw: torch.Tensor, states: list[RequestState], tokens: torch.Tensor,
+                     cache: SamplingCache | None = None) -> dict[str, TokenLogprobs]:
     """Log-probabilities under the model's raw distribution (before penalties and temperature),
     for the rows that ask, computed together and copied to the host once."""
-    rows = [i for i, s in enumerate(states) if s.sampling_params.logprobs is not None]
+    rows = _batch(states, raw.shape[1], cache).logprob_rows
     if not rows:
         return {}
     index = host_to_device(np.array(rows, dtype=np.int64), raw.device)

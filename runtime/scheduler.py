@@ -85,26 +85,40 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         cached: list[CachedRequestData] = []
         num_preemptions_before = self.num_preemptions
-        index = 0
-        while index < len(self.running) and budget > 0 and len(num_scheduled) < limit:
-            request = self.running[index]
-            if not self._can_schedule_again(request):
-                index += 1
-                continue
-            num_new = min(request.num_tokens + request.num_pending_tokens - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, num_new):
-                break  # it preempted itself: everything after it is gone too
-            cached.append(self._cached_data(request))
-            self._commit(request, num_new)
-            num_scheduled[request.request_id] = num_new
-            budget -= num_new
-            index += 1
+        budget = self._schedule_running(budget, limit, num_scheduled, cached)
         # NOTE: after a preemption nobody is admitted this step; the preempted request heads the
         # queue and admitting it now would only evict someone else.
         new = [] if self.num_preemptions > num_preemptions_before else self._admit_waiting(budget, num_scheduled,
                                                                                            limit)
         self.in_flight.update(num_scheduled)
         return self._finish_output(new, cached, num_scheduled)
+
+    def _schedule_running(self, budget: int, limit: int, num_scheduled: dict[str, int],
+                          cached: list[CachedRequestData]) -> int:
+        """Advance the running requests in order (decode tokens or the next prefill chunk); returns
+        the budget left. NOTE: every running request passes here every step: the common path makes
+        three calls per request (the in-flight check, allocate_slots, whose fast path is a token that
+        fits in the last block, and the diff) and reads each count once."""
+        running, allocate = self.running, self.block_manager.allocate_slots
+        index = 0
+        while index < len(running) and budget > 0 and len(num_scheduled) < limit:
+            request = running[index]
+            if not self._can_schedule_again(request):
+                index += 1
+                continue
+            num_target = request.num_tokens + request.num_pending_tokens  # after the steps in flight
+            num_new = min(num_target - request.num_computed_tokens, budget)
+            if not allocate(request, request.num_computed_tokens + num_new) and \
+                    not self._allocate_or_preempt(request, num_new):
+                break  # it preempted itself: everything after it is gone too
+            cached.append(self._cached_data(request))
+            request.num_computed_tokens += num_new  # (_commit's rule, inline)
+            if request.num_computed_tokens == num_target:
+                request.num_pending_tokens += 1
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            index += 1
+        return budget
 
     def _can_schedule_again(self, request: Request) -> bool:
         """Without async_scheduling: not while in flight. With it: unless its last token is pending."""
@@ -184,13 +198,15 @@ class Scheduler:
             num_computed_tokens=request.num_computed_tokens)
 
     def _cached_data(self, request: Request) -> CachedRequestData:
-        new_tokens = tuple(request.token_ids_slice(request.num_synced_tokens, request.num_tokens))
-        request.num_synced_tokens = request.num_tokens
+        num_tokens = request.num_tokens
+        new_tokens = () if request.num_synced_tokens == num_tokens else \
+            tuple(request.token_ids_slice(request.num_synced_tokens, num_tokens))
+        request.num_synced_tokens = num_tokens
         blocks = self.block_manager.block_ids(request.request_id)
-        new_blocks = tuple(blocks[request.num_synced_blocks:])  # blocks only ever grow while running
+        # blocks only ever grow while running; a new one comes once per block_size tokens
+        new_blocks = () if request.num_synced_blocks == len(blocks) else tuple(blocks[request.num_synced_blocks:])
         request.num_synced_blocks = len(blocks)
-        return CachedRequestData(request_id=request.request_id, new_token_ids=new_tokens,
-                                 new_block_ids=new_blocks, num_computed_tokens=request.num_computed_tokens)
+        return CachedRequestData(request.request_id, new_tokens, new_blocks, request.num_computed_tokens)
 
     def _finish_output(self, new, cached, num_scheduled) -> SchedulerOutput:
         if not num_scheduled and self.in_flight:  # the engine sends no empty batch behind others:
@@ -217,7 +233,8 @@ class Scheduler:
 
     def _update_request(self, request: Request, runner_output: ModelRunnerOutput) -> RequestUpdate | None:
         request_id = request.request_id
-        prompt_logprobs = _unsent_prompt_logprobs(request, runner_output.prompt_logprobs.get(request_id))
+        scored = runner_output.prompt_logprobs.get(request_id) if runner_output.prompt_logprobs else None
+        prompt_logprobs = () if scored is None else _unsent_prompt_logprobs(request, scored)
         token = runner_output.sampled_token_ids.get(request_id)
         if token is None:  # mid-prefill: nothing sampled yet
             return RequestUpdate(request_id, (), (), None, new_prompt_logprobs=prompt_logprobs) \
@@ -230,11 +247,10 @@ class Scheduler:
         finish = self._check_stop(request, token)
         if finish is not None:
             self._finish(request, finish)
-        logprobs = runner_output.logprobs.get(request_id)
-        return RequestUpdate(request_id=request_id, new_token_ids=(token,),
-                             new_logprobs=(logprobs,) if logprobs else (),
-                             finish_reason=finish.value if finish else None, stop_reason=request.stop_reason,
-                             times=_first_token_times(request), new_prompt_logprobs=prompt_logprobs)
+        logprobs = runner_output.logprobs.get(request_id) if runner_output.logprobs else None
+        times = _first_token_times(request) if len(request.output_token_ids) == 1 else None
+        return RequestUpdate(request_id, (token,), (logprobs,) if logprobs else (), finish.value if finish else None,
+                             request.stop_reason, times, prompt_logprobs)
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -277,8 +293,6 @@ def _first_token_times(request: Request) -> SampleTimes | None:
 def _unsent_prompt_logprobs(request: Request, scored) -> tuple:
     """The entries of (first token index, entries) not yet handed on: a preempted request scores its
     prompt again when it is recomputed, and those repeats are dropped here."""
-    if scored is None:
-        return ()
     start, entries = scored
     fresh = entries[max(0, request.num_prompt_logprobs_sent - start):]
     request.num_prompt_logprobs_sent = max(request.num_prompt_logprobs_sent, start + len(entries))

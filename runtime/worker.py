@@ -23,6 +23,7 @@ from shardserve.runtime.pipeline import (IntermediateTensors, recv_intermediate,
                                          send_intermediate)
 from shardserve.runtime.prompt_logprobs import score_prompts, wants_prompt_logprobs
 from shardserve.runtime.sampler import sample_on_device, sampled_logprobs
+from shardserve.runtime.sampling_batch import SamplingCache
 from shardserve.runtime.staging import SampledTokenBuffers, StagingBuffer, StepOutput
 from shardserve.runtime.structured_output import GrammarMatchers, sync_matchers
 from shardserve.runtime.tokenizer import eos_token_ids, load_tokenizer
@@ -71,6 +72,7 @@ class Worker:
         self.staging = StagingBuffer(self.device)  # every step's inputs go to the device through it
         self.token_buffers = SampledTokenBuffers(config.scheduler.max_num_seqs, self.device)
         self.last_sampled: torch.Tensor | None = None  # [num_sampled] the last step's ids, on the device
+        self.sampling_cache = SamplingCache()  # the sampling rank's parameter arrays, per batch composition
 
     @property
     def bytes_per_block(self) -> int:
@@ -172,6 +174,7 @@ class Worker:
         self.attention_layers = []
         self.states.clear()
         self.kv_cache = self.cuda_graphs = self.model = self.last_sampled = None
+        self.sampling_cache = SamplingCache()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -218,11 +221,12 @@ class Worker:
         logits = self.model.compute_logits(hidden).float()  # [num_sampled, vocab]
         if not state.is_output_rank:
             return None
-        tokens = sample_on_device(logits, host.sampled_states, bitmask)  # [num_sampled]
+        tokens = sample_on_device(logits, host.sampled_states, bitmask, self.sampling_cache)  # [num_sampled]
         self.last_sampled = tokens  # the next step's pending input ids
         request_ids = [s.request_id for s in host.sampled_states]
         result = StepOutput(request_ids, self.token_buffers.start_copy(tokens),
-                            sampled_logprobs(logits, host.sampled_states, tokens), prompt_logprobs)
+                            sampled_logprobs(logits, host.sampled_states, tokens, self.sampling_cache),
+                            prompt_logprobs)
         if self.matchers is not None:  # (never with async scheduling: the grammar needs the ids now)
             self.matchers.accept(request_ids, result.tokens.tolist())
         return result

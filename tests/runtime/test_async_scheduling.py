@@ -156,6 +156,30 @@ def test_aborts_mid_stream_leave_the_others_unchanged(llama):
         assert got == want if str(i) not in aborted else (got == want[: len(got)] and len(got) < len(want))
 
 
+def test_a_prompt_id_is_free_again_only_once_its_aborted_outputs_are_drained(llama):
+    """Outputs of the aborted prompt's last steps are still on their way to the output thread or
+    back: the id is refused until they are drained, and its next prompt gets none of them."""
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=6, ignore_eos=True)
+    with make_llm(llama[0], False) as llm:
+        (expected,) = llm.generate([{"prompt_token_ids": PROMPTS[1]}], params)
+    with make_llm(llama[0], True) as llm:
+        engine, tokens = llm.engine, []
+        engine.add_request("a", {"prompt_token_ids": PROMPTS[0]}, params)
+        engine.add_request("b", {"prompt_token_ids": PROMPTS[2]}, params)
+        for _ in range(3):
+            engine.step()
+        engine.abort_request("a")
+        with pytest.raises(ValueError, match="'a' is already in use"):
+            engine.add_request("a", {"prompt_token_ids": PROMPTS[1]}, params)
+        while engine.has_unfinished_requests():  # "b" runs on; "a"'s outputs drain
+            engine.step()
+        engine.add_request("a", {"prompt_token_ids": PROMPTS[1]}, params)
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                tokens.extend(delta.samples[0].new_token_ids)
+    assert tokens == list(expected.outputs[0].token_ids)
+
+
 def test_what_async_scheduling_cannot_honour_is_refused_by_name(llama):
     with make_llm(llama[0], True) as llm:
         for params, field in ((SamplingParams(prompt_logprobs=1), "prompt_logprobs"),

@@ -67,6 +67,28 @@ def test_prefix_hit_leaves_the_last_token_to_compute():
     assert len(pool.find_cached_prefix(same)) == 1  # not 2: the model must still see token 7
 
 
+def test_blocks_filled_by_decode_are_published_when_their_last_token_is_known():
+    """Decode steps one token at a time (the calls that mostly return at once): a block is
+    published at the first call where it is both computed and known, never before, never skipped."""
+    pool = BlockManager(num_blocks=10, block_size=4)
+    a = make_request("a", [5, 6, 7])
+    assert pool.allocate_slots(a, 3)
+    a.num_computed_tokens = 3
+    pool.cache_full_blocks(a)
+    num_published = []
+    for token in (8, 9, 10, 11, 12):
+        assert pool.allocate_slots(a, a.num_computed_tokens + 1)  # the step computes the last known token
+        a.num_computed_tokens += 1  # ... and samples one more, pending: its id is not known yet
+        pool.cache_full_blocks(a)
+        before = len(pool.find_cached_prefix(make_request("probe", a.all_token_ids + [0])))
+        a.output_token_ids.append(token)  # the pending token lands: computed == known again
+        pool.cache_full_blocks(a)
+        num_published.append((before, len(pool.find_cached_prefix(make_request("probe", a.all_token_ids + [0])))))
+    # tokens 5..8 fill block 0 when 8 lands; 9..12 fill block 1 when 12 lands
+    assert num_published == [(0, 1), (1, 1), (1, 1), (1, 1), (1, 2)]
+    pool.check_integrity()
+
+
 def test_freed_cached_blocks_are_revived_or_evicted():
     pool = BlockManager(num_blocks=4, block_size=4)
     a = make_request("a", list(range(9)))
