@@ -17,11 +17,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-# The whole suite, as CI runs it (about 15 minutes on two CPU cores).
+# The whole suite, as CI runs it (about 18 minutes on two CPU cores).
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-# Everything but the end-to-end tests marked slow (about 2.5 minutes): while editing.
+# Everything but the end-to-end tests marked slow (about 4.5 minutes): while editing.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
