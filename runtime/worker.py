@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 
 import torch
@@ -103,7 +104,7 @@ class Worker:
         with self._on_device():
             budget = self._profile_cuda_kv_budget()
         if local_decision(self.config, self.device, self.model).captures:
-            graphs = reserved_graph_bytes(self.config, len(self.attention_layers))
+            graphs = self.graph_reserve_bytes
             logger.info("%.3f GiB of the KV budget set aside for CUDA graphs", graphs / 1024**3)
             budget = max(budget - graphs, 0)
         return budget
@@ -142,6 +143,11 @@ class Worker:
                     total / 1024**3, peak / 1024**3, non_torch / 1024**3, budget / 1024**3)
         return max(budget, 0)
 
+    @functools.cached_property
+    def graph_reserve_bytes(self) -> int:
+        """What the KV budget leaves for this rank's CUDA graphs (read from the checkpoint once)."""
+        return reserved_graph_bytes(self.config, len(self.attention_layers))
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """The pool of num_blocks blocks, plus one scratch block after them where CUDA graphs write
         the padding rows of a decode step (the block manager never hands it out)."""
@@ -164,7 +170,7 @@ class Worker:
                                              device=self.device, intermediate=intermediate)
         with self._on_device():
             measured = self.cuda_graphs.capture()
-        log_graph_memory(measured, reserved_graph_bytes(self.config, len(self.attention_layers)))
+        log_graph_memory(measured, self.graph_reserve_bytes)
 
     def release(self) -> None:
         """Drop the model, the KV pool (and the layers' views of it) and the graphs, then hand cached

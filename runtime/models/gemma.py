@@ -16,7 +16,7 @@ from shardserve.runtime.layers.activation import get_activation
 from shardserve.runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shardserve.runtime.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from shardserve.runtime.layers.rotary import RotaryEmbedding, rope_parameters
-from shardserve.runtime.models.llama import LLAMA_PACKED, LlamaAttention
+from shardserve.runtime.models.llama import LLAMA_PACKED, LlamaAttention, run_stage
 from shardserve.runtime.models.weight_map import WeightTarget, fold_packed, tied_head_target
 from shardserve.runtime.parallel_state import get_parallel_state
 from shardserve.runtime.pipeline import IntermediateTensors, make_layers
@@ -132,15 +132,8 @@ class GemmaModel(nn.Module):
             self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, intermediate: IntermediateTensors | None = None):
-        if self.is_first_stage:
-            hidden, residual = self.embed_tokens(input_ids) * self.embed_scale, None  # [num_tokens, hidden_size]
-        else:
-            hidden, residual = intermediate.hidden_states, intermediate.residual
-        for layer in self.layers[self.start_layer:self.end_layer]:
-            hidden, residual = layer(positions, hidden, residual)
-        if not self.is_last_stage:
-            return IntermediateTensors(hidden, residual)
-        return self.norm(hidden, residual)[0] if residual is not None else self.norm(hidden)
+        embedded = self.embed_tokens(input_ids) * self.embed_scale if self.is_first_stage else None
+        return run_stage(self, embedded, positions, intermediate)
 
 
 class GemmaForCausalLM(nn.Module):

@@ -122,6 +122,22 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+def run_stage(model: nn.Module, embedded: torch.Tensor | None, positions: torch.Tensor,
+              intermediate: IntermediateTensors | None):
+    """A decoder stage (`model`: is_first_stage, is_last_stage, layers[start_layer:end_layer], norm)
+    over the embedded tokens on the first stage or the previous stage's hand-off after it: the hand-off
+    for the next stage, or the final norm's output on the last."""
+    if model.is_first_stage:
+        hidden, residual = embedded, None
+    else:
+        hidden, residual = intermediate.hidden_states, intermediate.residual
+    for layer in model.layers[model.start_layer:model.end_layer]:
+        hidden, residual = layer(positions, hidden, residual)
+    if not model.is_last_stage:
+        return IntermediateTensors(hidden, residual)
+    return model.norm(hidden, residual)[0] if residual is not None else model.norm(hidden)
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config, variant: LlamaVariant, max_position: int, build_mlp: Callable[[int], nn.Module]):
         super().__init__()
@@ -136,15 +152,8 @@ class LlamaModel(nn.Module):
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, intermediate: IntermediateTensors | None = None):
-        if self.is_first_stage:
-            hidden, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden_size]
-        else:
-            hidden, residual = intermediate.hidden_states, intermediate.residual
-        for layer in self.layers[self.start_layer:self.end_layer]:
-            hidden, residual = layer(positions, hidden, residual)
-        if not self.is_last_stage:
-            return IntermediateTensors(hidden, residual)
-        return self.norm(hidden, residual)[0] if residual is not None else self.norm(hidden)
+        embedded = self.embed_tokens(input_ids) if self.is_first_stage else None  # [num_tokens, hidden_size]
+        return run_stage(self, embedded, positions, intermediate)
 
 
 class LlamaForCausalLM(nn.Module):

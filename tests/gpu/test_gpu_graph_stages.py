@@ -17,10 +17,11 @@ from shardserve.runtime.attention.triton_backend import TritonAttentionBackend
 from shardserve.runtime.config import load_model_config
 from shardserve.runtime.cuda_graphs import DecodeGraphRunner, static_intermediate
 from shardserve.runtime.forward_context import ForwardContext, forward_context
-from shardserve.runtime.inputs import RequestState, build_host_inputs, to_device
+from shardserve.runtime.inputs import RequestState, build_host_inputs, prepare_inputs
 from shardserve.runtime.loader import load_model
 from shardserve.runtime.parallel_state import ParallelState, get_parallel_state, set_parallel_state
 from shardserve.runtime.sampling_params import SamplingParams
+from shardserve.runtime.staging import StagingBuffer
 
 from gpu_checkpoints import VOCAB_SIZE
 
@@ -48,13 +49,18 @@ def build_stage(folder: str, pp_rank: int):
 
 def eager_chain(first, last, states) -> torch.Tensor:
     scheduled = {s.request_id: len(s.token_ids) - s.num_computed_tokens for s in states}
-    host = build_host_inputs(states, scheduled, BLOCK_SIZE)
-    inputs = to_device(host, CUDA)
+    inputs = prepare_inputs(states, scheduled, BLOCK_SIZE, CUDA)
     with forward_context(ForwardContext(inputs.attn_metadata, TritonAttentionBackend())):
         handoff = first(inputs.input_ids, inputs.positions)
     with forward_context(ForwardContext(inputs.attn_metadata, TritonAttentionBackend())):
         hidden = last(None, inputs.positions, handoff)
-    return last.compute_logits(hidden[torch.from_numpy(host.logits_indices).to(CUDA)]).float()
+    return last.compute_logits(hidden[inputs.logits_indices]).float()
+
+
+def replay(runner: DecodeGraphRunner, host):
+    """What the worker does: the step into the runner's static inputs, then its graph."""
+    size, _ = runner.load(host, StagingBuffer(CUDA))
+    return runner.replay(size, host.num_requests)
 
 
 def test_a_later_stage_replays_its_graph_from_static_buffers(gpu_checkpoint, restore_parallel_state):
@@ -83,10 +89,10 @@ def test_a_later_stage_replays_its_graph_from_static_buffers(gpu_checkpoint, res
             first_cache.copy_(saved[0])
             last_cache.copy_(saved[1])
             host = build_host_inputs(states, {s.request_id: 1 for s in states}, BLOCK_SIZE)
-            handoff = runners[0].replay(host)
+            handoff = replay(runners[0], host)
             buffers.hidden_states[:3].copy_(handoff.hidden_states)
             buffers.residual[:3].copy_(handoff.residual)
-            logits = last.compute_logits(runners[1].replay(host)).float()
+            logits = last.compute_logits(replay(runners[1], host)).float()
             torch.testing.assert_close(logits, expected, atol=2e-2, rtol=2e-2)
     spec = load_model_info(folder, None).spec
     reserved = cuda_graph_bytes(GraphShape(MAX_NUM_SEQS, MAX_MODEL_LEN, BLOCK_SIZE, hidden_size, 2, num_last_layers,

@@ -10,6 +10,21 @@ from shardserve.runtime.inputs import RequestState, prepare_inputs
 from shardserve.runtime.sampling_params import SamplingParams
 
 
+def poison_freed_entries(meta, cache, window: int, num_blocks: int, block_size: int) -> None:
+    """Point each request's table entries that the block manager would have freed behind `window` at
+    an unused block of NaNs (a block another request now owns: anything could be in it)."""
+    from shardserve.runtime.block_manager import BlockManager
+
+    pool = BlockManager(num_blocks, block_size, sliding_window=window)
+    used = set(meta.block_tables.flatten().tolist())
+    poison = next(b for b in range(num_blocks) if b not in used)
+    cache[:, poison] = float("nan")
+    starts = meta.query_start_loc_cpu
+    for r in range(meta.num_requests):
+        num_computed = int(meta.seq_lens_cpu[r] - (starts[r + 1] - starts[r]))
+        meta.block_tables[r, :pool.num_behind_window(num_computed)] = poison
+
+
 def make_batch(shapes, block_size: int, num_blocks: int, device: torch.device, seed: int = 0):
     """shapes: (num_cached, num_new) per request -> its AttentionMetadata on `device`."""
     generator = torch.Generator().manual_seed(seed)

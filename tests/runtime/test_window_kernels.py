@@ -12,21 +12,8 @@ import torch  # noqa: E402
 
 from shardserve.runtime.attention import triton_decode, triton_prefill  # noqa: E402
 from shardserve.runtime.attention.torch_backend import paged_attention, write_kv  # noqa: E402
-from shardserve.runtime.block_manager import BlockManager  # noqa: E402
+from attention_cases import poison_freed_entries  # noqa: E402
 from test_triton_kernels import BLOCK_SIZE, NUM_BLOCKS, random_case  # noqa: E402
-
-
-def poison_freed_entries(meta, cache, window: int) -> None:
-    """Point each request's entries that the block manager would have freed at an unused block of NaNs
-    (a block another request now owns: anything could be in it)."""
-    pool = BlockManager(NUM_BLOCKS, BLOCK_SIZE, sliding_window=window)
-    used = set(meta.block_tables.flatten().tolist())
-    poison = next(b for b in range(NUM_BLOCKS) if b not in used)
-    cache[:, poison] = float("nan")
-    starts = meta.query_start_loc_cpu
-    for r in range(meta.num_requests):
-        num_computed = meta.seq_lens_cpu[r] - (starts[r + 1] - starts[r])
-        meta.block_tables[r, :pool.num_behind_window(num_computed)] = poison
 
 
 @pytest.mark.parametrize("window", [1, 3, 6, 9])
@@ -34,7 +21,7 @@ def test_prefill_never_reads_freed_blocks(window):
     meta, q, k, v, cache = random_case([(21, 3), (9, 1), (13, 10)], head_dim=16)
     write_kv(k, v, cache, meta.slot_mapping)
     expected = paged_attention(q, cache, meta, scale=0.3, sliding_window=window)
-    poison_freed_entries(meta, cache, window)
+    poison_freed_entries(meta, cache, window, NUM_BLOCKS, BLOCK_SIZE)
     assert meta.block_tables.unique().numel() < meta.block_tables.numel()  # something was poisoned
     torch.testing.assert_close(paged_attention(q, cache, meta, scale=0.3, sliding_window=window), expected)
     actual = triton_prefill.paged_prefill(q, cache, meta, scale=0.3, sliding_window=window)
@@ -46,7 +33,7 @@ def test_decode_never_reads_freed_blocks(window, num_splits):
     meta, q, k, v, cache = random_case([(20, 1), (2, 1), (37, 1)], num_heads=4, num_kv_heads=1)
     write_kv(k, v, cache, meta.slot_mapping)
     expected = paged_attention(q, cache, meta, scale=0.2, sliding_window=window)
-    poison_freed_entries(meta, cache, window)
+    poison_freed_entries(meta, cache, window, NUM_BLOCKS, BLOCK_SIZE)
     torch.testing.assert_close(paged_attention(q, cache, meta, scale=0.2, sliding_window=window), expected)
     actual = triton_decode.paged_decode(q, cache, meta, scale=0.2, num_splits=num_splits, sliding_window=window,
                                         split_min=1)
