@@ -162,19 +162,23 @@ def make_awq_checkpoint(folder: Path) -> Path:
     return awq
 
 
-def plan_estimate(folder: Path, device: str, max_model_len: int) -> dict | None:
-    """The planner's figures for this checkpoint on this GPU (None off a catalog GPU)."""
+def plan_estimate(folder: Path, device: str, input_len: int, output_len: int,
+                  concurrency: float | None = None) -> dict | None:
+    """The planner's figures for this checkpoint on this GPU and workload (None off a catalog GPU);
+    without a concurrency, full batches."""
     from shardserve.planner import PlanOptions, load_model, make_plan, parse_declared
     gpu = next((name for key, name in GPU_NAMES.items()
                 if device == "cuda" and key in device_name(device)), None)
     if gpu is None:
         return None
-    plan = make_plan(load_model(str(folder)), parse_declared(gpu), PlanOptions(max_model_len=max_model_len))
-    estimates = plan.chosen.estimates
-    return {"hardware": gpu, "max_model_len": max_model_len,
-            "decode_tok_s_batch1": round(estimates.decode_tokens_per_s_batch1, 1),
-            "throughput_tok_s": round(estimates.throughput_tokens_per_s, 1),
-            "batch_per_replica": estimates.batch_per_replica}
+    plan = make_plan(load_model(str(folder)), parse_declared(gpu), PlanOptions(
+        max_model_len=input_len + output_len + 16, input_len=input_len, output_len=output_len,
+        concurrency=concurrency))
+    e = plan.chosen.estimates
+    return {"hardware": gpu, "input_len": input_len, "output_len": output_len,
+            "concurrency": e.workload.concurrency, "ttft_ms": round(e.ttft_ms, 1), "tpot_ms": round(e.tpot_ms, 2),
+            "output_tokens_per_s": round(e.output_tokens_per_s, 1),
+            "decode_tok_s_batch1": round(e.decode_tokens_per_s_batch1, 1), "source": e.source}
 
 
 def decode_batch1(folder: Path, device: str, bandwidth: float, prompt_len: int,
@@ -274,7 +278,7 @@ def hf_generate_batch(folder: Path, device: str, prompts: list[list[int]], outpu
 def run_decode(args, folder: Path, base: dict) -> None:
     bandwidth = measure_bandwidth(args.device, (64 << 20) if args.small else (4 << 30))
     prompt_len, output_len = (32, 16) if args.small else (128, 256)
-    estimate = plan_estimate(folder, args.device, prompt_len + output_len + 16)
+    estimate = plan_estimate(folder, args.device, prompt_len, output_len, concurrency=1)
     if args.quantization == "awq":
         folder = make_awq_checkpoint(folder)
     for enforce_eager in (True, False) if args.device == "cuda" else (True,):  # eager, then graphs
@@ -287,14 +291,15 @@ def run_offline(args, folder: Path, base: dict) -> None:
     for shape in args.shapes:
         input_len, output_len = (int(n) for n in shape.split("/"))
         record = offline(folder, args.device, args.num_prompts, input_len, output_len, args.skip_hf)
-        estimate = plan_estimate(folder, args.device, input_len + output_len)
+        estimate = plan_estimate(folder, args.device, input_len, output_len, concurrency=args.num_prompts)
         append_record(base | record | {"plan_estimate": estimate}, Path(args.results))
 
 
 def run_serve(args, folder: Path, base: dict) -> None:
-    estimate = plan_estimate(folder, args.device, args.input_len + args.output_len)
     for record in gpu_serve.serve_levels(folder, args.device, args.concurrency, args.num_prompts,
                                          args.input_len, args.output_len):
+        estimate = plan_estimate(folder, args.device, args.input_len, args.output_len,
+                                 concurrency=record.get("concurrency"))
         append_record(base | record | {"plan_estimate": estimate}, Path(args.results))
 
 

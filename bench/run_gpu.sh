@@ -7,6 +7,7 @@
 #   4  Qwen3-0.6B shape: batch-1 decode; offline 128/128 and 1024/128 beside transformers
 #   5  Llama-3.1-8B shape: serving at concurrency 1, 16, 64 through `shardserve launch`
 #   6  Llama-3.1-8B attention shapes: the decode, prefill, rotary+KV and SiLU kernels alone (bench/kernel_bench.py)
+#   7  `shardserve calibrate`: this runtime's operators on this GPU, to $OUT/calibration-<gpu>.json (else --workdir)
 # Records append to bench/results.json as each is measured; with $OUT set (the device tool) a copy,
 # the test log and the server log land there. Arguments after the part go to gpu_bench.py.
 #   bash bench/run_gpu.sh --part 2
@@ -14,12 +15,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" != "--part" ] || [ -z "${2:-}" ]; then
-  sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 part=$2
 shift 2
-case "$part" in 1|2|3|4|5|6) ;; *) echo "unknown part $part: use 1 to 6" >&2; exit 2 ;; esac
+case "$part" in 1|2|3|4|5|6|7) ;; *) echo "unknown part $part: use 1 to 7" >&2; exit 2 ;; esac
 py=${PYTHON:-python3}
 
 if ! "$py" -c "import shardserve.runtime" 2> /dev/null; then
@@ -35,6 +36,26 @@ fi
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 
 bench() { "$py" bench/gpu_bench.py "$@"; }
+calibrate() {
+  # gpu_bench's arguments, as calibrate takes them: --small (--sizes small), --device D; the file goes
+  # to $OUT, else --workdir, else calibrate's own folder (the one `plan` reads)
+  local device=auto sizes=() output=() folder="${OUT:-}" gpu
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      --small) sizes=(--sizes small) ;;
+      --device) device=$2; shift ;;
+      --workdir) folder=${folder:-$2}; shift ;;
+    esac
+    shift
+  done
+  if [ -n "$folder" ]; then
+    gpu=$("$py" -c "import sys, torch; from shardserve.launch.calibrate import gpu_name
+d = sys.argv[1] if sys.argv[1] != 'auto' else ('cuda' if torch.cuda.is_available() else 'cpu')
+catalog, name = gpu_name(d); print((catalog or name).lower().replace(' ', '-'))" "$device")
+    output=(--output "$folder/calibration-$gpu.json")
+  fi
+  "$py" -m shardserve.launch calibrate --device "$device" "${sizes[@]}" "${output[@]}"
+}
 status=0
 case "$part" in
   1)
@@ -53,6 +74,7 @@ case "$part" in
     ;;
   5) bench serve --model llama-3.1-8b "$@" ;;
   6) "$py" bench/kernel_bench.py "$@" ;;
+  7) calibrate "$@" ;;
 esac
 if [ -n "${OUT:-}" ] && [ -f bench/results.json ]; then cp bench/results.json "$OUT/"; fi
 exit "$status"

@@ -1,4 +1,4 @@
-"""The `shardserve` command line: plan, launch, doctor, profiles and cluster."""
+"""The `shardserve` command line: plan, launch, doctor, profiles, cluster and calibrate."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ class Format(str, enum.Enum):
     table = "table"
     json = "json"
     yaml = "yaml"
+    vllm = "vllm"  # plan only: the equivalent serve command of another engine
+    sglang = "sglang"
 
 
 def _version(value: bool) -> None:
@@ -50,8 +52,12 @@ def plan(
         envvar="RAY_ADDRESS", help="Read nodes and GPUs from this Ray cluster.")] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o",
                                                    help="Write the plan YAML here.")] = None,
-    format: Annotated[Format, typer.Option("--format", help="table, json or yaml on stdout.")]
+    format: Annotated[Format, typer.Option("--format", help="table, json or yaml on stdout; vllm or "
+                                           "sglang: that engine's equivalent serve command.")]
     = Format.table,
+    recommend: Annotated[bool, typer.Option(
+        "--recommend", help="Plan on the fewest GPUs of the --hardware GPU type (its GPUs per node) that "
+        "serve --request-rate or --concurrency within --ttft-ms/--tpot-ms.")] = False,
     **settings,
 ) -> None:
     """Choose tensor/pipeline/replica sizes, predict memory, KV cache and speed, and say why."""
@@ -61,7 +67,7 @@ def plan(
             from shardserve.launch.cluster import resolve_address, use_cluster_auth
             ray_address = resolve_address(ray_address)
             use_cluster_auth()
-        record = make_plan_from(settings, profile, ray_address).record()
+        record = make_plan_from(settings, profile, ray_address, recommend).record()
         if output is not None:
             write_plan(record, output)
     if format is Format.json:
@@ -69,6 +75,9 @@ def plan(
     elif format is Format.yaml:
         import yaml
         print(yaml.safe_dump(record.to_dict(), sort_keys=False), end="")
+    elif format in (Format.vllm, Format.sglang):
+        from shardserve.launch.engine_export import export_plan
+        print(export_plan(record, format.value).render())
     else:
         render_plan(record, Console())
         if output is not None:
@@ -328,6 +337,32 @@ def cluster_down(state_dir: _StateDir = None) -> None:
     else:
         Console().print(f"stopped the {record.role} node {record.node_ip} "
                         f"(cluster {record.address})")
+
+
+@app.command(short_help="Time this runtime's operators here; `plan` uses them for this GPU.")
+def calibrate(
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda (auto: cuda when torch sees a GPU).")]
+    = "auto",
+    dtype: Annotated[Optional[str], typer.Option(
+        help="bfloat16, float16 or float32 (default: bfloat16 on a GPU, float32 on a CPU).")] = None,
+    sizes: Annotated[Optional[str], typer.Option(
+        help="small: tiny shapes, seconds (default on a CPU); full: the planner's grids, minutes "
+             "(default on a GPU).")] = None,
+    output: Annotated[Optional[Path], typer.Option(
+        "--output", "-o", help="Write here (default: <gpu>.json in $XDG_CACHE_HOME/shardserve/calibration, "
+                               "the file `plan` reads).")] = None,
+    tensor_parallel_size: Annotated[Optional[int], typer.Option(
+        min=1, help="Also time the all-reduce over 2..N local ranks (default: the visible GPUs up to 8; "
+                    "1 on a CPU, gloo ranks when given).")] = None,
+) -> None:
+    """Time GEMMs, attention, the all-reduce and the host's step as this runtime runs them, and
+    write the calibration file that `shardserve plan` reads for this GPU from then on."""
+    from shardserve.launch.calibrate import calibrate as run_calibration
+    from shardserve.launch.calibrate import settle as settle_calibration
+
+    with _user_errors():
+        setup = settle_calibration(device, dtype, sizes, output, tensor_parallel_size)
+        run_calibration(setup, Console())
 
 
 def _print_data(data: dict, format: Format) -> None:

@@ -31,8 +31,8 @@ GRACE_SECONDS = 10
 
 
 def plan_settings(plan: PlanFile) -> dict:
-    """The settings a plan fixes: its runtime and parallel sections are named as settings."""
-    return {"model": plan.model_source, **asdict(plan.runtime), **asdict(plan.parallel)}
+    """The settings a plan fixes: its runtime, parallel and service sections are named as settings."""
+    return {"model": plan.model_source, **asdict(plan.runtime), **asdict(plan.parallel), **asdict(plan.service)}
 
 
 def read_plan_file(path: str) -> PlanFile:
@@ -229,6 +229,7 @@ def serve_once(config: DeployConfig, plan: PlanFile, host: str, port: int, api_k
     from shardserve.launch.api_server import build_app
     from shardserve.launch.metrics import ServerMetrics
     from shardserve.launch.openai_serving import OpenAIServing
+    from shardserve.launch.plan_check import PlanCheck, Prediction
     from shardserve.launch.replicas import ReplicaSet
 
     _Server = _server_class()
@@ -245,7 +246,7 @@ def serve_once(config: DeployConfig, plan: PlanFile, host: str, port: int, api_k
     info = engines[0].kv_cache_info
     compare_kv(plan, info)
 
-    replicas = ReplicaSet(engines)
+    replicas = ReplicaSet(engines, plan_check=PlanCheck(Prediction.from_plan(plan)))
     metrics = ServerMetrics(name, replicas.stats)
     replicas.metrics = metrics
     limit = config.max_queued_requests or 4 * setting(config, "max_num_seqs") * len(engines)
@@ -308,10 +309,13 @@ async def _run(server, replicas) -> tuple[int, bool]:
 
     replicas.start()
     watch = asyncio.create_task(watchdog())
+    check = asyncio.create_task(replicas.plan_check.run()) if replicas.plan_check else None  # once a minute
     try:
         await server.serve()
     finally:
         watch.cancel()
+        if check is not None:
+            check.cancel()
         await replicas.shutdown()
     if exit_code == 0 and not server.started:
         exit_code = 1  # could not bind the port: uvicorn has said why

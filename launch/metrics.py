@@ -9,6 +9,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0,
                     120.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+                 0.3, 0.5, 1.0, 2.5)
 
 
 class EngineCollector:
@@ -60,6 +62,10 @@ class ServerMetrics:
         self.itl = Histogram("shardserve_inter_token_latency_seconds",
                              "Time between output tokens.", labels, buckets=_LATENCY_BUCKETS,
                              registry=self.registry)
+        self.tpot = Histogram("shardserve_time_per_output_token_seconds",
+                              "Per request: (e2e - TTFT) / (output tokens - 1), with 2 tokens or more "
+                              "(per sample when n > 1).", labels, buckets=_TPOT_BUCKETS,
+                              registry=self.registry)
         self.e2e = Histogram("shardserve_e2e_request_latency_seconds",
                              "Request latency, arrival to last token.", labels,
                              buckets=_LATENCY_BUCKETS, registry=self.registry)

@@ -25,26 +25,26 @@ def resolve_hardware(declared: str | None, ray_address: str | None) -> Hardware:
     return detect_local()
 
 
-def build_plan(config, hardware: Hardware, info=None):
+def build_plan(config, hardware: Hardware, info=None, recommend: bool = False):
     """The one way `plan` and `launch` make a plan: the settled config's plan-layer settings, its model
-    (`info`: the model already read, else read here)."""
+    (`info`: the model already read, else read here); `recommend`: on the fewest GPUs of the type."""
     from shardserve.planner import PlanOptions, load_model, make_plan
     from shardserve.planner.settings import PLAN, for_layer
 
     if not config.model:
         raise PlanError("no model: pass --model, or a --profile that sets one")
     options = PlanOptions(**for_layer(config.set_values(), PLAN))
-    return make_plan(info or load_model(config.model, options.quantization), hardware, options)
+    return make_plan(info or load_model(config.model, options.quantization), hardware, options, recommend)
 
 
-def make_plan_from(flags: dict, profile: str | None, ray_address: str | None):
+def make_plan_from(flags: dict, profile: str | None, ray_address: str | None, recommend: bool = False):
     """Plan from a profile overridden by flags (None means 'not given')."""
     from shardserve.launch.deploy_config import merge, validate
     from shardserve.launch.profiles import load_profile
 
     base = load_profile(profile).set_values() if profile else {}
     config = validate(merge(base, flags), "options")
-    return build_plan(config, resolve_hardware(config.hardware, ray_address))
+    return build_plan(config, resolve_hardware(config.hardware, ray_address), recommend=recommend)
 
 
 def write_plan(plan: PlanFile, path: Path) -> None:
@@ -70,7 +70,7 @@ def _gib(n: float) -> str:
 
 
 def render_plan(plan: PlanFile, console: Console) -> None:
-    m, hw, par, mem, rt, est = plan.model, plan.hardware, plan.parallel, plan.memory, plan.runtime, plan.estimates
+    m, hw, par, mem, rt = plan.model, plan.hardware, plan.parallel, plan.memory, plan.runtime
     nodes = f"{hw.nodes}x" if hw.nodes > 1 else ""
     console.print(f"[bold]{m.id}[/] ({m.architecture}, {m.num_params / 1e9:.2f}B "
                   f"params, {_gib(m.weight_bytes)} in {m.dtype}) on "
@@ -96,23 +96,56 @@ def render_plan(plan: PlanFile, console: Console) -> None:
                   f"({mem.num_blocks:,} blocks of {mem.block_size}); maximum concurrency "
                   f"for {rt.max_model_len:,} tokens per request: "
                   f"[bold]{mem.max_concurrency:.2f}x[/]", highlight=False)
-    console.print(f"Estimates ({est.note}): batch-1 decode "
-                  f"[bold]{est.decode_tokens_per_s_batch1:,.0f}[/] tok/s, throughput "
-                  f"[bold]{est.throughput_tokens_per_s:,.0f}[/] tok/s, TTFT for a "
-                  f"{rt.max_model_len:,}-token prompt [bold]{est.ttft_ms:,.0f}[/] ms",
-                  highlight=False)
+    render_estimates(plan, console)
     console.print("[bold]Why[/]")
     for line in plan.rationale:
         console.print(f"  - {line}", highlight=False)
     for line in plan.warnings:
         console.print(f"  [yellow]warning:[/] {line}", highlight=False)
     if plan.alternatives:
-        alt = Table(title="Other layouts", title_justify="left")
-        for col in ("tp", "pp", "dp", "tok/s", "batch-1 tok/s", "KV tokens", "why not"):
+        alt = Table(title="Other layouts (* on the Pareto front: output tok/s per GPU against per user)",
+                    title_justify="left")
+        for col in ("tp", "pp", "dp", "tok/s", "per GPU", "per user", "TTFT ms", "TPOT ms", "why not"):
             alt.add_column(col)
         for a in plan.alternatives:
+            numbers = [_cell(a[k], f) for k, f in (("output_tokens_per_s", ",.0f"), (
+                "output_tokens_per_s_per_gpu", ",.0f"), ("output_tokens_per_s_per_user", ",.1f"), (
+                "ttft_ms", ",.0f"), ("tpot_ms", ",.1f"))]
             alt.add_row(str(a["tensor_parallel_size"]), str(a["pipeline_parallel_size"]),
-                        str(a["data_parallel_size"]), f"{a['throughput_tokens_per_s']:,.0f}",
-                        f"{a['decode_tokens_per_s_batch1']:,.0f}", f"{a['kv_cache_tokens']:,}",
+                        str(a["data_parallel_size"]) + ("*" if a["on_pareto_front"] else ""), *numbers,
                         a["why_not"])
         console.print(alt)
+
+
+def _cell(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def describe_workload(w) -> str:
+    """'1024 in / 256 out tokens, 20 req/s (Poisson)' for a plan's estimates.workload."""
+    prefix = f" ({w.prefix_len} shared)" if w.prefix_len else ""
+    load = (f"{w.request_rate:g} req/s (Poisson)" if w.request_rate is not None
+            else f"{w.concurrency:g} requests in flight")
+    return f"{w.input_len:,} in{prefix} / {w.output_len:,} out tokens, {load}"
+
+
+def render_estimates(plan: PlanFile, console: Console) -> None:
+    est, svc = plan.estimates, plan.service
+    p = est.workload.percentile
+    table = Table(title=f"Estimates for {describe_workload(est.workload)}", title_justify="left",
+                  show_header=False)
+    targets = {"ttft_ms": svc.ttft_ms, "tpot_ms": svc.tpot_ms}
+    for key, label, value, unit in (
+            ("ttft_ms", f"TTFT p{p}", f"{est.ttft_ms:,.0f}", "ms"),
+            ("tpot_ms", f"TPOT p{p}", f"{est.tpot_ms:,.1f}", "ms"),
+            ("", "output tokens/s", f"{est.output_tokens_per_s:,.0f}", "whole deployment"),
+            ("", f"  per {'CPU rank' if plan.runtime.device == 'cpu' else 'GPU'}",
+             f"{est.output_tokens_per_s_per_gpu:,.0f}", ""),
+            ("", "  per user", f"{est.output_tokens_per_s_per_user:,.1f}", ""),
+            ("", "max request rate", f"{est.max_request_rate:,.2f}", "req/s" + (
+                " within the targets" if svc.ttft_ms or svc.tpot_ms else " before overload")),
+            ("", "batch-1 decode", f"{est.decode_tokens_per_s_batch1:,.0f}", "tok/s")):
+        target = targets.get(key)
+        table.add_row(label, value, unit + (f" (target {target:g})" if target is not None else ""))
+    console.print(table)
+    console.print(f"  speed from {est.source}", highlight=False)

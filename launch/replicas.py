@@ -7,6 +7,7 @@ import time
 from collections.abc import AsyncIterator
 
 from shardserve.launch.metrics import ServerMetrics
+from shardserve.launch.plan_check import FinishedRequest, PlanCheck
 from shardserve.runtime.input_processor import InputProcessor, ProcessedPrompt
 from shardserve.runtime.outputs import PromptDelta
 from shardserve.runtime.sampling_params import SamplingParams
@@ -29,9 +30,10 @@ class Replica:
 
 
 class ReplicaSet:
-    def __init__(self, engines: list, metrics: ServerMetrics | None = None):
+    def __init__(self, engines: list, metrics: ServerMetrics | None = None, plan_check: PlanCheck | None = None):
         self.replicas = [Replica(i, e) for i, e in enumerate(engines)]
         self.metrics = metrics
+        self.plan_check = plan_check  # fed each finished prompt's times (with metrics)
 
     @property
     def input_processor(self) -> InputProcessor:
@@ -66,7 +68,7 @@ class ReplicaSet:
         replica = self.pick()
         replica.num_active += 1
         labels = (self.metrics.model, str(replica.index)) if self.metrics else None
-        start = last = time.monotonic()
+        start = last = first = time.monotonic()
         num_tokens = 0
         try:
             async for delta in replica.engine.generate(prompt, params, prompt_id):
@@ -75,17 +77,30 @@ class ReplicaSet:
                 if labels:
                     self._observe_times(delta, labels)
                 if labels and num_new:
-                    first = num_tokens == 0
-                    (self.metrics.ttft if first else self.metrics.itl).labels(*labels).observe(
-                        now - (start if first else last))
+                    is_first = num_tokens == 0
+                    (self.metrics.ttft if is_first else self.metrics.itl).labels(*labels).observe(
+                        now - (start if is_first else last))
                     self.metrics.generation_tokens.labels(*labels).inc(num_new)
                     num_tokens, last = num_tokens + num_new, now
+                    first = now if is_first else first
                 yield delta
             if labels:
-                self.metrics.prompt_tokens.labels(*labels).inc(prompt.num_prompt_tokens)
-                self.metrics.e2e.labels(*labels).observe(time.monotonic() - start)
+                self._observe_finish(labels, prompt.num_prompt_tokens, num_tokens / params.n, start, first)
         finally:
             replica.num_active -= 1
+
+    def _observe_finish(self, labels: tuple[str, str], num_prompt_tokens: int, num_output_tokens: float,
+                        start: float, first: float) -> None:
+        """A finished prompt: e2e; TPOT = (e2e - TTFT) / (output tokens - 1) with 2 tokens or more
+        (output tokens per sample when n > 1); the plan check's record."""
+        e2e, ttft = time.monotonic() - start, first - start
+        self.metrics.prompt_tokens.labels(*labels).inc(num_prompt_tokens)
+        self.metrics.e2e.labels(*labels).observe(e2e)
+        tpot = (e2e - ttft) / (num_output_tokens - 1) if num_output_tokens >= 2 else None
+        if tpot is not None:
+            self.metrics.tpot.labels(*labels).observe(tpot)
+        if self.plan_check is not None and num_output_tokens >= 1:
+            self.plan_check.record(FinishedRequest(ttft, tpot, e2e, num_prompt_tokens, round(num_output_tokens)))
 
     def _observe_times(self, delta: PromptDelta, labels: tuple[str, str]) -> None:
         for sample in delta.samples:

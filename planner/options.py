@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from shardserve.planner.errors import PlanError
 from shardserve.planner.hardware import GpuSpec
 from shardserve.planner.model_spec import DTYPE_BYTES, ModelSpec, canonical_dtype
-from shardserve.planner.settings import (DEFAULT_CPU_KV_CACHE_BYTES, PLAN, resolved_max_num_batched_tokens,
-                                         settings_dataclass)
+from shardserve.planner.workload import Targets, Workload
+from shardserve.planner.settings import (DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN, PLAN,
+                                         SettingError, resolved_max_num_batched_tokens, settings_dataclass)
 
 
 class PlanOptions(settings_dataclass(PLAN, "PlanOptionsFields")):
@@ -78,3 +79,25 @@ def _resolve_dtype(requested: str, spec: ModelSpec, gpu: GpuSpec) -> str:
     if dtype == "bfloat16" and not gpu.has_bf16:
         raise PlanError(f"{gpu.name} has no bfloat16 support: use --dtype float16")
     return dtype
+
+
+def resolve_workload(options: PlanOptions, max_model_len: int) -> Workload:
+    """The traffic a plan is for: the options' lengths and load, defaults fitted to max_model_len.
+    Without --concurrency or --request-rate, full batches (concurrency None)."""
+    if options.concurrency is not None and options.request_rate is not None:
+        raise SettingError("concurrency and request_rate both given: a closed loop of --concurrency "
+                           "requests or --request-rate arrivals per second, not both")
+    input_len = options.input_len or min(DEFAULT_INPUT_LEN, max(1, max_model_len * 3 // 4))
+    output_len = options.output_len or max(1, min(DEFAULT_OUTPUT_LEN, max_model_len - input_len))
+    if input_len + output_len > max_model_len:
+        raise SettingError(f"input_len {input_len} + output_len {output_len} = {input_len + output_len} tokens "
+                           f"is beyond max_model_len {max_model_len}: shorten them or raise --max-model-len")
+    if options.prefix_len >= input_len:
+        raise SettingError(f"prefix_len {options.prefix_len} must be below input_len {input_len} (the shared "
+                           "prefix is part of every prompt)")
+    return Workload(input_len, output_len, options.prefix_len, options.concurrency, options.request_rate,
+                    options.target_percentile)
+
+
+def resolve_targets(options: PlanOptions) -> Targets:
+    return Targets(options.ttft_ms, options.tpot_ms)

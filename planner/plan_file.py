@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from shardserve.planner.errors import PlanError
 from shardserve.planner.settings import BY_NAME, SettingError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the service section and the workload's estimates
 
 
 @dataclass(frozen=True)
@@ -113,11 +113,40 @@ class RuntimeSection:
 
 
 @dataclass(frozen=True)
+class ServiceSection:
+    """The traffic and the targets the plan is for, as settings (launch checks itself against them)."""
+    input_len: int
+    output_len: int
+    prefix_len: int
+    concurrency: float | None    # None with request_rate, or for full batches
+    request_rate: float | None
+    ttft_ms: float | None
+    tpot_ms: float | None
+    target_percentile: int
+
+
+@dataclass(frozen=True)
+class WorkloadSection:
+    """The load the estimates are for: the service's, with full batches written out as a concurrency."""
+    input_len: int
+    output_len: int
+    prefix_len: int
+    concurrency: float | None
+    request_rate: float | None
+    percentile: int
+
+
+@dataclass(frozen=True)
 class EstimatesSection:
-    decode_tokens_per_s_batch1: float
-    throughput_tokens_per_s: float
+    workload: WorkloadSection
     ttft_ms: float
-    note: str
+    tpot_ms: float
+    output_tokens_per_s: float  # the whole deployment
+    output_tokens_per_s_per_gpu: float
+    output_tokens_per_s_per_user: float
+    max_request_rate: float     # requests/s within the targets (without targets: before overload)
+    decode_tokens_per_s_batch1: float
+    source: str
 
 
 @dataclass(frozen=True)
@@ -128,6 +157,7 @@ class PlanFile:
     parallel: ParallelSection
     memory: MemorySection
     runtime: RuntimeSection
+    service: ServiceSection
     estimates: EstimatesSection
     rationale: tuple[str, ...]
     warnings: tuple[str, ...]
@@ -149,7 +179,7 @@ class PlanFile:
         return _from_plain(cls, data, source, "")
 
 
-_CHECKED_BY_TABLE = (RuntimeSection, ParallelSection)
+_CHECKED_BY_TABLE = (RuntimeSection, ParallelSection, ServiceSection)
 
 
 def _to_plain(value):

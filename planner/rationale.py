@@ -6,21 +6,30 @@ from shardserve.planner.hardware import GIB, Hardware
 from shardserve.planner.model_source import ModelInfo
 from shardserve.planner.options import RuntimeSettings
 from shardserve.planner.rules import expert_parallel_problem, expert_parallel_reason, replica_spans_nodes
-from shardserve.planner.search import Candidate, rank_key, tier
+from shardserve.planner.search import Candidate, Search, tier
+
+
+
+def _rule_name(layout, hardware: Hardware) -> str:
+    """The rule that prefers this layout's shape (search.tier's order)."""
+    if layout.gpus_per_replica == 1:
+        return "rule 1 (one GPU per replica)"
+    if replica_spans_nodes(layout, hardware):
+        return "rule 3 (tensor parallel = GPUs per node across nodes)"
+    if hardware.interconnect == "pcie":
+        return "rule 5 (pipeline rather than tensor parallel over PCIe)"
+    return "rule 2 (tensor parallel inside an NVLink node)"
 
 
 def _gib(nbytes: float) -> str:
     return f"{nbytes / GIB:.1f} GiB" if nbytes >= GIB / 2 else f"{nbytes / 2**20:.1f} MiB"
 
 
-def rationale(model: ModelInfo, hardware: Hardware, settings: RuntimeSettings,
-              chosen: Candidate, candidates: list[Candidate], executor: str,
-              weights: int, pins: dict[str, int] | None = None,
-              forced_expert_parallel: bool | None = None) -> list[str]:
+def rationale(search: Search, chosen: Candidate, candidates: list[Candidate], executor: str,
+              weights: int, pins: dict[str, int] | None = None, recommend: bool = False) -> list[str]:
     """`pins`: the sizes the settings fixed; the layout is then theirs, not a rule's."""
-    spec, layout, gpu = model.spec, chosen.layout, hardware.gpu
-    tp, pp, dp = (layout.tensor_parallel_size, layout.pipeline_parallel_size,
-                  layout.data_parallel_size)
+    model, hardware, settings = search.model, search.hardware, chosen.settings
+    spec, gpu, pp = model.spec, hardware.gpu, chosen.layout.pipeline_parallel_size
     usable = gpu.memory_bytes * settings.gpu_memory_utilization
     offer = (f"host memory offers {_gib(usable)} per rank; KV cache pool "
              f"{_gib(settings.kv_cache_memory_bytes)}" if gpu.is_cpu else
@@ -28,37 +37,14 @@ def rationale(model: ModelInfo, hardware: Hardware, settings: RuntimeSettings,
              f"{settings.gpu_memory_utilization}")
     lines = [f"weights: {_gib(weights)} in {settings.dtype}"
              + (f" ({spec.quantization.method})" if spec.quantization else "") + f"; {offer}"]
-    one_gpu = next((c for c in candidates if c.layout.gpus_per_replica == 1), None)
+    lines.append(_objective(search, chosen, recommend))
     layout_pins = {k: v for k, v in (pins or {}).items() if k != "data_parallel_size"}
     if layout_pins:
         lines.append("layout pinned by the settings: "
                      + ", ".join(f"{k}={v}" for k, v in layout_pins.items()))
-    elif layout.gpus_per_replica == 1:
-        lines.append(f"rule 1: the model fits on one {'rank' if gpu.is_cpu else 'GPU'} with "
-                     "room for KV cache"
-                     + (f"; the other {dp - 1} {gpu.unit}s serve as replicas (data parallel)"
-                        if dp > 1 else ""))
     else:
-        if one_gpu is not None and one_gpu.problem:
-            lines.append(f"one {gpu.unit} is not enough: {one_gpu.problem}")
-        if replica_spans_nodes(layout, hardware):
-            if tp == hardware.gpus_per_node:
-                lines.append(f"rule 3: too big for one node; tensor parallel {tp} = GPUs per "
-                             f"node, pipeline parallel {pp} across nodes")
-            else:
-                lines.append(f"rule 4: tensor parallel {hardware.gpus_per_node} is not "
-                             f"possible, so tensor parallel {tp} with {pp} pipeline stages")
-        elif hardware.interconnect == "pcie" and tp == 1:
-            lines.append(f"rule 5: no NVLink between {gpu.name} GPUs, so pipeline parallel "
-                         f"{pp} rather than tensor parallel")
-        elif pp == 1:
-            lines.append(f"rule 2: fits in one node; tensor parallel {tp} inside it"
-                         + (f", {dp} replicas" if dp > 1 else ""))
-        else:
-            lines.append(f"rule 4: no tensor-parallel size uses every GPU "
-                         f"({_tp_blocker(candidates, tp)}), so pipeline parallel {pp} "
-                         "with an uneven split rather than idle GPUs")
-    experts = _experts_line(model, chosen, forced_expert_parallel)
+        lines += _layout_lines(search, chosen, candidates)
+    experts = _experts_line(model, chosen, search.options.enable_expert_parallel)
     if experts:
         lines.append(experts)
     if pp > 1:
@@ -69,6 +55,67 @@ def rationale(model: ModelInfo, hardware: Hardware, settings: RuntimeSettings,
                     "several nodes" if hardware.source != "ray" else "inside a Ray cluster")
                  + ")")
     return lines + _kv_cache_lines(chosen.memory, settings, spec.max_context_len)
+
+
+def _objective(search: Search, chosen: Candidate, recommend: bool) -> str:
+    w, e = search.workload, chosen.estimates
+    if search.targets.is_set:
+        t = search.targets
+        want = " and ".join(x for x in (f"TTFT <= {t.ttft_ms:g} ms" if t.ttft_ms is not None else "",
+                                        f"TPOT <= {t.tpot_ms:g} ms" if t.tpot_ms is not None else "") if x)
+        head = (f"recommend: {search.hardware.describe()} is the least {search.hardware.gpu.name} hardware "
+                "that holds it; " if recommend else "")
+        return (f"{head}targets: {want} at p{w.percentile} for {e.workload.describe()}: the fewest GPUs "
+                f"that meet them ({chosen.layout.num_gpus}), then the most output tokens/s per GPU")
+    return (f"objective: the most output tokens/s for {e.workload.describe()} with every "
+            f"{search.hardware.gpu.unit} busy (no --ttft-ms/--tpot-ms targets given)")
+
+
+def _layout_lines(search: Search, chosen: Candidate, candidates: list[Candidate]) -> list[str]:
+    """The rule behind the layout's shape, and when speed overrode the rules' preference, by how much."""
+    hardware, layout, gpu = search.hardware, chosen.layout, search.hardware.gpu
+    tp, pp, dp = layout.tensor_parallel_size, layout.pipeline_parallel_size, layout.data_parallel_size
+    lines = []
+    one_gpu = next((c for c in candidates if c.layout.gpus_per_replica == 1), None)
+    if layout.gpus_per_replica == 1:
+        lines.append(f"rule 1: the model fits on one {'rank' if gpu.is_cpu else 'GPU'} with room for KV cache"
+                     + (f"; {dp} replicas (data parallel)" if dp > 1 else ""))
+    else:
+        if one_gpu is not None and one_gpu.problem:
+            lines.append(f"one {gpu.unit} is not enough: {one_gpu.problem}")
+        if replica_spans_nodes(layout, hardware):
+            lines.append(f"rule 3: too big for one node; tensor parallel {tp} = GPUs per node, pipeline "
+                         f"parallel {pp} across nodes" if tp == hardware.gpus_per_node else
+                         f"rule 4: tensor parallel {hardware.gpus_per_node} is not possible, so tensor "
+                         f"parallel {tp} with {pp} pipeline stages")
+        elif hardware.interconnect == "pcie" and tp == 1:
+            lines.append(f"rule 5: no NVLink between {gpu.name} GPUs, so pipeline parallel {pp} rather than "
+                         "tensor parallel")
+        elif pp == 1:
+            lines.append(f"rule 2: tensor parallel {tp} inside a node" + (f", {dp} replicas" if dp > 1 else ""))
+        else:
+            lines.append(f"rule 4: no tensor-parallel size uses every GPU ({_tp_blocker(candidates, tp)}), so "
+                         f"pipeline parallel {pp} with an uneven split rather than idle GPUs")
+    overridden = _overridden(search, chosen, candidates)
+    if overridden:
+        lines.append(overridden)
+    return lines
+
+
+def _overridden(search: Search, chosen: Candidate, candidates: list[Candidate]) -> str | None:
+    """When a rule preferred another shape and the estimates chose this one: say by how much."""
+    if search.targets.is_set:
+        return None
+    hardware = search.hardware
+    rivals = [c for c in candidates if c.is_feasible and c.layout.num_gpus == chosen.layout.num_gpus
+              and tier(c.layout, hardware) < tier(chosen.layout, hardware)]
+    if not rivals:
+        return None
+    best = max(rivals, key=lambda c: c.estimates.output_tokens_per_s)
+    ratio = chosen.estimates.output_tokens_per_s / best.estimates.output_tokens_per_s
+    return (f"{_rule_name(best.layout, hardware)} prefers {best.layout}, but this layout "
+            f"is estimated {ratio:.1f}x as fast ({chosen.estimates.output_tokens_per_s:,.0f} vs "
+            f"{best.estimates.output_tokens_per_s:,.0f} output tok/s)")
 
 
 def _kv_cache_lines(mem, settings: RuntimeSettings, model_limit: int) -> list[str]:
@@ -132,41 +179,3 @@ def warnings(model: ModelInfo, hardware: Hardware, settings: RuntimeSettings,
     if model.tensors_from == "config":
         out.append("weight sizes derived from config.json (no safetensors files read)")
     return out
-
-
-def alternatives(chosen: Candidate, candidates: list[Candidate], hardware: Hardware,
-                 limit: int = 5) -> list[dict]:
-    """The best few other layouts and why each lost."""
-    others = [c for c in candidates if c is not chosen and c.estimates is not None]
-    others.sort(key=lambda c: (not c.is_feasible, rank_key(c, hardware)))
-    out = []
-    for c in others[:limit]:
-        out.append({
-            "tensor_parallel_size": c.layout.tensor_parallel_size,
-            "pipeline_parallel_size": c.layout.pipeline_parallel_size,
-            "data_parallel_size": c.layout.data_parallel_size,
-            "throughput_tokens_per_s": round(c.estimates.throughput_tokens_per_s, 1),
-            "decode_tokens_per_s_batch1": round(c.estimates.decode_tokens_per_s_batch1, 1),
-            "kv_cache_tokens": c.memory.kv_cache_tokens,
-            "why_not": _why_not(c, chosen, hardware),
-        })
-    return out
-
-
-def _why_not(c: Candidate, chosen: Candidate, hardware: Hardware) -> str:
-    if c.problem:
-        return c.problem
-    if chosen.layout.gpus_per_replica == 1 and c.layout.gpus_per_replica > 1:
-        return f"rule 1: one {hardware.gpu.unit} per replica suffices"
-    idle = hardware.total_gpus - c.layout.num_gpus
-    if idle > hardware.total_gpus - chosen.layout.num_gpus:
-        return f"leaves {idle} {hardware.gpu.unit}(s) idle"
-    if tier(c.layout, hardware) > tier(chosen.layout, hardware):
-        if replica_spans_nodes(c.layout, hardware):
-            return (f"rule 3: across nodes, tensor parallel should fill a node's "
-                    f"{hardware.gpus_per_node} GPUs and pipeline stages span the nodes")
-        if hardware.interconnect == "pcie":
-            return "rule 5: tensor parallel over PCIe"
-        return "rule 2: inside an NVLink node, tensor parallel beats pipeline stages"
-    ratio = c.estimates.throughput_tokens_per_s / chosen.estimates.throughput_tokens_per_s
-    return f"slower: {ratio:.0%} of the chosen layout's estimated throughput"

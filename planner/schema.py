@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from shardserve.planner.plan_file import (SCHEMA_VERSION, EstimatesSection, GpuSection, HardwareSection,
                                           MemorySection, ModelSection, ParallelSection, PlanFile, RuntimeSection,
-                                          StageSection)
+                                          ServiceSection, StageSection, WorkloadSection)
 
 
 def plan_record(plan) -> PlanFile:
@@ -45,16 +45,32 @@ def plan_record(plan) -> PlanFile:
             "block_size": s.block_size, "enable_prefix_caching": s.enable_prefix_caching,
             "kv_cache_memory_bytes": s.kv_cache_memory_bytes, "enforce_eager": s.enforce_eager,
         }),
-        estimates=EstimatesSection(**{
-            "decode_tokens_per_s_batch1": round(est.decode_tokens_per_s_batch1, 1),
-            "throughput_tokens_per_s": round(est.throughput_tokens_per_s, 1),
-            "ttft_ms": round(est.ttft_ms, 1),
-            "note": "roofline estimate: 80% of HBM bandwidth, 60% of dense FLOP/s",
-        }),
+        service=_service_section(plan.search),
+        estimates=_estimates_section(est),
         rationale=tuple(plan.rationale), warnings=tuple(plan.warnings),
         alternatives=tuple(plan.alternatives),
     )
 
+
+
+def _service_section(search) -> ServiceSection:
+    w, t = search.workload, search.targets
+    return ServiceSection(input_len=w.input_len, output_len=w.output_len, prefix_len=w.prefix_len,
+                          concurrency=w.concurrency, request_rate=w.request_rate, ttft_ms=t.ttft_ms,
+                          tpot_ms=t.tpot_ms, target_percentile=w.percentile)
+
+
+def _estimates_section(est) -> EstimatesSection:
+    w = est.workload
+    return EstimatesSection(
+        workload=WorkloadSection(input_len=w.input_len, output_len=w.output_len, prefix_len=w.prefix_len,
+                                 concurrency=w.concurrency, request_rate=w.request_rate, percentile=w.percentile),
+        ttft_ms=round(est.ttft_ms, 1), tpot_ms=round(est.tpot_ms, 2),
+        output_tokens_per_s=round(est.output_tokens_per_s, 1),
+        output_tokens_per_s_per_gpu=round(est.output_tokens_per_s_per_gpu, 1),
+        output_tokens_per_s_per_user=round(est.output_tokens_per_s_per_user, 1),
+        max_request_rate=round(est.max_request_rate, 2),
+        decode_tokens_per_s_batch1=round(est.decode_tokens_per_s_batch1, 1), source=est.source)
 
 
 def _model_section(plan) -> ModelSection:

@@ -1,4 +1,4 @@
-"""Evaluate every layout the hardware allows and choose one by the rules, fastest first."""
+"""Evaluate every layout the hardware allows for the workload, and choose by the targets or by speed."""
 
 from __future__ import annotations
 
@@ -10,7 +10,14 @@ from shardserve.planner.model_source import ModelInfo
 from shardserve.planner.options import PlanOptions, RuntimeSettings
 from shardserve.planner.rules import (Layout, expert_parallel_reason, max_replicas, placement_problem,
                                       replica_spans_nodes, tensor_parallel_problem)
-from shardserve.planner.speed import Estimates, estimate
+from shardserve.planner.serving import Replica
+from shardserve.planner.speed import Estimates, estimate, replica_model, source_note
+from shardserve.planner.workload import Targets, Workload
+
+# NOTE: the rules' preferred shapes (one GPU per replica, tensor parallel inside an NVLink node,
+# pipeline over PCIe, tp = GPUs per node across nodes) win unless another layout is estimated
+# this much faster: a preference is an input to the comparison, never an override of it.
+PREFERENCE_MARGIN = 0.9
 
 
 @dataclass(frozen=True)
@@ -28,35 +35,72 @@ class Candidate:
         return self.problem is None
 
 
-def evaluate(model: ModelInfo, layout: Layout, hardware: Hardware, options: PlanOptions,
-             settings: RuntimeSettings) -> Candidate:
-    spec = model.spec
-    tp, pp = layout.tensor_parallel_size, layout.pipeline_parallel_size
-    ep = uses_expert_parallel(model, tp, options)
-    problem = tensor_parallel_problem(spec, tp, ep) or placement_problem(layout, spec, hardware)
-    if problem:
-        return Candidate(layout, problem, expert_parallel=ep)
-    sharded = model.sharded(tp, settings.dtype, pp, ep)
-    split = sharded.split(pp)
-    stage_weights = sharded.stage_bytes(split)
-    memory = plan_memory(spec, stage_weights, split, tp, hardware.gpu, settings, ep)
-    if settings.is_max_model_len_auto:  # this layout's own longest; the model's limit if none fits
-        fitting = memory.longest_fitting_len(spec.max_context_len, options.target_concurrency)
-        settings = replace(settings, max_model_len=fitting or settings.max_model_len)
+@dataclass(frozen=True)
+class Search:
+    """One planning question: the model on the hardware, for a workload, within targets."""
+    model: ModelInfo
+    hardware: Hardware
+    options: PlanOptions
+    settings: RuntimeSettings
+    workload: Workload
+    targets: Targets
+
+    def candidates(self) -> list[Candidate]:
+        out = []
+        for tp, pp, dps in candidate_shapes(self.model, self.hardware, self.options, self.targets.is_set):
+            shape = self.shape(tp, pp)
+            for dp in dps:
+                out.append(self.with_replicas(shape, dp))
+        return out
+
+    def shape(self, tp: int, pp: int, with_rate: bool = True) -> tuple[Candidate, Replica | None, float]:
+        """One replica of tp x pp: its memory, its speed model and the rate it serves within the
+        targets (0 unless `with_rate`)."""
+        model, spec, settings = self.model, self.model.spec, self.settings
+        layout = Layout(tp, pp, 1)
+        ep = uses_expert_parallel(model, tp, self.options)
+        problem = tensor_parallel_problem(spec, tp, ep) or placement_problem(layout, spec, self.hardware)
+        if problem:
+            return Candidate(layout, problem, expert_parallel=ep), None, 0.0
+        sharded = model.sharded(tp, settings.dtype, pp, ep)
+        split = sharded.split(pp)
+        memory = plan_memory(spec, sharded.stage_bytes(split), split, tp, self.hardware.gpu, settings, ep)
+        if settings.is_max_model_len_auto:  # this layout's own longest; the model's limit if none fits
+            fitting = memory.longest_fitting_len(spec.max_context_len, self.options.target_concurrency)
+            settings = replace(settings, max_model_len=fitting or settings.max_model_len)
+        problem = _memory_problem(memory, settings, self.options, self.hardware)
+        replica = replica_model(spec, split, tp, ep, self.hardware, settings, memory.kv_cache_tokens)
+        rate = replica.max_request_rate(self.workload.per_replica(1), self._meets) if with_rate else 0.0
+        return Candidate(layout, problem, tuple(split), memory, None, ep, settings), replica, rate
+
+    def _meets(self, speed) -> bool:
+        return not self.targets.misses(speed.ttft_ms, speed.tpot_ms)
+
+    def with_replicas(self, shape: tuple[Candidate, Replica | None, float], dp: int) -> Candidate:
+        base, replica, rate = shape
+        layout = Layout(base.layout.tensor_parallel_size, base.layout.pipeline_parallel_size, dp)
+        placement = placement_problem(layout, self.model.spec, self.hardware)
+        if placement:  # this many replicas cannot be placed at all: no memory to speak of
+            return Candidate(layout, placement, expert_parallel=base.expert_parallel)
+        if replica is None or base.problem:
+            return replace(base, layout=layout)
+        est = estimate(replica, self.workload, self.targets, dp, layout.num_gpus, rate,
+                       source_note(self.hardware))
+        return replace(base, layout=layout, estimates=est)
+
+
+def _memory_problem(memory: MemoryPlan, settings: RuntimeSettings, options: PlanOptions,
+                    hardware: Hardware) -> str | None:
     needed = memory.blocks_per_request(settings.max_model_len) * options.target_concurrency
-    problem = None
     if memory.tightest.kv_budget_bytes <= 0:
         t = memory.tightest
-        problem = (f"weights {t.weights_bytes / 2**30:.1f} GiB + activations and overhead "
-                   f"{(t.activation_bytes + t.overhead_bytes) / 2**30:.1f} GiB exceed "
-                   f"{t.total_bytes * settings.gpu_memory_utilization / 2**30:.1f} GiB per {hardware.gpu.unit}")
-    elif memory.num_blocks < needed:
-        problem = (f"KV cache holds {memory.kv_cache_tokens} tokens; {needed * memory.block_size} needed for "
-                   f"{options.target_concurrency} request(s) of {settings.max_model_len}")
-    est = estimate(spec, model.num_params, sharded, split, stage_weights,
-                   [s.kv_bytes_per_token for s in memory.stages], tp,
-                   layout.data_parallel_size, hardware, settings, memory.kv_cache_tokens)
-    return Candidate(layout, problem, tuple(split), memory, est, ep, settings)
+        return (f"weights {t.weights_bytes / 2**30:.1f} GiB + activations and overhead "
+                f"{(t.activation_bytes + t.overhead_bytes) / 2**30:.1f} GiB exceed "
+                f"{t.total_bytes * settings.gpu_memory_utilization / 2**30:.1f} GiB per {hardware.gpu.unit}")
+    if memory.num_blocks < needed:
+        return (f"KV cache holds {memory.kv_cache_tokens} tokens; {needed * memory.block_size} needed for "
+                f"{options.target_concurrency} request(s) of {settings.max_model_len}")
+    return None
 
 
 def uses_expert_parallel(model: ModelInfo, tp: int, options: PlanOptions) -> bool:
@@ -66,9 +110,10 @@ def uses_expert_parallel(model: ModelInfo, tp: int, options: PlanOptions) -> boo
     return expert_parallel_reason(model.spec, tp) is not None
 
 
-def candidate_layouts(model: ModelInfo, hardware: Hardware,
-                      options: PlanOptions) -> list[Layout]:
-    """Every (tp, pp) the pins allow, each with as many replicas as fit (or the pinned dp)."""
+def candidate_shapes(model: ModelInfo, hardware: Hardware, options: PlanOptions,
+                     any_replicas: bool) -> list[tuple[int, int, list[int]]]:
+    """Every (tp, pp) the pins allow, with the replica counts to try: as many as fit (or the pinned
+    dp), or, with targets, every count from 1 so the fewest GPUs can win."""
     tps = ([options.tensor_parallel_size] if options.tensor_parallel_size
            else range(1, hardware.gpus_per_node + 1))
     out = []
@@ -77,34 +122,67 @@ def candidate_layouts(model: ModelInfo, hardware: Hardware,
         pps = ([options.pipeline_parallel_size] if options.pipeline_parallel_size
                else range(1, max_pp + 1))
         for pp in pps:
-            dp = options.data_parallel_size or max(1, max_replicas(tp, pp, hardware))
-            out.append(Layout(tp, pp, dp))
+            most = max(1, max_replicas(tp, pp, hardware))
+            dps = ([options.data_parallel_size] if options.data_parallel_size
+                   else list(range(1, most + 1)) if any_replicas else [most])
+            out.append((tp, pp, dps))
     return out
 
 
 def tier(layout: Layout, hardware: Hardware) -> int:
-    """Rules 2, 3 and 5 as a preference: lower is preferred."""
+    """Rules 1, 2, 3 and 5 as a preference: lower is preferred."""
     tp, pp = layout.tensor_parallel_size, layout.pipeline_parallel_size
+    if layout.gpus_per_replica == 1:
+        return 0  # rule 1: one GPU per replica
     if replica_spans_nodes(layout, hardware):
-        return 2 if tp == hardware.gpus_per_node else 3  # rule 3: tp = GPUs per node
+        return 3 if tp == hardware.gpus_per_node else 4  # rule 3: tp = GPUs per node
     if hardware.interconnect == "pcie":
-        return 0 if tp == 1 else 1  # rule 5: pipeline over PCIe
-    return 0 if pp == 1 else 1  # rule 2: tensor parallel inside a node
+        return 1 if tp == 1 else 2  # rule 5: pipeline over PCIe
+    return 1 if pp == 1 else 2  # rule 2: tensor parallel inside a node
 
 
 def rank_key(c: Candidate, hardware: Hardware):
+    """Fewest idle GPUs, then the most output tokens/s (the order alternatives are listed in)."""
     idle = hardware.total_gpus - c.layout.num_gpus
-    return (idle, tier(c.layout, hardware), -c.estimates.throughput_tokens_per_s,
+    return (idle, -c.estimates.output_tokens_per_s, tier(c.layout, hardware),
             -c.memory.kv_cache_tokens, c.layout)
 
 
-def choose(candidates: list[Candidate], hardware: Hardware) -> Candidate | None:
-    """Rule 1 first: one GPU per replica when it fits. Then fewest idle GPUs (rule 4), the
-    rules' preferred shape (2, 3, 5), and the highest estimated throughput."""
+def choose(candidates: list[Candidate], hardware: Hardware, targets: Targets) -> Candidate | None:
+    """With targets: the fewest GPUs that meet them, then the most output tokens/s per GPU, then
+    the most headroom.
+    Without: one GPU per replica when the model fits one (rule 1), else every GPU busy (rule 4)
+    and the most output tokens/s, the rules' preferred shape winning when within
+    PREFERENCE_MARGIN of the fastest."""
     feasible = [c for c in candidates if c.is_feasible]
+    if targets.is_set:
+        meeting = [c for c in feasible if c.estimates.meets(targets)]
+        # NOTE: at a fixed rate every layout that keeps up serves the same tokens/s; the one with the
+        # most headroom (the highest rate it holds within the targets) wins then.
+        return min(meeting, default=None, key=lambda c: (
+            c.layout.num_gpus, -round(c.estimates.output_tokens_per_s_per_gpu, 3), -c.estimates.max_request_rate,
+            tier(c.layout, hardware), c.layout))
     if not feasible:
         return None
     single = [c for c in feasible if c.layout.gpus_per_replica == 1]
-    if single:
-        return min(single, key=lambda c: rank_key(c, hardware))
-    return min(feasible, key=lambda c: rank_key(c, hardware))
+    feasible = single or feasible  # rule 1: one GPU per replica when the model fits one
+    fewest_idle = min(hardware.total_gpus - c.layout.num_gpus for c in feasible)
+    pool = [c for c in feasible if hardware.total_gpus - c.layout.num_gpus == fewest_idle]
+    fastest = min(pool, key=lambda c: rank_key(c, hardware))
+    best_tier = min(tier(c.layout, hardware) for c in pool)
+    preferred = [c for c in pool if tier(c.layout, hardware) == best_tier and
+                 c.estimates.output_tokens_per_s >= PREFERENCE_MARGIN * fastest.estimates.output_tokens_per_s]
+    return min(preferred, key=lambda c: rank_key(c, hardware)) if preferred else fastest
+
+
+def pareto_front(candidates: list[Candidate]) -> list[Candidate]:
+    """Runnable layouts no other beats on both output tokens/s per GPU and per user."""
+    runnable = [c for c in candidates if c.is_feasible and not c.estimates.is_overloaded]
+
+    def beats(a: Candidate, b: Candidate) -> bool:
+        ea, eb = a.estimates, b.estimates
+        return (ea.output_tokens_per_s_per_gpu >= eb.output_tokens_per_s_per_gpu and
+                ea.output_tokens_per_s_per_user >= eb.output_tokens_per_s_per_user and
+                (ea.output_tokens_per_s_per_gpu, ea.output_tokens_per_s_per_user) !=
+                (eb.output_tokens_per_s_per_gpu, eb.output_tokens_per_s_per_user))
+    return [c for c in runnable if not any(beats(o, c) for o in runnable)]

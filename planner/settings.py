@@ -24,6 +24,7 @@ from shardserve.planner.served import QUANTIZATION_FORMATS
 INPUT, PLAN, ENGINE, SERVER, PROFILE = "input", "plan", "engine", "server", "profile"
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # at least max_num_seqs (see resolved_max_num_batched_tokens)
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3  # the KV pool per rank on CPU when none is given
+DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN = 1024, 256  # the traffic a plan is for when none is given
 
 
 class SettingError(PlanError, ValueError):
@@ -153,6 +154,22 @@ SETTINGS: tuple[Setting, ...] = (
        "no text.", "engine", in_profile=False),
     _s("target_concurrency", int, 1, "KV room for this many requests of max_model_len.", "plan",
        minimum=1),
+    _s("input_len", int, None, "Mean prompt tokens of the traffic the plan is for (default: "
+       f"{DEFAULT_INPUT_LEN}, or less when max_model_len is shorter).", "plan server", minimum=1),
+    _s("output_len", int, None, f"Mean output tokens per request (default: {DEFAULT_OUTPUT_LEN}, or less "
+       "when max_model_len is shorter).", "plan server", minimum=1),
+    _s("prefix_len", int, 0, "Leading prompt tokens every request shares (a system prompt), computed once "
+       "and served from the prefix cache.", "plan server", minimum=0),
+    _s("concurrency", float, None, "Requests in flight across the deployment, each sent when one finishes "
+       "(closed loop; not with --request-rate). Default: full batches.", "plan server", above=0.0),
+    _s("request_rate", float, None, "Requests per second arriving across the deployment (Poisson; not "
+       "with --concurrency).", "plan server", above=0.0),
+    _s("ttft_ms", float, None, "Target time to first token in milliseconds, at --target-percentile: the "
+       "plan picks the fewest GPUs that meet the targets.", "plan server", above=0.0),
+    _s("tpot_ms", float, None, "Target time per output token (after the first) in milliseconds, at "
+       "--target-percentile.", "plan server", above=0.0),
+    _s("target_percentile", int, 50, "The percentile the latency targets and estimates are stated at.",
+       "plan server", choices=(50, 90, 95, 99)),
     _s("host", str, "127.0.0.1", "Address to listen on (default: this machine only).", "server"),
     _s("port", int, 8000, "Port to listen on.", "server", minimum=0, maximum=65535),
     _s("served_model_name", str, None, "The model name clients use (default: shardserve-demo for the "

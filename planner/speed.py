@@ -1,138 +1,146 @@
-"""Roofline speed estimates for a layout: decode, throughput and time to first token."""
+"""Speed of a layout for a workload: TTFT, TPOT and tokens/s from measured operators and batching.
+
+`replica_model` turns a layout into a `serving.Replica` (its step time for any batch, built per
+stage by `operators`, pipeline stages overlapping micro-batches, host time per step); `estimate`
+runs the workload through it and scales to the replicas.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from shardserve.planner.hardware import GpuSpec, Hardware
+from shardserve.planner.hardware import Hardware
 from shardserve.planner.model_spec import ModelSpec
+from shardserve.planner.operators import Chunk, Operators, StageShape, stage_step_ms
 from shardserve.planner.options import RuntimeSettings
-from shardserve.planner.sharding import ShardedModel
+from shardserve.planner.perf_tables import Database, load_database, roofline_fit
+from shardserve.planner.serving import Replica, ReplicaSpeed
+from shardserve.planner.workload import Targets, Workload
 
-# NOTE: a roofline with the efficiencies good kernels reach: 80% of HBM bandwidth for decode,
-# 60% of dense FLOP/s for prefill and large batches. Estimates rank layouts; they are not
-# promises, and `bench/` measures the real numbers.
-HBM_EFFICIENCY = 0.8
-FLOPS_EFFICIENCY = 0.6
-# Context per request assumed for decode estimates (tokens of KV read per step).
-DECODE_CONTEXT = 1024
 _LATENCY_S = {"nvlink": 8e-6, "pcie": 20e-6, "none": 50e-6, "network": 30e-6}
 
 
 @dataclass(frozen=True)
 class Estimates:
+    workload: Workload           # the lengths and the concurrency or rate of the whole deployment
+    ttft_ms: float
+    tpot_ms: float
+    output_tokens_per_s: float   # the whole deployment
+    output_tokens_per_s_per_gpu: float
+    output_tokens_per_s_per_user: float
+    max_request_rate: float      # requests/s the deployment serves within the targets
     decode_tokens_per_s_batch1: float
-    throughput_tokens_per_s: float  # output tokens/s of all replicas at full batch
-    ttft_ms: float                  # a prompt of max_model_len tokens, idle server
-    batch_per_replica: int
+    is_overloaded: bool
+    source: str                  # where the operator times came from
+
+    def meets(self, targets: Targets) -> bool:
+        return not self.is_overloaded and not targets.misses(self.ttft_ms, self.tpot_ms)
 
 
-@dataclass(frozen=True)
-class _Stage:
-    weight_bytes: float  # one rank
-    embedding_bytes: float
-    expert_bytes: float
-    params: float        # one rank's parameters, dense-equivalent (all experts)
-    num_layers: int
-    kv_bytes_per_token: int
-
-
-def estimate(spec: ModelSpec, num_params: float, sharded: ShardedModel, split: list[int],
-             stage_weights: list[float], kv_per_token: list[int], tp: int, dp: int,
-             hardware: Hardware, settings: RuntimeSettings, kv_cache_tokens: int) -> Estimates:
-    gpu, pp = hardware.gpu, len(split)
-    total_weights = sum(stage_weights) or 1.0
-    stages, start = [], 0
-    for s, (count, weights) in enumerate(zip(split, stage_weights)):
-        experts = sum(sharded.layer_bytes[start:start + count]) / max(
-            sum(sharded.layer_bytes), 1.0) * sharded.expert_bytes
-        stages.append(_Stage(weights, sharded.embedding_bytes if s == 0 else 0.0, experts,
-                             num_params / tp * weights / total_weights, count, kv_per_token[s]))
-        start += count
-    flops = _flops(gpu, settings, spec)
-    link, latency = _link(hardware)
-    hops = _hop_links(hardware, tp, pp)
-
-    def replica_step(batch: int, context: int) -> float:
-        """Seconds for `batch` requests to each get one token through every stage."""
-        return sum(_decode_stage(st, spec, batch, context, tp, gpu, flops, link, latency,
-                                 settings) for st in stages) + sum(
-            _hop(batch, spec, settings, h, hardware) for h in hops)
-
-    context = min(settings.max_model_len, DECODE_CONTEXT)
-    batch1 = 1.0 / replica_step(1, context)
-    batch = max(1, min(settings.max_num_seqs, kv_cache_tokens // context))
-    if pp == 1 or batch < pp:
-        per_replica = batch / replica_step(batch, context)
-    else:
-        # pp micro-batches in flight, one per stage: every stage-time the pipeline hands out
-        # one micro-batch's tokens, and the slowest stage (with its hop) sets the stage-time.
-        micro = batch // pp
-        slowest = max(_decode_stage(st, spec, micro, context, tp, gpu, flops, link, latency,
-                                    settings) for st in stages)
-        slowest += max(_hop(micro, spec, settings, h, hardware) for h in hops)
-        per_replica = micro / slowest
-    ttft = sum(_prefill_stage(st, spec, settings, tp, gpu, flops, link, latency)
-               for st in stages)
-    ttft += sum(_hop(settings.max_model_len, spec, settings, h, hardware) for h in hops)
-    return Estimates(batch1, per_replica * dp, ttft * 1e3, batch)
-
-
-def _flops(gpu: GpuSpec, settings: RuntimeSettings, spec: ModelSpec) -> float:
-    base = gpu.bf16_flops if settings.dtype == "bfloat16" else gpu.fp16_flops
+def _dtypes(spec: ModelSpec, settings: RuntimeSettings, hardware: Hardware) -> dict:
+    gpu, q = hardware.gpu, spec.quantization
     if settings.dtype == "float32":
-        base = max(gpu.bf16_flops, gpu.fp16_flops) / 2  # TF32 tensor cores
-    if spec.quantization and spec.quantization.method == "fp8" and gpu.has_fp8:
-        base *= 2
-    return base * FLOPS_EFFICIENCY
+        gemm, bits = "float32", 32
+    elif q and q.method == "fp8" and gpu.has_fp8:
+        gemm, bits = "fp8", 8
+    else:
+        gemm, bits = "bfloat16", q.bits if q and q.method in ("awq", "gptq") else 16
+    kv = "fp8" if settings.is_fp8_kv else settings.dtype
+    return {"gemm_dtype": gemm, "weight_bits": bits, "act_bytes": settings.dtype_bytes, "kv_dtype": kv,
+            "kv_bytes": settings.kv_dtype_bytes}
 
 
-def _link(hardware: Hardware) -> tuple[float, float]:
-    gpu = hardware.gpu
-    return gpu.link_bytes_per_s, _LATENCY_S[hardware.interconnect]
+def stage_shapes(spec: ModelSpec, split: list[int], tp: int, expert_parallel: bool,
+                 settings: RuntimeSettings, hardware: Hardware) -> list[StageShape]:
+    dtypes, shapes, start = _dtypes(spec, settings, hardware), [], 0
+    windowed = _window_layers(spec)
+    for s, count in enumerate(split):
+        layers = range(start, start + count)
+        shapes.append(StageShape(
+            spec, tp, expert_parallel, count, sum(1 for i in layers if i in set(spec.moe_layers)),
+            sum(1 for i in layers if i in windowed), s == 0, s == len(split) - 1, **dtypes))
+        start += count
+    return shapes
 
 
-def _allreduce(nbytes: float, tp: int, link: float, latency: float) -> float:
-    if tp == 1:
-        return 0.0
-    return latency + 2 * (tp - 1) / tp * nbytes / link  # ring all-reduce
+def _window_layers(spec: ModelSpec) -> set[int]:
+    if not spec.sliding_window:
+        return set()
+    if spec.layer_types is None:
+        return set(range(spec.num_layers))
+    return {i for i, kind in enumerate(spec.layer_types) if kind == "sliding_attention"}
 
 
-def _decode_stage(st: _Stage, spec: ModelSpec, batch: int, context: int, tp: int,
-                  gpu: GpuSpec, flops: float, link: float, latency: float,
-                  settings: RuntimeSettings) -> float:
-    weights_read = st.weight_bytes - st.embedding_bytes
-    active = st.params
-    if spec.is_moe and st.expert_bytes:
-        share = spec.num_experts_per_tok / spec.num_experts
-        touched = 1 - (1 - share) ** batch  # experts a batch of tokens reaches, in expectation
-        weights_read -= st.expert_bytes * (1 - touched)
-        active -= st.params * (st.expert_bytes / st.weight_bytes) * (1 - share)
-    kv_read = batch * context * st.kv_bytes_per_token
-    memory_s = (weights_read + kv_read) / (gpu.hbm_bytes_per_s * HBM_EFFICIENCY)
-    compute_s = 2 * active * batch / flops
-    comm = 2 * st.num_layers * _allreduce(batch * spec.hidden_size * settings.dtype_bytes, tp,
-                                          link, latency)
-    return max(memory_s, compute_s) + comm
+def database_for(hardware: Hardware) -> Database:
+    """The GPU's tables; the measured all-reduce only where the node's links are the catalog's."""
+    db = load_database(hardware.gpu.name)
+    if "allreduce" in db.tables and hardware.interconnect != hardware.gpu.interconnect:
+        db = replace(db, tables={k: v for k, v in db.tables.items() if k != "allreduce"})
+    return db
 
 
-def _prefill_stage(st: _Stage, spec: ModelSpec, settings: RuntimeSettings, tp: int,
-                   gpu: GpuSpec, flops: float, link: float, latency: float) -> float:
-    n = settings.max_model_len
-    active = st.params
-    if spec.is_moe and st.expert_bytes:
-        active -= st.params * (st.expert_bytes / st.weight_bytes) * (
-            1 - spec.num_experts_per_tok / spec.num_experts)
-    heads = spec.num_attention_heads // tp
-    attention = 2 * st.num_layers * n * n * heads * spec.head_dim  # causal QK^T and PV
-    compute_s = (2 * active * n + attention) / flops
-    chunks = math.ceil(n / settings.max_num_batched_tokens)
-    memory_s = chunks * st.weight_bytes / (gpu.hbm_bytes_per_s * HBM_EFFICIENCY)
-    comm = 2 * st.num_layers * chunks * _allreduce(
-        min(n, settings.max_num_batched_tokens) * spec.hidden_size * settings.dtype_bytes, tp,
-        link, latency)
-    return max(compute_s, memory_s) + comm
+def replica_model(spec: ModelSpec, split: list[int], tp: int, expert_parallel: bool,
+                  hardware: Hardware, settings: RuntimeSettings, kv_cache_tokens: int) -> Replica:
+    db = database_for(hardware)
+    ops = Operators(hardware.gpu, db, hardware.gpu.link_bytes_per_s)
+    shapes = stage_shapes(spec, split, tp, expert_parallel, settings, hardware)
+    hops = [_hop_cost(spec, settings, h, hardware) for h in _hop_links(hardware, tp, len(split))]
+    cache: dict = {}
+    cycles: dict = {}
+
+    def stage(i: int, b: int, chunks: tuple[Chunk, ...], context: int) -> float:
+        key = (i, b, chunks, context)
+        if key not in cache:
+            cache[key] = stage_step_ms(ops, shapes[i], b, context, chunks)
+        return cache[key]
+
+    def cycle(b: int, chunks: tuple[Chunk, ...], context: int) -> float:
+        key = (b, chunks, context)
+        if key not in cycles:
+            cycles[key] = _cycle(b, chunks, context)
+        return cycles[key]
+
+    def _cycle(b: int, chunks: tuple[Chunk, ...], context: int) -> float:
+        host = db.host.ms(b)
+        if len(shapes) == 1:
+            return stage(0, b, chunks, context) + host
+        # NOTE: pp micro-batches in flight (one per stage while b allows): a request's next token
+        # comes after one pass through every stage, or after every micro-batch took the slowest
+        # stage, whichever is longer.
+        micro = min(len(shapes), b)
+        mb = math.ceil(b / micro)
+        tokens = mb + sum(c.tokens for c in chunks)
+        one_pass = sum(stage(i, mb, chunks, context) for i in range(len(shapes)))
+        one_pass += sum(fixed + per_token * tokens for fixed, per_token in hops)
+        slowest = max(stage(i, mb, (), context) for i in range(len(shapes)))
+        busiest = max(stage(i, mb, chunks, context) for i in range(len(shapes)))
+        return max(one_pass, (micro - 1) * slowest + busiest) + host * micro
+
+    return Replica(cycle, settings.max_num_seqs, settings.max_num_batched_tokens, kv_cache_tokens,
+                   db.host.request_ms)
+
+
+def source_note(hardware: Hardware) -> str:
+    db = database_for(hardware)
+    if db.is_measured:
+        return "measured operators: " + "; ".join(db.sources)
+    return (f"no measured data for {hardware.gpu.name}: roofline with efficiencies "
+            f"{roofline_fit()['source'].removeprefix('fitted by bench/perfdata_extract.py to ')} reach")
+
+
+def estimate(replica: Replica, workload: Workload, targets: Targets, dp: int, num_gpus: int,
+             replica_max_rate: float, source: str) -> Estimates:
+    """The deployment's speed for `workload` (whole deployment), its replicas sharing it evenly;
+    `replica_max_rate`: the rate one replica serves within the targets (Replica.max_request_rate)."""
+    if workload.concurrency is None and workload.request_rate is None:  # full batches
+        workload = replace(workload, concurrency=round(replica.max_running(workload) * dp, 1))
+    speed: ReplicaSpeed = replica.speed(workload.per_replica(dp))
+    single = replica.closed_loop(Workload(workload.input_len, min(workload.output_len, 64), 0, 1.0))
+    total = speed.output_tokens_per_s * dp
+    return Estimates(workload, speed.ttft_ms, speed.tpot_ms, total, total / num_gpus,
+                     1e3 / speed.tpot_ms, replica_max_rate * dp, 1e3 / single.tpot_ms,
+                     speed.is_overloaded, source)
 
 
 def _hop_links(hardware: Hardware, tp: int, pp: int) -> list[str]:
@@ -142,9 +150,9 @@ def _hop_links(hardware: Hardware, tp: int, pp: int) -> list[str]:
             for s in range(pp - 1)]
 
 
-def _hop(tokens: int, spec: ModelSpec, settings: RuntimeSettings, where: str,
-         hardware: Hardware) -> float:
-    nbytes = 2 * tokens * spec.hidden_size * settings.dtype_bytes  # hidden states + residual
+def _hop_cost(spec: ModelSpec, settings: RuntimeSettings, where: str, hardware: Hardware) -> tuple[float, float]:
+    """(fixed ms, ms per token) to hand a stage's hidden states and residual to the next stage."""
+    per_token = 2 * spec.hidden_size * settings.dtype_bytes
     if where == "network":
-        return _LATENCY_S["network"] + nbytes / hardware.inter_node_bytes_per_s
-    return _LATENCY_S[hardware.interconnect] + nbytes / hardware.gpu.link_bytes_per_s
+        return _LATENCY_S["network"] * 1e3, per_token / hardware.inter_node_bytes_per_s * 1e3
+    return _LATENCY_S[hardware.interconnect] * 1e3, per_token / hardware.gpu.link_bytes_per_s * 1e3

@@ -60,6 +60,16 @@ def test_each_part_appends_its_records(workdir, part, benchmarks):
 
 
 @pytest.mark.slow
+def test_part_7_writes_a_calibration_file_in_the_workdir(workdir):
+    from shardserve.planner.calibration import read_calibration
+
+    done = run_part(7, workdir)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data = read_calibration(workdir / "calibration-cpu.json")  # $OUT on the device machine
+    assert data["gpu"] == "CPU" and "gemm.float32" in data["tables"]
+
+
+@pytest.mark.slow
 def test_part_1_runs_tests_gpu_and_says_why_they_skip_here():
     done = run_part(1, Path("."))
     assert done.returncode == 0, done.stdout[-3000:]
@@ -70,4 +80,6 @@ def test_an_unknown_part_is_refused_with_the_list():
     done = subprocess.run(["bash", str(ROOT / "bench" / "run_gpu.sh")], capture_output=True, text=True)
     assert done.returncode == 2 and "Llama-3.1-8B shape: batch-1 decode" in done.stdout
     done = subprocess.run(["bash", str(ROOT / "bench" / "run_gpu.sh"), "--part", "9"], capture_output=True, text=True)
-    assert done.returncode == 2 and "use 1 to 6" in done.stderr
+    assert done.returncode == 2 and "use 1 to 7" in done.stderr
+    assert "7  `shardserve calibrate`" in subprocess.run(["bash", str(ROOT / "bench" / "run_gpu.sh")],
+                                                       capture_output=True, text=True).stdout

@@ -37,7 +37,7 @@ def launch_plan(tmp_path, plan: dict) -> subprocess.CompletedProcess:
     (lambda p: p["parallel"].update(layer_split="2,2"), "parallel.layer_split: expected a list"),
     (lambda p: p["runtime"].update(block_size=3), "runtime.block_size: block_size=3 must be one of"),
     (lambda p: p["memory"].pop("num_blocks"), "memory.num_blocks: missing"),
-    (lambda p: p.update(version=2), "not a shardserve plan of version 1 (version: 2)"),
+    (lambda p: p.update(version=1), "not a shardserve plan of version 2 (version: 1)"),
 ])
 def test_a_bad_plan_is_refused_naming_the_key(tmp_path, plan_dict, edit, named):
     plan = yaml.safe_load(yaml.safe_dump(plan_dict))

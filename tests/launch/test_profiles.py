@@ -12,7 +12,7 @@ from shardserve.launch.plan_view import make_plan_from
 from shardserve.launch.profiles import BUNDLED_DIR, list_profiles, load_profile
 from shardserve.planner import PlanError
 
-SHIPPED = ["demo", "single-gpu", "node-8xh100-tp8", "two-nodes-tp8-pp2", "pcie-l40s-pp",
+SHIPPED = ["demo", "single-gpu", "node-8xh100-tp8", "two-nodes-tp8-pp2", "pcie-l40s-pp", "chat-slo-h100",
            "cpu-tp2"]
 
 
@@ -55,7 +55,7 @@ def test_profile_that_is_not_a_mapping(tmp_path):
 
 
 def test_unknown_profile_lists_the_known():
-    with pytest.raises(PlanError, match="no profile named 'nope'; available: cpu-tp2, demo"):
+    with pytest.raises(PlanError, match="no profile named 'nope'; available: chat-slo-h100, cpu-tp2, demo"):
         load_profile("nope")
 
 

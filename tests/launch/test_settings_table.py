@@ -34,9 +34,13 @@ VALUES = {
     "port": 8123, "served_model_name": "tiny", "max_queued_requests": 5, "allowed_origins": ["https://app.example"],
     "tool_call_parser": "hermes", "enable_auto_tool_choice": True, "env": {"SHARDSERVE_T": "1"},
     "description": "a note",
+    # the traffic and targets a plan is for (the demo on CPU meets these loose targets)
+    "input_len": 300, "output_len": 100, "prefix_len": 50, "concurrency": 4.0, "request_rate": 2.0,
+    "ttft_ms": 100000.0, "tpot_ms": 10000.0, "target_percentile": 90,
 }
 # settings that only make sense together (a split needs its stages)
-COMPANIONS = {"layer_split": {"pipeline_parallel_size": 2}, "distributed_executor_backend": {"tensor_parallel_size": 2}}
+COMPANIONS = {"layer_split": {"pipeline_parallel_size": 2}, "distributed_executor_backend": {"tensor_parallel_size": 2},
+              "ttft_ms": {"concurrency": 2.0}, "tpot_ms": {"request_rate": 1.0}}
 PLAN_READBACK = {
     "tensor_parallel_size": lambda p: p.parallel.tensor_parallel_size,
     "pipeline_parallel_size": lambda p: p.parallel.pipeline_parallel_size,
@@ -54,6 +58,9 @@ PLAN_READBACK = {
     "enforce_eager": lambda p: p.runtime.enforce_eager,
     # the plan keeps KV room for target_concurrency full-length requests
     "target_concurrency": lambda p: min(3, int(p.memory.max_concurrency)),
+    **{name: (lambda n: lambda p: getattr(p.service, n))(name) for name in (
+        "input_len", "output_len", "prefix_len", "concurrency", "request_rate", "ttft_ms", "tpot_ms",
+        "target_percentile")},
 }
 ENGINE_READBACK = {
     "model": lambda c: c.model.model, "device": lambda c: c.device,

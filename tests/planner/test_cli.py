@@ -18,7 +18,10 @@ SCHEMA = {
     "memory": {"per_gpu", "block_size", "num_blocks", "kv_cache_tokens", "max_concurrency"},
     "runtime": {"dtype", "kv_cache_dtype", "max_model_len", "gpu_memory_utilization",
                 "max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching"},
-    "estimates": {"decode_tokens_per_s_batch1", "throughput_tokens_per_s", "ttft_ms"},
+    "service": {"input_len", "output_len", "prefix_len", "concurrency", "request_rate", "ttft_ms", "tpot_ms",
+                "target_percentile"},
+    "estimates": {"workload", "ttft_ms", "tpot_ms", "output_tokens_per_s", "output_tokens_per_s_per_gpu",
+                  "output_tokens_per_s_per_user", "max_request_rate", "decode_tokens_per_s_batch1"},
 }
 
 
@@ -35,7 +38,7 @@ def test_plan_writes_the_versioned_schema(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "rule 2" in r.stdout and "Memory per GPU" in r.stdout
     plan = yaml.safe_load(out.read_text())
-    assert plan["version"] == 1
+    assert plan["version"] == 2
     for section, keys in SCHEMA.items():
         assert keys <= set(plan[section]), (section, keys - set(plan[section]))
     assert set(plan["memory"]["per_gpu"]) >= {"total_bytes", "weights_bytes",

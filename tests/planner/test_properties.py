@@ -68,5 +68,7 @@ def test_plan_invariants(model, hw, max_len, gmu, block_size):
                 + stage["kv_cache_bytes"])
         assert used <= stage["total_bytes"] * gmu
     est = d["estimates"]
-    assert est["decode_tokens_per_s_batch1"] > 0 and est["throughput_tokens_per_s"] > 0
-    assert est["throughput_tokens_per_s"] >= est["decode_tokens_per_s_batch1"] * 0.99
+    assert est["decode_tokens_per_s_batch1"] > 0 and est["output_tokens_per_s"] > 0
+    # full batches: at least as many tokens/s as one request alone, and no faster per user
+    assert est["output_tokens_per_s"] >= est["decode_tokens_per_s_batch1"] * 0.99
+    assert est["output_tokens_per_s_per_user"] <= est["decode_tokens_per_s_batch1"] * 1.01

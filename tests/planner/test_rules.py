@@ -5,6 +5,7 @@ import pytest
 from shardserve.planner import InfeasibleError, PlanError, load_model
 from shardserve.planner.model_spec import ModelSpec
 from shardserve.planner.rules import tensor_parallel_problem
+from shardserve.planner.search import PREFERENCE_MARGIN
 
 from tests.planner.factories import plan_for
 
@@ -97,9 +98,20 @@ def test_rule5_pcie_prefers_pipeline_parallel():
     assert layout(plan) == (1, 3, 1)
     assert any(line.startswith("rule 5") for line in plan.rationale)
     nvlink = plan_for("Qwen/Qwen2.5-32B-Instruct", "2xA100-40GB", max_model_len=8192)
-    pcie = plan_for("Qwen/Qwen2.5-32B-Instruct", "2xRTXA6000", max_model_len=8192)
     assert layout(nvlink) == (2, 1, 1)
-    assert layout(pcie) == (1, 2, 1)
+
+
+def test_rule5_is_an_input_not_an_override():
+    """Over PCIe the rules prefer pipeline stages; a tensor-parallel layout estimated more than
+    1/PREFERENCE_MARGIN faster still wins, and the rationale says by how much."""
+    pcie = plan_for("Qwen/Qwen2.5-32B-Instruct", "2xRTXA6000", max_model_len=8192)
+    assert layout(pcie) == (2, 1, 1)
+    line = next(x for x in pcie.rationale if x.startswith("rule 5 (pipeline"))
+    assert "prefers tp=1 pp=2 dp=1, but this layout is estimated" in line
+    pp = next(a for a in pcie.alternatives if a["pipeline_parallel_size"] == 2)
+    assert pcie.chosen.estimates.output_tokens_per_s * PREFERENCE_MARGIN > pp["output_tokens_per_s"]
+    moe = plan_for("Qwen/Qwen3-30B-A3B", "4xA10G")  # the issue's case: pp 4 lost to tp 4's numbers
+    assert layout(moe)[0] == 4
 
 
 def test_rule6_executor():

@@ -1,0 +1,273 @@
+"""A plan as the equivalent `vllm serve` or SGLang launch command, naming what the engine cannot take.
+
+`export_plan(plan, "vllm" | "sglang")` maps every runtime and parallel setting of a `PlanFile` to the
+other engine's flag: the plan's decisions (parallel sizes, max_model_len, max_num_seqs,
+max_num_batched_tokens) always, the rest only where they differ from the engine's default. The
+service's traffic is no engine setting. What the engine cannot take (a latency target included) is
+listed in `unsupported`, what it takes with another meaning in `notes`:
+
+    # how to run it (multi-node only)
+    ENV=VALUE program \\
+        --flag value \\
+        --switch
+    # no equivalent: <setting> (<why>)
+    # note: <difference in meaning>
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import shlex
+from dataclasses import dataclass, field
+
+from shardserve.planner.plan_file import PlanFile
+
+ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
+ENGINES = tuple(ENGINE_NAMES)
+VLLM_BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)  # vLLM's CacheConfig.block_size choices
+VLLM_DEFAULT_BLOCK_SIZE = 16  # on CUDA
+VLLM_DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+SGLANG_DEFAULT_PAGE_SIZE = 1
+SGLANG_KV_CACHE_DTYPES = {"fp8": "fp8_e4m3"}  # SGLang takes no bare "fp8"
+RAY_PORT = 6379  # `ray start --head`'s default
+SGLANG_DIST_PORT = 50000  # any free port on node 0 (SGLang's multi-node example uses 50000)
+HEAD_IP = "HEAD_IP"  # stands for node 0's address when the plan names no node IPs
+# the served mixture-of-experts architectures (planner/served.py): vLLM couples their replicas
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+LATENCY_TARGETS = ("ttft_ms", "tpot_ms")  # the service's targets: no engine takes one
+# the traffic the plan is sized for: a description of the load, no engine setting
+TRAFFIC = ("input_len", "output_len", "prefix_len", "concurrency", "request_rate", "target_percentile")
+# every parallel, runtime and service setting this export handles; one missing here is named, never dropped
+HANDLED_SETTINGS = frozenset({
+    "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "layer_split",
+    "distributed_executor_backend", "enable_expert_parallel",
+    "device", "dtype", "quantization", "kv_cache_dtype", "max_model_len", "gpu_memory_utilization",
+    "max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
+    "kv_cache_memory_bytes", "enforce_eager", *LATENCY_TARGETS, *TRAFFIC,
+})
+
+
+@dataclass(frozen=True)
+class EngineCommand:
+    """One engine's launch command for a plan, and what of the plan it cannot take as meant."""
+
+    engine: str  # "vllm" or "sglang"
+    program: tuple[str, ...]  # ("vllm", "serve", MODEL) or ("python", "-m", "sglang.launch_server")
+    flags: tuple[tuple[str, str | None], ...]  # (flag, value); value None for a switch
+    env: tuple[tuple[str, str], ...] = ()  # variables set in front of the command
+    how_to_run: tuple[str, ...] = ()  # comment lines before the command (several nodes)
+    notes: tuple[str, ...] = ()  # flags the engine takes with another meaning
+    unsupported: tuple[str, ...] = ()  # "<setting> (<why>)": what the engine cannot take
+
+    @property
+    def args(self) -> list[str]:
+        """The command's argv (without the env prefix)."""
+        words = list(self.program)
+        for flag, value in self.flags:
+            words += [flag] if value is None else [flag, value]
+        return words
+
+    @property
+    def options(self) -> dict[str, str | None]:
+        return dict(self.flags)
+
+    def render(self) -> str:
+        """Shell text: the command one flag a line (` \\` continued), then the comment lines."""
+        first = [f"{name}={shlex.quote(value)}" for name, value in self.env]
+        first += [shlex.quote(word) for word in self.program]
+        lines = [" ".join(first)]
+        for flag, value in self.flags:
+            lines.append("    " + flag + ("" if value is None else " " + shlex.quote(value)))
+        return "\n".join([*(f"# {line}" for line in self.how_to_run), " \\\n".join(lines),
+                          *(f"# no equivalent: {line}" for line in self.unsupported),
+                          *(f"# note: {line}" for line in self.notes)])
+
+
+@dataclass
+class _Draft:
+    """An EngineCommand being built."""
+
+    flags: list[tuple[str, str | None]] = field(default_factory=list)
+    env: list[tuple[str, str]] = field(default_factory=list)
+    how_to_run: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    unsupported: list[str] = field(default_factory=list)
+
+    def add(self, flag: str, value: object = None) -> None:
+        self.flags.append((flag, None if value is None else str(value)))
+
+    def done(self, engine: str, program: tuple[str, ...]) -> EngineCommand:
+        return EngineCommand(engine, program, tuple(self.flags), tuple(self.env), tuple(self.how_to_run),
+                             tuple(self.notes), tuple(self.unsupported))
+
+
+def export_plan(plan: PlanFile, engine: str) -> EngineCommand:
+    """The command that serves `plan` on `engine` (vllm or sglang), flag for flag."""
+    draft = _Draft()
+    if engine == "vllm":
+        _vllm_parallel(plan, draft)
+        _vllm_runtime(plan, draft)
+        program: tuple[str, ...] = ("vllm", "serve", plan.model_source)
+    elif engine == "sglang":
+        draft.add("--model-path", plan.model_source)
+        _sglang_parallel(plan, draft)
+        _sglang_runtime(plan, draft)
+        program = ("python", "-m", "sglang.launch_server")
+    else:
+        raise ValueError(f"engine {engine!r}: one of {', '.join(ENGINES)}")
+    draft.unsupported += _latency_targets(plan, ENGINE_NAMES[engine]) + _unhandled(plan)
+    return draft.done(engine, program)
+
+
+def _latency_targets(plan: PlanFile, engine: str) -> list[str]:
+    service = plan.service
+    return [f"{name}={getattr(service, name):g} at p{service.target_percentile} (the layout was chosen to "
+            f"meet it; {engine} takes no latency target: watch its own latency metrics)"
+            for name in LATENCY_TARGETS if getattr(service, name) is not None]
+
+
+def _unhandled(plan: PlanFile) -> list[str]:
+    """Plan settings this export does not know (added to the plan after it was written)."""
+    return [f"{f.name}={getattr(section, f.name)!r} (a setting this export does not map yet)"
+            for section in (plan.parallel, plan.runtime, plan.service) for f in dataclasses.fields(section)
+            if f.name not in HANDLED_SETTINGS]
+
+
+def _layer_partition(plan: PlanFile) -> str:
+    return ",".join(str(n) for n in plan.parallel.layer_split)
+
+
+def _head(plan: PlanFile) -> str:
+    return plan.hardware.node_ips[0] if plan.hardware.node_ips else HEAD_IP
+
+
+def _vllm_parallel(plan: PlanFile, draft: _Draft) -> None:
+    par, nodes = plan.parallel, plan.hardware.nodes
+    draft.add("--tensor-parallel-size", par.tensor_parallel_size)
+    draft.add("--pipeline-parallel-size", par.pipeline_parallel_size)
+    draft.add("--data-parallel-size", par.data_parallel_size)
+    if par.pipeline_parallel_size > 1:  # NOTE: vLLM's own split differs from the plan's (rule 7)
+        draft.env.append(("VLLM_PP_LAYER_PARTITION", _layer_partition(plan)))
+    if par.tensor_parallel_size * par.pipeline_parallel_size > 1 or par.distributed_executor_backend == "ray":
+        draft.add("--distributed-executor-backend", par.distributed_executor_backend)
+    if par.data_parallel_size > 1 and nodes > 1:
+        draft.add("--data-parallel-backend", "ray")
+    if par.enable_expert_parallel:
+        draft.add("--enable-expert-parallel")
+    if par.data_parallel_size > 1 and (par.enable_expert_parallel or plan.model.architecture in MOE_ARCHITECTURES):
+        draft.notes.append(
+            "for a mixture-of-experts model vLLM's --data-parallel-size couples the replicas (the expert "
+            f"layers span all {par.data_parallel_size} x {par.tensor_parallel_size} ranks, idle replicas run "
+            "dummy steps); for the plan's independent replicas run one `vllm serve` per replica with "
+            "--data-parallel-size 1 behind a load balancer")
+    if nodes > 1:
+        head = _head(plan)
+        draft.how_to_run.append(
+            f"on a Ray cluster of {nodes} nodes: `ray start --head --port={RAY_PORT}` on {head}, "
+            f"`ray start --address={head}:{RAY_PORT}` on each other node, then this command on {head} "
+            "only (Ray places the ranks on every node)")
+
+
+def _vllm_runtime(plan: PlanFile, draft: _Draft) -> None:
+    rt = plan.runtime
+    draft.add("--max-model-len", rt.max_model_len)
+    if rt.dtype != "auto":
+        draft.add("--dtype", rt.dtype)
+    if rt.quantization is not None:
+        draft.add("--quantization", rt.quantization)
+    if rt.kv_cache_dtype != "auto":
+        draft.add("--kv-cache-dtype", rt.kv_cache_dtype)
+    if rt.gpu_memory_utilization != VLLM_DEFAULT_GPU_MEMORY_UTILIZATION:
+        draft.add("--gpu-memory-utilization", rt.gpu_memory_utilization)
+    if rt.kv_cache_memory_bytes is not None:
+        draft.add("--kv-cache-memory-bytes", rt.kv_cache_memory_bytes)
+    draft.add("--max-num-seqs", rt.max_num_seqs)
+    draft.add("--max-num-batched-tokens", rt.max_num_batched_tokens)
+    if rt.block_size not in VLLM_BLOCK_SIZES:
+        draft.unsupported.append(f"block_size={rt.block_size} (vLLM's KV blocks hold "
+                                 f"{', '.join(map(str, VLLM_BLOCK_SIZES))} tokens)")
+    elif rt.block_size != VLLM_DEFAULT_BLOCK_SIZE:
+        draft.add("--block-size", rt.block_size)
+    if not rt.enable_prefix_caching:
+        draft.add("--no-enable-prefix-caching")
+    if rt.enforce_eager:
+        draft.add("--enforce-eager")
+    if rt.device == "cpu":
+        draft.unsupported.append("device=cpu (vLLM has had no --device since 0.10: it runs where its build "
+                                 "targets, so a CPU plan needs vLLM's CPU build)")
+    elif rt.device.startswith("cuda:"):
+        draft.unsupported.append(f"device={rt.device} (vLLM has no --device: choose its GPUs with "
+                                 "CUDA_VISIBLE_DEVICES)")
+
+
+def _sglang_parallel(plan: PlanFile, draft: _Draft) -> None:
+    par, nodes = plan.parallel, plan.hardware.nodes
+    draft.add("--tp-size", par.tensor_parallel_size)
+    draft.add("--pp-size", par.pipeline_parallel_size)
+    draft.add("--dp-size", par.data_parallel_size)
+    if par.pipeline_parallel_size > 1:
+        draft.env.append(("SGLANG_PP_LAYER_PARTITION", _layer_partition(plan)))
+    if par.enable_expert_parallel:  # whole experts over the tp ranks: SGLang's ep_size == tp_size
+        draft.add("--ep-size", par.tensor_parallel_size)
+    if nodes > 1:
+        head = _head(plan)
+        draft.add("--nnodes", nodes)
+        draft.add("--node-rank", 0)
+        draft.add("--dist-init-addr", f"{head}:{SGLANG_DIST_PORT}")
+        others = "1 on the other" if nodes == 2 else f"1 to {nodes - 1} on the others"
+        ranks = (", ".join(f"{i} on {ip}" for i, ip in enumerate(plan.hardware.node_ips))
+                 or f"0 on {head}, {others}")
+        draft.how_to_run.append(f"run this on each of the {nodes} nodes, changing --node-rank: {ranks}")
+    if par.distributed_executor_backend == "ray":
+        draft.notes.append("distributed_executor_backend=ray: this command starts SGLang's own processes "
+                           "on each node, not Ray actors (newer SGLang's --use-ray places one replica's "
+                           "schedulers as Ray actors)")
+
+
+def _sglang_runtime(plan: PlanFile, draft: _Draft) -> None:
+    rt = plan.runtime
+    draft.add("--context-length", rt.max_model_len)
+    if rt.dtype != "auto":
+        draft.add("--dtype", rt.dtype)
+    if rt.quantization is not None:
+        draft.add("--quantization", rt.quantization)
+    if rt.kv_cache_dtype != "auto":
+        draft.add("--kv-cache-dtype", SGLANG_KV_CACHE_DTYPES.get(rt.kv_cache_dtype, rt.kv_cache_dtype))
+    _sglang_memory(plan, draft)
+    draft.add("--max-running-requests", rt.max_num_seqs)
+    draft.add("--chunked-prefill-size", rt.max_num_batched_tokens)
+    draft.notes.append(
+        "--chunked-prefill-size caps the prompt tokens one request adds to a prefill step (SGLang runs "
+        "prefill and decode as separate steps, a prefill step up to --max-prefill-tokens); "
+        "max_num_batched_tokens caps a step's prompt and decode tokens together")
+    if rt.block_size != SGLANG_DEFAULT_PAGE_SIZE:
+        draft.add("--page-size", rt.block_size)
+    if not rt.enable_prefix_caching:
+        draft.add("--disable-radix-cache")
+    if rt.enforce_eager:
+        draft.add("--disable-cuda-graph")
+    if rt.device == "cpu":
+        draft.add("--device", "cpu")
+    elif rt.device.startswith("cuda:"):
+        draft.add("--base-gpu-id", rt.device.removeprefix("cuda:"))
+
+
+def _sglang_memory(plan: PlanFile, draft: _Draft) -> None:
+    """SGLang sizes memory as a static fraction (weights and KV pool) and its pool in tokens."""
+    rt, gpu, per_gpu = plan.runtime, plan.hardware.gpu, plan.memory.per_gpu
+    if not gpu.is_cpu:
+        static = per_gpu.weights_bytes + per_gpu.kv_cache_bytes
+        fraction = math.floor(static / gpu.memory_bytes * 1000) / 1000
+        draft.add("--mem-fraction-static", f"{fraction:.3f}")
+        draft.notes.append(
+            f"--mem-fraction-static {fraction:.3f} is the plan's weights plus KV cache per GPU (the "
+            "tightest stage) over GPU memory: SGLang's fraction holds only those, while "
+            f"gpu_memory_utilization {rt.gpu_memory_utilization:g} also covers activations, CUDA graphs "
+            "and the CUDA context")
+    if rt.kv_cache_memory_bytes is not None:
+        draft.add("--max-total-tokens", plan.memory.kv_cache_tokens)
+        draft.notes.append(
+            f"--max-total-tokens {plan.memory.kv_cache_tokens} is the plan's KV pool of "
+            f"kv_cache_memory_bytes {rt.kv_cache_memory_bytes} per rank, in tokens: SGLang caps its pool "
+            "in tokens, not bytes")

@@ -1,0 +1,88 @@
+"""The layouts that lost: the best of each shape, the Pareto front marked, and why each lost."""
+
+from __future__ import annotations
+
+from shardserve.planner.hardware import Hardware
+from shardserve.planner.search import PREFERENCE_MARGIN, Candidate, pareto_front, rank_key, tier
+from shardserve.planner.workload import Targets
+
+
+def _best_per_shape(candidates: list[Candidate], targets: Targets) -> list[Candidate]:
+    """One candidate per (tp, pp): with targets the fewest replicas that meet them (else the most),
+    without them the one the search tried (every GPU busy)."""
+    shapes: dict[tuple[int, int], list[Candidate]] = {}
+    for c in candidates:
+        if c.memory is not None:
+            shapes.setdefault((c.layout.tensor_parallel_size, c.layout.pipeline_parallel_size), []).append(c)
+    out = []
+    for group in shapes.values():
+        runnable = [c for c in group if c.is_feasible]
+        meeting = [c for c in runnable if targets.is_set and c.estimates.meets(targets)]
+        if meeting:
+            out.append(min(meeting, key=lambda c: c.layout.num_gpus))
+        else:
+            out.append(max(runnable or group, key=lambda c: c.layout.num_gpus))
+    return out
+
+
+def alternatives(chosen: Candidate, candidates: list[Candidate], hardware: Hardware, targets: Targets,
+                 limit: int = 6) -> list[dict]:
+    """The best few other layouts, the Pareto front (tokens/s per GPU against per user) first."""
+    front = {id(c) for c in pareto_front(candidates)}
+    others = [c for c in _best_per_shape(candidates, targets) if c.layout != chosen.layout]
+    others.sort(key=lambda c: (not c.is_feasible, id(c) not in front,
+                               rank_key(c, hardware) if c.is_feasible else c.layout))
+    out = []
+    for c in others[:limit]:
+        e = c.estimates or _NO_ESTIMATES
+        out.append({
+            "tensor_parallel_size": c.layout.tensor_parallel_size,
+            "pipeline_parallel_size": c.layout.pipeline_parallel_size,
+            "data_parallel_size": c.layout.data_parallel_size,
+            "output_tokens_per_s": _round(e.output_tokens_per_s, 1),
+            "output_tokens_per_s_per_gpu": _round(e.output_tokens_per_s_per_gpu, 1),
+            "output_tokens_per_s_per_user": _round(e.output_tokens_per_s_per_user, 1),
+            "ttft_ms": _round(e.ttft_ms, 1),
+            "tpot_ms": _round(e.tpot_ms, 2),
+            "kv_cache_tokens": c.memory.kv_cache_tokens if c.memory else 0,
+            "on_pareto_front": id(c) in front,
+            "why_not": why_not(c, chosen, hardware, targets),
+        })
+    return out
+
+
+class _NoEstimates:
+    """A layout that cannot run has no speed: its table cells stay empty."""
+    output_tokens_per_s = output_tokens_per_s_per_gpu = output_tokens_per_s_per_user = None
+    ttft_ms = tpot_ms = None
+
+
+_NO_ESTIMATES = _NoEstimates()
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def why_not(c: Candidate, chosen: Candidate, hardware: Hardware, targets: Targets) -> str:
+    if c.problem:
+        return c.problem
+    e, best = c.estimates, chosen.estimates
+    if targets.is_set:
+        misses = targets.misses(e.ttft_ms, e.tpot_ms) + (["overloaded"] if e.is_overloaded else [])
+        if misses:
+            return "; ".join(misses)
+        if c.layout.num_gpus > chosen.layout.num_gpus:
+            return f"meets the targets on {c.layout.num_gpus} GPUs; the plan needs {chosen.layout.num_gpus}"
+        ratio = e.output_tokens_per_s_per_gpu / best.output_tokens_per_s_per_gpu
+        return f"meets the targets with {ratio:.0%} of the plan's output tokens/s per GPU"
+    idle = hardware.total_gpus - c.layout.num_gpus
+    if idle > hardware.total_gpus - chosen.layout.num_gpus:
+        return f"leaves {idle} {hardware.gpu.unit}(s) idle"
+    ratio = e.output_tokens_per_s / best.output_tokens_per_s
+    if ratio > 1 and tier(c.layout, hardware) > tier(chosen.layout, hardware):
+        return (f"{ratio:.0%} of the plan's output tokens/s, within {1 - PREFERENCE_MARGIN:.0%}: the rules' "
+                "preferred shape wins")
+    if tier(c.layout, hardware) < tier(chosen.layout, hardware):
+        return f"the rules prefer its shape, but it is estimated at {ratio:.0%} of the plan's output tokens/s"
+    return f"slower: {ratio:.0%} of the plan's estimated output tokens/s"

@@ -1,0 +1,170 @@
+"""When no layout works: the nearest miss and what would fix it; and the fewest GPUs that would."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from shardserve.planner.errors import PlanError
+from shardserve.planner.hardware import Hardware, Node
+from shardserve.planner.model_source import load_model
+from shardserve.planner.options import resolve_settings
+from shardserve.planner.rules import Layout
+from shardserve.planner.search import Candidate, Search, choose
+
+MAX_NODES = 16  # --recommend and "would fit" look this far
+MAX_STAGES = 16  # --recommend's deepest pipeline
+
+
+def _bigger(hardware: Hardware, num_nodes: int, per_node: int) -> Hardware:
+    return Hardware("declared", tuple(Node(hardware.gpu, per_node) for _ in range(num_nodes)),
+                    hardware.interconnect, hardware.inter_node_bytes_per_s)
+
+
+def _per_node(hardware: Hardware) -> int:
+    return max(hardware.gpus_per_node, 8) if hardware.total_gpus == 1 else hardware.gpus_per_node
+
+
+def _replicas_needed(search: Search, shape, dp_limit: int) -> int | None:
+    """The fewest replicas of this shape that meet the targets under the workload, or None."""
+    base, replica, rate = shape
+    if replica is None or base.problem:
+        return None
+    w = search.workload
+    if w.request_rate is not None:
+        return math.ceil(w.request_rate / rate) if rate > 0 else None
+    for dp in range(1, dp_limit + 1):
+        if search.with_replicas(shape, dp).estimates.meets(search.targets):
+            return dp
+    return None
+
+
+def fewest_gpus(search: Search) -> tuple[Layout, Hardware] | None:
+    """The layout on the fewest GPUs of this type (up to MAX_NODES nodes) that meets the targets."""
+    hw = search.hardware
+    per_node = _per_node(hw)
+    big = replace(search, hardware=_bigger(hw, MAX_NODES, per_node))
+    best: tuple[int, Layout] | None = None
+    for tp in range(1, per_node + 1):
+        for pp in range(1, min(search.model.spec.num_layers, MAX_STAGES, MAX_NODES * per_node // tp) + 1):
+            if best and tp * pp > best[0]:
+                break
+            dp = _replicas_needed(big, big.shape(tp, pp), MAX_NODES * per_node // (tp * pp))
+            if dp is not None and (best is None or dp * tp * pp < best[0]):
+                best = (dp * tp * pp, Layout(tp, pp, dp))
+    if best is None or best[0] > MAX_NODES * per_node:
+        return None
+    gpus, layout = best
+    nodes = math.ceil(gpus / per_node)
+    return layout, _bigger(hw, nodes, per_node if nodes > 1 else gpus)
+
+
+def recommend_hardware(search: Search) -> Hardware:
+    w = search.workload
+    if not search.targets.is_set or (w.request_rate is None and w.concurrency is None):
+        raise PlanError("--recommend needs a load (--request-rate or --concurrency) and a target (--ttft-ms "
+                        "and/or --tpot-ms): the fewest GPUs that serve that load within the targets")
+    found = fewest_gpus(search)
+    if found is None:
+        raise PlanError(f"no layout on up to {MAX_NODES} nodes of {_per_node(search.hardware)}x"
+                        f"{search.hardware.gpu.name} meets {_targets_text(search)} at "
+                        f"{search.workload.describe()}")
+    return found[1]
+
+
+def _targets_text(search: Search) -> str:
+    t, parts = search.targets, []
+    if t.ttft_ms is not None:
+        parts.append(f"TTFT <= {t.ttft_ms:g} ms")
+    if t.tpot_ms is not None:
+        parts.append(f"TPOT <= {t.tpot_ms:g} ms")
+    return " and ".join(parts) + f" (p{search.workload.percentile})"
+
+
+def missed_targets(search: Search, candidates: list[Candidate]) -> str:
+    """The nearest miss, and what would meet the targets: more GPUs, an fp8 KV cache, fp8 weights."""
+    runnable = [c for c in candidates if c.is_feasible]
+    nearest = min(runnable, key=lambda c: (c.estimates.is_overloaded, search.targets.shortfall(
+        c.estimates.ttft_ms, c.estimates.tpot_ms), c.layout.num_gpus))
+    e = nearest.estimates
+    why = "; ".join(search.targets.misses(e.ttft_ms, e.tpot_ms))
+    if e.is_overloaded:
+        why = (why + "; " if why else "") + "overloaded: the load outruns it"
+    lines = [f"no layout on {search.hardware.describe()} meets {_targets_text(search)} at "
+             f"{search.workload.describe()}: the nearest, {nearest.layout}, has {why}."]
+    more = fewest_gpus(search) if search.workload.concurrency is not None or \
+        search.workload.request_rate is not None else None
+    if more:
+        layout, hw = more
+        lines.append(f"{layout.num_gpus} GPUs would meet them ({layout} on {hw.describe()}; "
+                     "--recommend plans it).")
+    lines += _variant_fixes(search, "would meet them")
+    return " ".join(lines)
+
+
+def _variant_fixes(search: Search, verb: str) -> list[str]:
+    """Other settings that would make a plan: an fp8 KV cache, fp8 weights."""
+    out, hw, spec = [], search.hardware, search.model.spec
+    if not search.settings.is_fp8_kv and (hw.gpu.has_fp8 or hw.is_cpu):
+        if _works(search, replace(search.options, kv_cache_dtype="fp8"), search.model):
+            out.append(f"--kv-cache-dtype fp8 {verb} (half the KV bytes per token).")
+    if spec.quantization is None and hw.gpu.has_fp8:
+        try:
+            fp8 = load_model(search.model.path or spec.id, "fp8")
+        except PlanError:
+            fp8 = None
+        if fp8 is not None and _works(search, replace(search.options, quantization="fp8"), fp8):
+            out.append(f"fp8 weights (--quantization fp8) {verb}.")
+    return out
+
+
+def _works(search: Search, options, model) -> bool:
+    settings = resolve_settings(options, model.spec, search.hardware.gpu)
+    variant = replace(search, model=model, options=options, settings=settings)
+    return choose(variant.candidates(), search.hardware, search.targets) is not None
+
+
+def cannot_fit(search: Search, candidates: list[Candidate]) -> str:
+    """Why nothing fits in memory, and what would: a shorter max_model_len, fp8 KV, more GPUs."""
+    spec, hardware, settings, options = search.model.spec, search.hardware, search.settings, search.options
+    sized = [c for c in candidates if c.memory is not None]
+    head = f"{spec.id} does not fit on {hardware.describe()}"
+    if not sized:
+        return f"{head}: " + "; ".join(sorted({c.problem for c in candidates}))
+    best = max(sized, key=lambda c: (c.memory.kv_cache_tokens, c.memory.tightest.kv_budget_bytes))
+    lines = [f"{head} with max_model_len {settings.max_model_len}: {best.problem} (best layout {best.layout})."]
+    fitting_len = best.memory.longest_fitting_len(spec.max_context_len, options.target_concurrency)
+    if fitting_len is not None and fitting_len >= settings.block_size:
+        lines.append(f"--max-model-len {fitting_len} would fit ({best.layout}; --max-model-len auto picks it).")
+    no_targets = replace(search, targets=replace(search.targets, ttft_ms=None, tpot_ms=None))
+    lines += [f for f in _variant_fixes(no_targets, "would fit") if f.startswith("--kv")]
+    if not hardware.is_cpu:
+        lines.append(_gpus_needed(no_targets))
+    return " ".join(lines)
+
+
+def _gpus_needed(search: Search) -> str:
+    """The smallest hardware of the same GPU that would fit: a fuller node, then more nodes."""
+    hardware, spec = search.hardware, search.model.spec
+    options = replace(search.options, tensor_parallel_size=None, pipeline_parallel_size=None,
+                      data_parallel_size=None)
+    settings = resolve_settings(options, spec, hardware.gpu)
+    per_node = max(hardware.gpus_per_node, 8)
+    sizes = [(1, n) for n in range(hardware.gpus_per_node + 1, 9)]
+    sizes += [(nodes, per_node) for nodes in range(2, 33)]
+    for nodes, count in sizes:
+        if nodes * count <= hardware.total_gpus:
+            continue
+        bigger = _bigger(hardware, nodes, count)
+        probe = replace(search, hardware=bigger, options=options, settings=settings)
+        # one replica over all of it: tp as wide as the node allows, pipeline for the rest
+        for tp in [tp for tp in range(count, 0, -1) if (nodes * count) % tp == 0]:
+            pp = nodes * count // tp
+            if pp > spec.num_layers:
+                continue
+            base = probe.shape(tp, pp, with_rate=False)[0]
+            if base.memory is not None and base.is_feasible:
+                shape = f"{nodes}x{count}x{hardware.gpu.name}" if nodes > 1 else f"{count}x{hardware.gpu.name}"
+                more = nodes * count - hardware.total_gpus
+                return f"{shape} would fit ({more} more GPU{'s' if more > 1 else ''})."
+    return f"not even 32 nodes of {per_node}x{hardware.gpu.name} would fit."

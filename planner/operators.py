@@ -1,0 +1,227 @@
+"""The time of one engine step on one rank of one pipeline stage, built operator by operator.
+
+A step runs `num_decode` requests one token each and prefill chunks (tokens computed, with the
+context they attend over). Per decoder layer (Megatron tensor parallel, shapes per rank):
+
+    qkv GEMM [T, hidden] x [hidden, (heads + 2 kv_heads) * head_dim / tp]
+    attention: decode (batch, context) + prefill chunks (isl, causal)
+    o GEMM [T, heads * head_dim / tp] x [.., hidden]        all-reduce T * hidden
+    MLP: gate_up / down GEMMs, or routed experts (grouped)   all-reduce T * hidden
+    norms, rotary + KV write, activation: memory-bound element-wise kernels
+
+then embedding (first stage), final norm, LM head, logits gather and sampling (last stage).
+Each operator is looked up in the GPU's measured tables (perf_tables) and falls back to a
+roofline with the efficiencies fitted to measured GPUs where a table lacks it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from shardserve.planner.hardware import GpuSpec
+from shardserve.planner.memory import kv_heads_per_rank
+from shardserve.planner.model_spec import ModelSpec
+from shardserve.planner.perf_tables import Database, roofline_fit
+
+ELEMENTWISE_OPS_PER_LAYER = 4  # input norm, rotary + KV write, post-attention norm, activation
+SAMPLER_FLOOR_MS = 0.02
+
+
+@dataclass(frozen=True)
+class StageShape:
+    """What one rank of a stage computes: the model, the split and the dtypes."""
+    spec: ModelSpec
+    tp: int
+    expert_parallel: bool
+    num_layers: int
+    num_moe_layers: int
+    num_window_layers: int  # layers attending over spec.sliding_window only
+    is_first: bool
+    is_last: bool
+    gemm_dtype: str      # gemm table: bfloat16 | fp8 | float32
+    weight_bits: int     # 16 (or 32), 8 for fp8, 4 for AWQ/GPTQ int4
+    act_bytes: int       # activation element bytes
+    kv_dtype: str        # attention tables: bfloat16 | fp8 | float32
+    kv_bytes: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A prefill chunk: `tokens` computed, attending over positions [0, end)."""
+    tokens: int
+    end: int
+
+
+class Operators:
+    """Operator latencies (ms) on one GPU: measured where the tables cover them, else the fitted roofline."""
+
+    def __init__(self, gpu: GpuSpec, db: Database, link_bytes_per_s: float):
+        self.gpu, self.db, self.link = gpu, db, link_bytes_per_s
+        self.fit = roofline_fit()
+        self.flops = gpu.bf16_flops or gpu.fp16_flops
+
+    def _floor(self) -> float:
+        return self.fit["floor_ms"]
+
+    def elementwise(self, nbytes: float) -> float:
+        return self._floor() + nbytes / (self.gpu.hbm_bytes_per_s * self.fit["gemm_memory"]) * 1e3
+
+    @functools.lru_cache(maxsize=65536)
+    def gemm(self, m: int, n: int, k: int, dtype: str, weight_bits: int) -> float:
+        if m <= 0 or n <= 0 or k <= 0:
+            return 0.0
+        table = "fp8" if dtype == "fp8" else dtype
+        measured = self.db.lookup(f"gemm.{table}", m=m, n=n, k=k)
+        if measured is None:
+            peak = self.flops * (2 if dtype == "fp8" and self.gpu.has_fp8 else 1)
+            if dtype == "float32" and not self.gpu.is_cpu:
+                peak /= 2
+            compute = 2 * m * n * k / (peak * self.fit["gemm_compute"])
+            nbytes = n * k * weight_bits / 8 + (m * k + m * n) * 2
+            memory = nbytes / (self.gpu.hbm_bytes_per_s * self.fit["gemm_memory"])
+            return max(compute, memory) * 1e3 + self._floor()
+        if weight_bits < 8:
+            # NOTE: int4 weights (AWQ/GPTQ) read a quarter of the bytes where the GEMM is memory-bound
+            # (small m) and dequantize into the same tensor-core math where it is compute-bound.
+            share = min(1.0, max(0.0, math.log2(max(m, 1) / 16) / 4))  # 0 at m <= 16, 1 at m >= 256
+            return measured * (weight_bits / 16 + (1 - weight_bits / 16) * share)
+        return measured
+
+    @functools.lru_cache(maxsize=65536)
+    def decode_attention(self, batch: int, context: int, kv_heads: int, head_dim: int,
+                         kv_dtype: str, kv_bytes: int) -> float:
+        if batch <= 0:
+            return 0.0
+        measured = self.db.lookup(f"decode_attention.{_attn_table(kv_dtype)}", head_dim=head_dim,
+                                  num_kv_heads=kv_heads, batch=batch, context=context)
+        if measured is not None:
+            return measured
+        nbytes = 2 * batch * context * kv_heads * head_dim * kv_bytes
+        return nbytes / (self.gpu.hbm_bytes_per_s * self.fit["decode_attention_memory"]) * 1e3 + self._floor()
+
+    @functools.lru_cache(maxsize=65536)
+    def prefill_attention(self, tokens: int, end: int, heads: int, head_dim: int, kv_dtype: str) -> float:
+        """A chunk of `tokens` queries ending at position `end`, causal over [0, end)."""
+        if tokens <= 0:
+            return 0.0
+        start = end - tokens
+        share = (end * end - start * start) / (end * end)  # the causal work this chunk does
+        measured = self.db.lookup(f"prefill_attention.{_attn_table(kv_dtype)}", head_dim=head_dim,
+                                  num_heads=heads, batch=1, isl=end)
+        if measured is not None:
+            return measured * share
+        flops = 2 * end * end * heads * head_dim * share
+        return flops / (self.flops * self.fit["prefill_attention_compute"]) * 1e3 + self._floor()
+
+    @functools.lru_cache(maxsize=4096)
+    def allreduce(self, nbytes: int, num_gpus: int) -> float:
+        if num_gpus <= 1 or nbytes <= 0:
+            return 0.0
+        if num_gpus <= 8 and not self.gpu.is_cpu:
+            measured = self.db.lookup("allreduce", num_gpus=num_gpus, bytes=nbytes)
+            if measured is not None:
+                return measured
+        ring = 2 * (num_gpus - 1) / num_gpus * nbytes / (self.link * self.fit["allreduce_link"])
+        return self.fit["allreduce_floor_ms"] + ring * 1e3
+
+
+def _attn_table(kv_dtype: str) -> str:
+    return "fp8" if kv_dtype.startswith("fp8") else ("float32" if kv_dtype == "float32" else "bfloat16")
+
+
+def stage_step_ms(ops: Operators, shape: StageShape, num_decode: int, decode_context: int,
+                  chunks: tuple[Chunk, ...]) -> float:
+    """Milliseconds for one step on one rank of the stage (device time, no host)."""
+    spec, tp = shape.spec, shape.tp
+    tokens = num_decode + sum(c.tokens for c in chunks)
+    if tokens == 0:
+        return 0.0
+    layer = _dense_layer_ms(ops, shape, tokens) + _attention_ms(ops, shape, num_decode, decode_context, chunks, False)
+    total = layer * shape.num_layers
+    if shape.num_window_layers:
+        windowed = _attention_ms(ops, shape, num_decode, decode_context, chunks, True)
+        total += (windowed - _attention_ms(ops, shape, num_decode, decode_context, chunks, False)) \
+            * shape.num_window_layers
+    if shape.num_moe_layers:
+        total += (_moe_mlp_ms(ops, shape, tokens) - _dense_mlp_ms(ops, shape, tokens)) * shape.num_moe_layers
+    if shape.is_first:
+        total += ops.elementwise(tokens * spec.hidden_size * shape.act_bytes)
+    if shape.is_last:
+        sampled = num_decode + len(chunks)
+        vocab = -(-spec.vocab_size // tp)
+        total += ops.elementwise(2 * tokens * spec.hidden_size * shape.act_bytes)
+        total += ops.gemm(sampled, vocab, spec.hidden_size, shape.gemm_dtype, 16)
+        total += ops.allreduce(sampled * vocab * 4 * tp // 2, tp)  # gather the logits to one rank
+        total += SAMPLER_FLOOR_MS + ops.elementwise(3 * sampled * spec.vocab_size * 4)
+    return total
+
+
+def _dense_layer_ms(ops: Operators, shape: StageShape, tokens: int) -> float:
+    """A decoder layer without its attention kernel: projections, MLP, all-reduces, element-wise."""
+    spec, tp = shape.spec, shape.tp
+    q_width = spec.num_attention_heads * spec.head_dim // tp
+    kv_width = kv_heads_per_rank(spec, tp) * spec.head_dim
+    hidden, g, bits = spec.hidden_size, shape.gemm_dtype, shape.weight_bits
+    t = ops.gemm(tokens, q_width + 2 * kv_width, hidden, g, bits)
+    t += ops.gemm(tokens, hidden, q_width, g, bits)
+    t += 2 * ops.allreduce(tokens * hidden * shape.act_bytes, tp)
+    t += _dense_mlp_ms(ops, shape, tokens)
+    act = shape.act_bytes
+    t += ops.elementwise(4 * tokens * hidden * act)  # input norm: read x and residual, write both
+    t += ops.elementwise(tokens * (q_width + 2 * kv_width) * act * 2)  # rotary + KV write
+    t += ops.elementwise(4 * tokens * hidden * act)  # post-attention norm
+    return t
+
+
+def _dense_mlp_ms(ops: Operators, shape: StageShape, tokens: int) -> float:
+    spec, tp = shape.spec, shape.tp
+    inter = spec.intermediate_size // tp
+    if shape.expert_parallel and spec.is_moe:
+        inter = spec.intermediate_size // tp if len(spec.moe_layers) < spec.num_layers else 0
+    if inter == 0:
+        return 0.0
+    return _mlp_ms(ops, shape, tokens, inter)
+
+
+def _mlp_ms(ops: Operators, shape: StageShape, tokens: int, inter: int) -> float:
+    spec, g, bits = shape.spec, shape.gemm_dtype, shape.weight_bits
+    up = 2 * inter if spec.is_gated_mlp else inter
+    t = ops.gemm(tokens, up, spec.hidden_size, g, bits) + ops.gemm(tokens, spec.hidden_size, inter, g, bits)
+    return t + ops.elementwise(3 * tokens * inter * shape.act_bytes)
+
+
+def _moe_mlp_ms(ops: Operators, shape: StageShape, tokens: int) -> float:
+    """Routed experts (balanced routing): each active expert a GEMM over its share of the tokens;
+    whole experts per rank under expert parallel, else every expert split over the tp ranks."""
+    spec, tp = shape.spec, shape.tp
+    experts, topk = spec.num_experts, spec.num_experts_per_tok
+    local = experts // tp if shape.expert_parallel else experts
+    inter = spec.moe_intermediate_size if shape.expert_parallel else spec.moe_intermediate_size // tp
+    pairs = tokens * topk * local / experts  # (token, expert) pairs this rank computes
+    active = min(local, pairs)
+    per_expert = max(1, round(pairs / active))
+    t = ops.gemm(tokens, experts, spec.hidden_size, "bfloat16" if shape.gemm_dtype == "fp8" else shape.gemm_dtype, 16)
+    t += active * (_mlp_ms(ops, shape, per_expert, inter) - ops.elementwise(3 * per_expert * inter * shape.act_bytes))
+    t += ops.elementwise(3 * pairs * inter * shape.act_bytes)
+    if spec.shared_expert_intermediate_size:
+        t += _mlp_ms(ops, shape, tokens, spec.shared_expert_intermediate_size // tp)
+    return t
+
+
+def _attention_ms(ops: Operators, shape: StageShape, num_decode: int, decode_context: int,
+                  chunks: tuple[Chunk, ...], windowed: bool) -> float:
+    spec, tp = shape.spec, shape.tp
+    window = spec.sliding_window if windowed and spec.sliding_window else None
+    heads, kv_heads = spec.num_attention_heads // tp, kv_heads_per_rank(spec, tp)
+    context = min(decode_context, window) if window else decode_context
+    t = ops.decode_attention(num_decode, max(1, context), kv_heads, spec.head_dim, shape.kv_dtype, shape.kv_bytes)
+    for c in chunks:
+        if window and c.end > window:
+            # a windowed chunk attends over at most `window` keys: as a chunk ending at the window
+            t += ops.prefill_attention(c.tokens, window, heads, spec.head_dim, shape.kv_dtype) \
+                * c.tokens / min(c.tokens, window)
+        else:
+            t += ops.prefill_attention(c.tokens, c.end, heads, spec.head_dim, shape.kv_dtype)
+    return t

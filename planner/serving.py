@@ -1,0 +1,139 @@
+"""Steady-state continuous batching: TTFT, TPOT and output tokens/s of a replica for a workload.
+
+A replica runs `b` requests at once. Every step each decoding request gets one token and the
+step's remaining token budget (max_num_batched_tokens - b) goes to prefill chunks of new requests:
+
+    step:  | b decode tokens | chunk of a new prompt (<= budget) |
+    TPOT   = the mean step (its share of prefill work included), or a pipeline's cycle
+    TTFT   = wait for a step + the prompt's own chunk steps + queueing for the prefill budget
+
+Closed loop (`concurrency`): b = the concurrency, capped by max_num_seqs and the KV cache; the rest
+wait their turn. Open loop (`request_rate`): b is where arrivals match completions,
+b = rate * (TTFT + (output_len - 1) * TPOT), found by fixed-point iteration; a rate no b sustains
+is overload. Prefill queueing is M/D/1 with Poisson arrivals: the wait exceeded by a fraction
+1 - p of requests is 0 when p <= 1 - rho, else mean_wait / rho * ln(rho / (1 - p)).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from shardserve.planner.operators import Chunk
+from shardserve.planner.workload import Workload
+
+
+def _decode_context(w: Workload) -> int:
+    """The mean context a decoding request attends over during its life."""
+    return w.input_len + w.output_len // 2
+
+
+@dataclass(frozen=True)
+class ReplicaSpeed:
+    ttft_ms: float
+    tpot_ms: float
+    output_tokens_per_s: float  # this replica
+    batch: float                # requests running at once
+    is_overloaded: bool         # the load outruns the replica (latency grows without bound)
+
+
+@dataclass(frozen=True)
+class Replica:
+    """A replica's step times: `cycle_ms(b, chunks, context)` is the time between two tokens of a
+    request with b requests decoding over `context` tokens each and those prefill chunks in the
+    step (host time included)."""
+    cycle_ms: Callable[[int, tuple[Chunk, ...], int], float]
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    kv_cache_tokens: int
+    request_ms: float = 0.0  # a request's way through the server before its first step and after its first token
+
+    def max_running(self, w: Workload) -> float:
+        """Requests the KV cache holds at once, each at its mean length over its life."""
+        per_request = max(1.0, w.input_len - w.prefix_len + w.output_len / 2)
+        fits = max(0.0, self.kv_cache_tokens - w.prefix_len) / per_request
+        return max(1.0, min(float(self.max_num_seqs), fits))
+
+    def _chunks(self, b: int, w: Workload) -> list[Chunk]:
+        """The chunks a new prompt is computed in when b requests decode beside it."""
+        new = max(1, w.input_len - w.prefix_len)
+        budget = max(1, self.max_num_batched_tokens - b)
+        chunks, done = [], w.prefix_len
+        while done < w.input_len or not chunks:
+            n = min(budget, max(1, w.input_len - done))
+            chunks.append(Chunk(n, done + n))
+            done += n
+        assert sum(c.tokens for c in chunks) >= new
+        return chunks
+
+    def _steady(self, b: float, arrivals_per_cycle: float, w: Workload,
+                is_random: bool) -> tuple[float, float, float]:
+        """(mean cycle ms, TTFT ms at the percentile, prefill utilisation) with b requests running;
+        `is_random`: arrivals at random times (open loop) first wait for the running step to end,
+        while a closed loop sends the next request as one finishes, at a step's end."""
+        bi = max(1, math.ceil(b))
+        context = _decode_context(w)
+        decode_only = self.cycle_ms(bi, (), context)
+        chunks = self._chunks(bi, w)
+        own = [self.cycle_ms(bi, (c,), context) for c in chunks]  # the steps that carry this prompt
+        extra = sum(own) - decode_only * len(own)
+        mean = decode_only + arrivals_per_cycle * extra
+        new = max(1, w.input_len - w.prefix_len)
+        rho = arrivals_per_cycle * new / max(1, self.max_num_batched_tokens - bi)
+        service = sum(own)
+        p = w.percentile / 100
+        wait = 0.0
+        if 0 < rho < 1 and p > 1 - rho:
+            mean_wait = rho * service / (2 * (1 - rho))
+            wait = mean_wait / rho * math.log(rho / (1 - p))
+        step_wait = p * mean * min(1.0, b) if is_random else 0.0
+        return mean, self.request_ms + step_wait + service + wait, rho
+
+    def closed_loop(self, w: Workload) -> ReplicaSpeed:
+        c = w.concurrency or 1.0
+        b = min(c, self.max_running(w))
+        cycle, ttft, rho = self._steady(b, b / max(1, w.output_len), w, False)
+        if c > b:  # the rest wait their turn: (c - b) ahead, b finishing per request lifetime
+            ttft += (c - b) / b * (ttft + (w.output_len - 1) * cycle)
+        return ReplicaSpeed(ttft, cycle, b / cycle * 1e3, b, rho >= 1)
+
+    def open_loop(self, w: Workload) -> ReplicaSpeed:
+        rate = (w.request_rate or 0.0) / 1e3  # per ms
+        cap = self.max_running(w)
+        b = max(1e-3, rate * w.output_len)
+        for _ in range(60):
+            cycle, ttft, rho = self._steady(b, rate * self.cycle_ms(max(1, math.ceil(b)), (), _decode_context(w)),
+                                            w, True)
+            if rho >= 1:
+                return ReplicaSpeed(ttft, cycle, rate * w.output_len * 1e3, cap, True)
+            nxt = rate * (ttft + (w.output_len - 1) * cycle)
+            if nxt > cap:
+                return ReplicaSpeed(ttft, cycle, rate * w.output_len * 1e3, cap, True)
+            if abs(nxt - b) <= 1e-3 * max(1.0, b):
+                b = nxt
+                break
+            b = 0.5 * (b + nxt)
+        cycle, ttft, rho = self._steady(b, rate * cycle, w, True)
+        return ReplicaSpeed(ttft, cycle, rate * w.output_len * 1e3, b, rho >= 1)
+
+    def speed(self, w: Workload) -> ReplicaSpeed:
+        return self.open_loop(w) if w.request_rate is not None else self.closed_loop(w)
+
+    def max_request_rate(self, w: Workload, meets: Callable[[ReplicaSpeed], bool]) -> float:
+        """The highest Poisson rate (requests/s) this replica serves without overload and with
+        `meets` true; 0 when not even a trickle meets it."""
+        full = self.closed_loop(Workload(w.input_len, w.output_len, w.prefix_len, self.max_running(w),
+                                         None, w.percentile))
+        hi = full.output_tokens_per_s / max(1, w.output_len) * 1.05
+        lo = 0.0
+
+        def ok(rate: float) -> bool:
+            s = self.open_loop(w.with_rate(rate))
+            return not s.is_overloaded and meets(s)
+        if not ok(hi * 1e-3):
+            return 0.0
+        for _ in range(16):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+        return lo

@@ -1,0 +1,134 @@
+"""The server's self-check against the plan (a clock injected), and the TPOT histogram on /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+
+import pytest
+
+from shardserve.launch.plan_check import MIN_REQUESTS, FinishedRequest, PlanCheck, Prediction, percentile
+from tests.launch.conftest import MODEL, http
+
+PLAN = Prediction(ttft_ms=200.0, tpot_ms=20.0, percentile=50, input_len=1000, output_len=100, concurrency=16.0,
+                  request_rate=None)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def finished(ttft_ms: float, tpot_ms: float, num: int, prompt: int = 1000, output: int = 100) -> list[FinishedRequest]:
+    """num requests around the given latencies (+-10%), each with prompt and output tokens."""
+    spread = [0.9 + 0.2 * i / max(1, num - 1) for i in range(num)]
+    return [FinishedRequest(ttft_ms * s / 1e3, tpot_ms * s / 1e3, (ttft_ms + tpot_ms * (output - 1)) * s / 1e3,
+                            prompt, output) for s in spread]
+
+
+def run_window(requests: list[FinishedRequest], caplog, plan: Prediction = PLAN):
+    clock = Clock()
+    check = PlanCheck(plan, clock)
+    for r in requests:
+        check.record(r)
+    clock.now += 30
+    assert check.tick() is None  # the window is not over yet
+    clock.now += 30
+    with caplog.at_level(logging.INFO, logger="shardserve.launch.plan_check"):
+        report = check.tick()
+    return report, [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "shardserve.launch.plan_check"]
+
+
+def test_fewer_than_eight_requests_in_a_minute_log_nothing(caplog):
+    report, lines = run_window(finished(200, 20, MIN_REQUESTS - 1), caplog)
+    assert report is None and lines == []
+
+
+def test_a_workload_as_planned_logs_one_info_line(caplog):
+    report, lines = run_window(finished(200, 20, 31), caplog)
+    assert [level for level, _ in lines] == ["INFO"]
+    text = lines[0][1]
+    assert "31 requests" in text and "0.52 req/s" in text and "1000 prompt / 100 output tokens" in text
+    assert "TTFT p50 200.0 ms" in text and "plan p50 200.0 ms" in text and "TPOT p50 20.0 ms" in text
+    assert "p90" in text and "the plan is for 1000 prompt / 100 output tokens, 16 in flight" in text
+    assert report.num_requests == 31 and report.warnings == ()
+
+
+def test_a_tpot_twice_the_plan_warns_naming_tpot_and_both_numbers(caplog):
+    report, lines = run_window(finished(200, 40, 13), caplog)
+    assert [level for level, _ in lines] == ["INFO", "WARNING"]
+    warning = lines[1][1]
+    assert "TPOT" in warning and "40.0 ms" in warning and "20.0 ms" in warning and "100% above" in warning
+    assert "TTFT" not in warning  # TTFT is as planned
+
+
+def test_a_fast_ttft_beyond_the_tolerance_warns_too_and_requests_are_not_counted_twice(caplog):
+    clock = Clock()
+    check = PlanCheck(PLAN, clock)
+    for r in finished(100, 20, 11):
+        check.record(r)
+    clock.now += 60
+    with caplog.at_level(logging.WARNING, logger="shardserve.launch.plan_check"):
+        assert check.tick().warnings[0].startswith("measured TTFT p50 100.0 ms is 50% below the plan's 200.0 ms")
+    clock.now += 60
+    assert check.tick() is None  # the next window has no requests of its own
+
+
+def test_the_plan_percentile_is_the_one_compared():
+    requests = [FinishedRequest(0.2, 0.02, 2.0, 1000, 100)] * 10 + [FinishedRequest(0.2, 0.06, 6.0, 1000, 100)] * 2
+    assert PlanCheck(PLAN, Clock()).report(requests, 60.0).warnings == ()  # p50: 20 ms as planned
+    report = PlanCheck(dataclasses.replace(PLAN, percentile=90), Clock()).report(requests, 60.0)
+    assert report.tpot_ms[90] == pytest.approx(60.0)
+    assert report.warnings[0].startswith("measured TPOT p90 60.0 ms is 200% above the plan's 20.0 ms")
+    assert percentile([1, 2, 3, 4], 50) == 2 and percentile([1, 2, 3, 4], 90) == 4
+
+
+def test_run_ticks_on_the_event_loop_until_cancelled(caplog):
+    check = PlanCheck(PLAN, window_seconds=0.1)  # the real clock, a short window
+
+    async def serve_a_while():
+        task = asyncio.create_task(check.run())
+        for r in finished(200, 20, MIN_REQUESTS):
+            check.record(r)
+        await asyncio.sleep(0.35)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    with caplog.at_level(logging.INFO, logger="shardserve.launch.plan_check"):
+        asyncio.run(serve_a_while())
+    lines = [r.getMessage() for r in caplog.records if r.name == "shardserve.launch.plan_check"]
+    assert lines[0].startswith("checking TTFT and TPOT against the plan's (p50 200.0 ms and 20.0 ms")
+    assert sum(line.startswith("plan check, last 0 s: 8 requests") for line in lines) == 1  # once, then idle
+
+
+def test_the_prediction_comes_from_the_plan_file():
+    from shardserve.planner.plan_file import PlanFile
+    from tests.planner.factories import plan_for
+
+    record: PlanFile = plan_for("meta-llama/Llama-3.1-8B-Instruct", "1xH100-80GB").record()
+    workload = dataclasses.replace(record.estimates.workload, input_len=512, output_len=64, concurrency=8.0,
+                                   request_rate=None)
+    record = dataclasses.replace(record, estimates=dataclasses.replace(record.estimates, ttft_ms=123.0, tpot_ms=9.5,
+                                                                       workload=workload))
+    prediction = Prediction.from_plan(record)
+    p = prediction
+    assert (p.ttft_ms, p.tpot_ms, p.input_len, p.output_len) == (123.0, 9.5, 512, 64)
+    assert prediction.describe_workload() == "512 prompt / 64 output tokens, 8 in flight"
+
+
+@pytest.mark.slow
+def test_metrics_have_the_tpot_histogram_after_a_request(server, client):
+    client.completions.create(model=MODEL, prompt="The function returns", max_tokens=6, temperature=0,
+                              extra_body={"ignore_eos": True})
+    text = http(f"{server}/metrics")[1]
+    assert "shardserve_time_per_output_token_seconds_bucket" in text
+    counts = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("shardserve_time_per_output_token_seconds_count")]
+    sums = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("shardserve_time_per_output_token_seconds_sum")]
+    assert sum(counts) >= 1 and sum(sums) > 0

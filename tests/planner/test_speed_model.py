@@ -1,0 +1,136 @@
+"""The speed model's parts against hand-computed cases: tables, the roofline, batching, queueing."""
+
+import math
+
+import pytest
+
+from shardserve.planner.hardware import GpuSpec
+from shardserve.planner.operators import Chunk, Operators
+from shardserve.planner.perf_tables import Database, Table, load_database, roofline_fit
+from shardserve.planner.serving import Replica
+from shardserve.planner.workload import Targets, Workload
+
+GEMM = Table(("m", "n", "k"), ((1, 4), (8,), (8,)), (1.0, 4.0))
+A10G = GpuSpec.from_catalog("A10G")
+
+
+def test_table_points_interpolation_and_extrapolation():
+    assert GEMM.lookup(m=1, n=8, k=8) == pytest.approx(1.0)
+    assert GEMM.lookup(m=4, n=8, k=8) == pytest.approx(4.0)
+    assert GEMM.lookup(m=2, n=8, k=8) == pytest.approx(2.0)  # halfway on log axes: the geometric mean
+    assert GEMM.lookup(m=16, n=8, k=8) == pytest.approx(16.0)  # past the grid: linear in m
+    assert GEMM.lookup(m=8, n=16, k=32) == pytest.approx(8.0 * 2 * 4)
+    assert GEMM.lookup(m=0.5, n=8, k=8) == pytest.approx(1.0)  # below it: the launch floor
+
+
+def test_table_answers_none_where_nothing_near_was_measured():
+    holes = Table(("m", "n", "k"), ((1, 4), (8,), (8,)), (None, 4.0))
+    assert holes.lookup(m=1, n=8, k=8) is None
+    assert holes.lookup(m=3.9, n=8, k=8) == pytest.approx(4.0)  # the measured corner dominates
+
+
+def test_shipped_tables_cover_the_measured_gpus():
+    h100 = load_database("H100-80GB")
+    assert {"gemm.bfloat16", "gemm.fp8", "prefill_attention.bfloat16", "decode_attention.bfloat16",
+            "allreduce"} <= set(h100.tables)
+    assert "aiconfigurator-core" in h100.sources[0] and "Apache-2.0" in h100.sources[0]
+    # a big bf16 GEMM runs at a plausible share of the H100's 989 TFLOP/s
+    ms = h100.lookup("gemm.bfloat16", m=8192, n=8192, k=8192)
+    assert 0.5 < 2 * 8192**3 / (ms * 1e-3) / 989e12 < 1.0
+    assert not load_database("A10G").is_measured
+
+
+def test_roofline_where_no_table_answers():
+    fit = roofline_fit()
+    ops = Operators(A10G, Database("A10G", ()), A10G.link_bytes_per_s)
+    # batch-1 decode GEMM: memory-bound on the weights
+    weights = 4096 * 4096 * 2
+    memory_ms = (weights + (4096 + 4096) * 2) / (A10G.hbm_bytes_per_s * fit["gemm_memory"]) * 1e3
+    assert ops.gemm(1, 4096, 4096, "bfloat16", 16) == pytest.approx(memory_ms + fit["floor_ms"])
+    # a large GEMM: compute-bound
+    compute_ms = 2 * 8192**3 / (A10G.bf16_flops * fit["gemm_compute"]) * 1e3
+    assert ops.gemm(8192, 8192, 8192, "bfloat16", 16) == pytest.approx(compute_ms + fit["floor_ms"])
+    # int4 weights read a quarter of the bytes at small m
+    assert ops.gemm(1, 4096, 4096, "bfloat16", 4) < 0.5 * ops.gemm(1, 4096, 4096, "bfloat16", 16)
+    ring = 2 * 1 / 2 * 2**20 / (A10G.link_bytes_per_s * fit["allreduce_link"]) * 1e3
+    assert ops.allreduce(2**20, 2) == pytest.approx(fit["allreduce_floor_ms"] + ring)
+    assert ops.allreduce(2**20, 1) == 0.0
+
+
+def test_prefill_chunk_does_its_share_of_the_causal_work():
+    ops = Operators(A10G, Database("A10G", ()), A10G.link_bytes_per_s)
+    whole = ops.prefill_attention(4096, 4096, 32, 128, "bfloat16") - roofline_fit()["floor_ms"]
+    second_half = ops.prefill_attention(2048, 4096, 32, 128, "bfloat16") - roofline_fit()["floor_ms"]
+    assert second_half == pytest.approx(whole * 0.75)  # (4096^2 - 2048^2) / 4096^2
+
+
+def _replica(per_token_ms=0.01, base_ms=10.0, **kw) -> Replica:
+    """A replica whose step costs base_ms plus per_token_ms for each token it computes."""
+    def cycle(b, chunks, context):
+        return base_ms + per_token_ms * (b + sum(c.tokens for c in chunks))
+    return Replica(cycle, kw.get("max_num_seqs", 256), kw.get("max_num_batched_tokens", 8192),
+                   kw.get("kv_cache_tokens", 10**6), kw.get("request_ms", 0.0))
+
+
+def test_closed_loop_by_hand():
+    r = _replica()
+    w = Workload(1000, 100, concurrency=50)
+    s = r.closed_loop(w)
+    # per step: 50 decodes and 50 / 100 new prompts of 1000 tokens -> 10 + 0.01 * (50 + 500)
+    assert s.tpot_ms == pytest.approx(10 + 0.01 * 550)
+    assert s.output_tokens_per_s == pytest.approx(50 / s.tpot_ms * 1e3)
+    # the first token: the prompt's own step (50 decodes beside its 1000 tokens), no wait in a closed loop
+    assert s.ttft_ms == pytest.approx(10 + 0.01 * 1050)
+
+
+def test_closed_loop_queues_past_max_num_seqs_and_the_kv_cache():
+    w = Workload(1000, 100, concurrency=100)
+    s = _replica(max_num_seqs=50).closed_loop(w)
+    alone = _replica(max_num_seqs=50).closed_loop(Workload(1000, 100, concurrency=50))
+    assert s.tpot_ms == pytest.approx(alone.tpot_ms)
+    # 50 wait for a whole request lifetime of the 50 running
+    assert s.ttft_ms == pytest.approx(alone.ttft_ms * 2 + 99 * alone.tpot_ms)
+    assert _replica(kv_cache_tokens=1050 * 10).max_running(w) == pytest.approx(10)
+
+
+def test_open_loop_is_littles_law():
+    r = _replica(request_ms=5.0)
+    s = r.open_loop(Workload(500, 200, request_rate=20))
+    assert not s.is_overloaded
+    assert s.batch == pytest.approx(20 / 1e3 * (s.ttft_ms + 199 * s.tpot_ms), rel=1e-2)
+    assert s.output_tokens_per_s == pytest.approx(20 * 200)
+    assert s.ttft_ms > 5.0 + 10 + 0.01 * 500  # the server, the prompt's own step and a wait for a step
+
+
+def test_open_loop_overload_and_the_highest_rate():
+    r = _replica(max_num_seqs=64)
+    w = Workload(500, 200)
+    assert r.open_loop(w.with_rate(1000)).is_overloaded
+    meets = Targets(tpot_ms=14.0)
+    best = r.max_request_rate(w, lambda s: not meets.misses(s.ttft_ms, s.tpot_ms))
+    assert best > 0
+    assert r.open_loop(w.with_rate(best * 0.98)).tpot_ms <= 14.0
+    assert r.open_loop(w.with_rate(best * 1.05)).tpot_ms > 14.0 or r.open_loop(w.with_rate(best * 1.05)).is_overloaded
+
+
+def test_percentiles_follow_md1_queueing():
+    """At p50 a lightly loaded prefill queue adds nothing; p99 waits past the mean."""
+    r = _replica(max_num_batched_tokens=2048)
+    p50 = r.open_loop(Workload(1500, 50, request_rate=20, percentile=50))
+    p99 = r.open_loop(Workload(1500, 50, request_rate=20, percentile=99))
+    assert p99.ttft_ms > p50.ttft_ms
+    assert p99.tpot_ms == pytest.approx(p50.tpot_ms, rel=1e-3)
+
+
+def test_chunks_cover_the_uncached_prompt():
+    r = _replica(max_num_batched_tokens=1000)
+    chunks = r._chunks(200, Workload(3000, 10, prefix_len=500))
+    assert [c.tokens for c in chunks] == [800, 800, 800, 100]
+    assert chunks[-1] == Chunk(100, 3000) and chunks[0].end == 1300
+
+
+def test_targets_wording():
+    t = Targets(ttft_ms=500, tpot_ms=30)
+    assert t.misses(620, 20) == ["TTFT 620 ms > 500 ms"]
+    assert t.shortfall(620, 15) == pytest.approx(1.24)
+    assert math.isclose(Targets().shortfall(1e9, 1e9), 1.0)

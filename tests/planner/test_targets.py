@@ -1,0 +1,110 @@
+"""Plans from service targets: the fewest GPUs that meet them, refusals that say what would, --recommend,
+and the workload settings' round trip through plan, plan file, profile and launch."""
+
+import pytest
+
+from shardserve.planner import InfeasibleError, PlanError, load_model, make_plan, parse_declared
+from shardserve.planner.options import PlanOptions
+from shardserve.planner.plan_file import PlanFile
+from shardserve.planner.settings import SettingError
+
+from tests.planner.factories import plan_for
+
+LLAMA_8B = "meta-llama/Llama-3.1-8B-Instruct"
+LLAMA_70B = "meta-llama/Llama-3.1-70B-Instruct"
+SERVICE = dict(input_len=2000, output_len=300, ttft_ms=500, tpot_ms=30)
+
+
+def test_fewest_gpus_that_meet_the_targets():
+    light = plan_for(LLAMA_8B, "8xH100-80GB", request_rate=10, **SERVICE)
+    heavy = plan_for(LLAMA_8B, "8xH100-80GB", request_rate=60, **SERVICE)
+    for plan in (light, heavy):
+        e = plan.chosen.estimates
+        assert e.ttft_ms <= 500 and e.tpot_ms <= 30 and not e.is_overloaded
+        assert e.max_request_rate >= e.workload.request_rate
+    assert light.chosen.layout.num_gpus < heavy.chosen.layout.num_gpus <= 8
+    # one GPU fewer misses: the same shape with one replica less cannot hold the rate
+    fewer = [c for c in heavy.search.candidates() if c.is_feasible
+             and c.layout.num_gpus < heavy.chosen.layout.num_gpus]
+    assert fewer and all(not c.estimates.meets(heavy.search.targets) for c in fewer)
+    assert any(line.startswith("targets: TTFT <= 500 ms and TPOT <= 30 ms at p50") for line in heavy.rationale)
+    assert heavy.record().estimates.workload.request_rate == 60
+
+
+def test_a_tight_tpot_takes_tensor_parallel():
+    loose = plan_for(LLAMA_70B, "8xH100-80GB", concurrency=16, tpot_ms=60)
+    tight = plan_for(LLAMA_70B, "8xH100-80GB", concurrency=16, tpot_ms=20)
+    assert tight.chosen.layout.tensor_parallel_size > loose.chosen.layout.tensor_parallel_size
+    assert tight.chosen.estimates.tpot_ms <= 20
+
+
+def test_refusal_names_the_nearest_miss_and_the_fixes():
+    with pytest.raises(InfeasibleError) as e:
+        plan_for(LLAMA_8B, "2xH100-80GB", request_rate=40, **SERVICE)
+    text = str(e.value)
+    assert text.startswith("no layout on 2xH100-80GB meets TTFT <= 500 ms and TPOT <= 30 ms (p50) at "
+                           "2000 in / 300 out, 40 req/s: the nearest, tp=")
+    assert "GPUs would meet them (" in text and "--recommend plans it" in text
+    assert "--kv-cache-dtype fp8" not in text or "would meet them" in text
+
+
+def test_refusal_when_nothing_meets_even_on_more_gpus():
+    with pytest.raises(InfeasibleError, match=r"has TPOT [\d.]+ ms > 0.5 ms"):
+        plan_for(LLAMA_8B, "8xH100-80GB", concurrency=4, tpot_ms=0.5)
+
+
+def test_recommend_plans_the_fewest_gpus_of_the_type():
+    plan = make_plan(load_model(LLAMA_70B), parse_declared("8xH100-80GB"),
+                     PlanOptions(request_rate=20, **SERVICE), recommend=True)
+    e, layout = plan.chosen.estimates, plan.chosen.layout
+    assert e.meets(plan.search.targets) and plan.hardware.total_gpus >= layout.num_gpus
+    assert plan.rationale[1].startswith(f"recommend: {plan.hardware.describe()}")
+    # a smaller deployment of the winning shape misses
+    smaller = [c for c in plan.search.candidates() if c.is_feasible and c.layout.num_gpus < layout.num_gpus]
+    assert all(not c.estimates.meets(plan.search.targets) for c in smaller)
+    with pytest.raises(PlanError, match="--recommend needs a load"):
+        make_plan(load_model(LLAMA_8B), parse_declared("H100-80GB"), PlanOptions(concurrency=4), recommend=True)
+    by_users = make_plan(load_model(LLAMA_70B), parse_declared("8xH100-80GB"),
+                         PlanOptions(concurrency=64, tpot_ms=25), recommend=True)
+    assert by_users.chosen.estimates.tpot_ms <= 25
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(concurrency=4, request_rate=2), "concurrency and request_rate both given"),
+    (dict(input_len=7000, output_len=2000, max_model_len=8192), "is beyond max_model_len 8192"),
+    (dict(input_len=100, prefix_len=100), "prefix_len 100 must be below input_len 100"),
+    (dict(ttft_ms=200), "latency targets need the load they hold at"),
+])
+def test_bad_workloads_are_refused_by_name(options, message):
+    with pytest.raises((PlanError, SettingError), match=message):
+        plan_for(LLAMA_8B, "H100-80GB", **options)
+
+
+def test_without_targets_the_objective_is_said_and_full_batches_used():
+    plan = plan_for(LLAMA_8B, "H100-80GB")
+    w = plan.chosen.estimates.workload
+    assert (w.input_len, w.output_len) == (1024, 256) and w.concurrency > 1
+    assert any(line.startswith("objective: the most output tokens/s for 1024 in / 256 out") for line in plan.rationale)
+    small = plan_for("Qwen/Qwen3-0.6B", "H100-80GB", max_model_len=512)
+    assert (small.chosen.estimates.workload.input_len, small.chosen.estimates.workload.output_len) == (384, 128)
+
+
+def test_the_service_settings_round_trip_through_the_plan_file():
+    plan = plan_for(LLAMA_8B, "8xH100-80GB", request_rate=12, prefix_len=200, target_percentile=90, **SERVICE)
+    record = PlanFile.from_dict(plan.to_dict(), "plan.yaml")
+    s = record.service
+    assert (s.input_len, s.output_len, s.prefix_len, s.request_rate, s.ttft_ms, s.tpot_ms,
+            s.target_percentile) == (2000, 300, 200, 12.0, 500.0, 30.0, 90)
+    assert record.estimates.workload.percentile == 90
+    bad = plan.to_dict()
+    bad["service"]["target_percentile"] = 42
+    with pytest.raises(PlanError, match="service.target_percentile: target_percentile=42 must be one of"):
+        PlanFile.from_dict(bad, "plan.yaml")
+
+
+def test_launch_reads_the_service_settings_back():
+    from shardserve.launch.launcher import plan_settings
+
+    plan = plan_for(LLAMA_8B, "8xH100-80GB", concurrency=32, tpot_ms=25)
+    settings = plan_settings(plan.record())
+    assert settings["concurrency"] == 32 and settings["tpot_ms"] == 25 and settings["input_len"] == 1024
