@@ -229,7 +229,7 @@ def serve_once(config: DeployConfig, plan: PlanFile, host: str, port: int, api_k
     from shardserve.launch.api_server import build_app
     from shardserve.launch.metrics import ServerMetrics
     from shardserve.launch.openai_serving import OpenAIServing
-    from shardserve.launch.plan_check import PlanCheck, Prediction
+    from shardserve.launch.plan_check import PlanCheck, Prediction, for_traffic
     from shardserve.launch.replicas import ReplicaSet
 
     _Server = _server_class()
@@ -246,7 +246,9 @@ def serve_once(config: DeployConfig, plan: PlanFile, host: str, port: int, api_k
     info = engines[0].kv_cache_info
     compare_kv(plan, info)
 
-    replicas = ReplicaSet(engines, plan_check=PlanCheck(Prediction.from_plan(plan)))
+    replicas = ReplicaSet(engines, plan_check=PlanCheck(Prediction.from_plan(plan),
+                                                        for_traffic=for_traffic(plan, load_model(config.model,
+                                                                                        config.quantization))))
     metrics = ServerMetrics(name, replicas.stats)
     replicas.metrics = metrics
     limit = config.max_queued_requests or 4 * setting(config, "max_num_seqs") * len(engines)

@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from shardserve.planner.model_source import ModelInfo
 from shardserve.planner.plan_file import PlanFile
 
 logger = logging.getLogger("shardserve.launch.plan_check")
@@ -85,10 +86,16 @@ def percentile(values: list[float], p: int) -> float:
     return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
 
 
+# (mean prompt tokens, mean output tokens, requests in flight) -> the plan's (TTFT ms, TPOT ms) for that
+# traffic on this deployment (planner/replay.py); None where only the plan's own estimates are known
+ForTraffic = Callable[[int, int, float], tuple[float, float]]
+
+
 class PlanCheck:
     def __init__(self, prediction: Prediction, clock: Callable[[], float] = time.monotonic,
-                 window_seconds: float = WINDOW_SECONDS):
+                 window_seconds: float = WINDOW_SECONDS, for_traffic: ForTraffic | None = None):
         self.prediction, self.clock, self.window_seconds = prediction, clock, window_seconds
+        self.for_traffic = for_traffic
         self._finished: deque[FinishedRequest] = deque()
         self._window_start = clock()
 
@@ -124,28 +131,40 @@ class PlanCheck:
                               sum(r.num_prompt_tokens for r in finished) / len(finished),
                               sum(r.num_output_tokens for r in finished) / len(finished),
                               sum(r.e2e_s for r in finished) / seconds, ())
+        expected = self.expected(report)
         warnings = [self._off(name, measured.get(p.percentile), predicted, report)
-                    for name, measured, predicted in (("TTFT", ttft_ms, p.ttft_ms), ("TPOT", tpot_ms, p.tpot_ms))]
+                    for name, measured, predicted in (("TTFT", ttft_ms, expected[0]), ("TPOT", tpot_ms, expected[1]))]
         return replace(report, warnings=tuple(w for w in warnings if w))
+
+    def expected(self, report: WindowReport) -> tuple[float, float]:
+        """The plan's TTFT and TPOT for the traffic seen (its own estimates without a speed model)."""
+        if self.for_traffic is None:
+            return self.prediction.ttft_ms, self.prediction.tpot_ms
+        return self.for_traffic(max(1, round(report.mean_prompt_tokens)), max(1, round(report.mean_output_tokens)),
+                                max(1.0, report.mean_in_flight))
 
     def _off(self, name: str, measured: float | None, predicted: float, report: WindowReport) -> str | None:
         if measured is None or predicted <= 0 or abs(measured - predicted) <= TOLERANCE * predicted:
             return None
         q = self.prediction.percentile
         direction = "above" if measured > predicted else "below"
-        return (f"measured {name} p{q} {measured:.1f} ms is {abs(measured / predicted - 1):.0%} {direction} the "
-                f"plan's {predicted:.1f} ms (more than {TOLERANCE:.0%}); workload seen: "
-                f"{_workload(report)}, planned for {self.prediction.describe_workload()} (where they match, "
-                f"`shardserve calibrate` here and plan again)")
+        basis = ("the plan's speed model for the traffic seen" if self.for_traffic is not None
+                 else f"the plan's estimate for {self.prediction.describe_workload()}")
+        return (f"measured {name} p{q} {measured:.1f} ms is {abs(measured / predicted - 1):.0%} {direction} "
+                f"{predicted:.1f} ms, {basis} (more than {TOLERANCE:.0%}); workload seen: {_workload(report)} "
+                "(`shardserve calibrate` on this GPU, then plan again)")
 
     def describe(self, report: WindowReport) -> str:
         p = self.prediction
         tpot = (" ".join(f"p{q} {v:.1f} ms" for q, v in report.tpot_ms.items()) if report.tpot_ms
                 else "none (no request had 2 output tokens)")
+        ttft_now, tpot_now = self.expected(report)
+        here = (f"; for this traffic the plan's model says TTFT {ttft_now:.1f} ms, TPOT {tpot_now:.1f} ms"
+                if self.for_traffic is not None else "")
         return (f"plan check, last {report.seconds:.0f} s: {report.num_requests} requests, {_workload(report)}; "
                 f"TTFT {' '.join(f'p{q} {v:.1f} ms' for q, v in report.ttft_ms.items())} (plan p{p.percentile} "
                 f"{p.ttft_ms:.1f} ms), TPOT {tpot} (plan p{p.percentile} {p.tpot_ms:.1f} ms); the plan is for "
-                f"{p.describe_workload()}")
+                f"{p.describe_workload()}{here}")
 
     async def run(self) -> None:
         """Tick at each window's end until cancelled (the launcher cancels it on shutdown)."""
@@ -161,3 +180,19 @@ class PlanCheck:
 def _workload(report: WindowReport) -> str:
     return (f"{report.mean_prompt_tokens:.0f} prompt / {report.mean_output_tokens:.0f} output tokens, "
             f"{report.requests_per_s:.2f} req/s, {report.mean_in_flight:.1f} in flight")
+
+
+def for_traffic(plan: PlanFile, model: ModelInfo) -> ForTraffic:
+    """The plan's speed model (planner/replay.py) as the check asks it: the traffic seen, as a closed loop
+    of that many requests in flight, at the plan's percentile (lengths kept within max_model_len)."""
+    from shardserve.planner.replay import predict
+    from shardserve.planner.workload import Workload
+
+    percentile = plan.estimates.workload.percentile
+
+    def expected(input_len: int, output_len: int, in_flight: float) -> tuple[float, float]:
+        length = min(input_len + output_len, plan.runtime.max_model_len)
+        input_len = max(1, min(input_len, length - 1))
+        e = predict(plan, model, Workload(input_len, max(1, length - input_len), 0, in_flight, None, percentile))
+        return e.ttft_ms, e.tpot_ms
+    return expected

@@ -70,7 +70,8 @@ def make_plan(model: ModelInfo, hardware: Hardware, options: PlanOptions, recomm
         if any(c.is_feasible for c in candidates) and search.targets.is_set:
             raise InfeasibleError(missed_targets(search, candidates))
         raise InfeasibleError(cannot_fit(search, candidates))
-    settings = chosen.settings  # max_model_len auto: the chosen layout's number
+    chosen = search.exact(chosen)
+    settings = chosen.settings  # max_model_len auto: the chosen layout's number; max_num_seqs: its cap
     executor = choose_executor(chosen.layout, hardware, options)
     weight_bytes = total_weight_bytes(model.spec, model.groups, settings.dtype)
     return Plan(model, hardware, settings, chosen, executor,

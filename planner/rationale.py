@@ -44,6 +44,11 @@ def rationale(search: Search, chosen: Candidate, candidates: list[Candidate], ex
                      + ", ".join(f"{k}={v}" for k, v in layout_pins.items()))
     else:
         lines += _layout_lines(search, chosen, candidates)
+    if settings.max_num_seqs < search.settings.max_num_seqs:
+        e = chosen.estimates
+        lines.append(f"max_num_seqs {settings.max_num_seqs} (not {search.settings.max_num_seqs}): a replica runs "
+                     f"at most {settings.max_num_seqs} of its {e.workload.concurrency / chosen.layout.data_parallel_size:g} "
+                     f"requests at once, for TPOT {e.tpot_ms:.1f} ms; the rest queue (TTFT {e.ttft_ms:,.0f} ms)")
     experts = _experts_line(model, chosen, search.options.enable_expert_parallel)
     if experts:
         lines.append(experts)

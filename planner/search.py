@@ -18,6 +18,7 @@ from shardserve.planner.workload import Targets, Workload
 # pipeline over PCIe, tp = GPUs per node across nodes) win unless another layout is estimated
 # this much faster: a preference is an input to the comparison, never an override of it.
 PREFERENCE_MARGIN = 0.9
+BATCH_CAPS = (8, 16, 32, 64, 128)  # max_num_seqs tried below the setting's when targets ask for it
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,26 @@ class Search:
         for tp, pp, dps in candidate_shapes(self.model, self.hardware, self.options, self.targets.is_set):
             shape = self.shape(tp, pp)
             for dp in dps:
-                out.append(self.with_replicas(shape, dp))
+                out += [self.with_replicas(shape, dp, cap) for cap in self.batch_caps(dp)]
         return out
+
+    def batch_caps(self, dp: int) -> list[int]:
+        """max_num_seqs values to try: the setting's, and with targets under a closed loop every
+        smaller cap below the replica's concurrency (fewer running, faster tokens, the rest queue)."""
+        top, w = self.settings.max_num_seqs, self.workload
+        if not self.targets.is_set or w.concurrency is None:
+            return [top]
+        return [top] + [cap for cap in BATCH_CAPS if cap < top and cap < w.concurrency / dp]
+
+    def exact(self, chosen: Candidate) -> Candidate:
+        """The chosen candidate with its memory planned at its own max_num_seqs (the CUDA graphs it
+        keeps), so the plan's KV cache is the one the engine will size."""
+        if chosen.settings is None or chosen.settings.max_num_seqs == self.settings.max_num_seqs:
+            return chosen
+        search = replace(self, settings=replace(self.settings, max_num_seqs=chosen.settings.max_num_seqs))
+        layout = chosen.layout
+        shape = search.shape(layout.tensor_parallel_size, layout.pipeline_parallel_size)
+        return search.with_replicas(shape, layout.data_parallel_size)
 
     def shape(self, tp: int, pp: int, with_rate: bool = True) -> tuple[Candidate, Replica | None, float]:
         """One replica of tp x pp: its memory, its speed model and the rate it serves within the
@@ -76,7 +95,9 @@ class Search:
     def _meets(self, speed) -> bool:
         return not self.targets.misses(speed.ttft_ms, speed.tpot_ms)
 
-    def with_replicas(self, shape: tuple[Candidate, Replica | None, float], dp: int) -> Candidate:
+    def with_replicas(self, shape: tuple[Candidate, Replica | None, float], dp: int,
+                      max_num_seqs: int | None = None) -> Candidate:
+        """The shape with dp replicas; `max_num_seqs` below the settings' caps each replica's batch."""
         base, replica, rate = shape
         layout = Layout(base.layout.tensor_parallel_size, base.layout.pipeline_parallel_size, dp)
         placement = placement_problem(layout, self.model.spec, self.hardware)
@@ -84,6 +105,10 @@ class Search:
             return Candidate(layout, placement, expert_parallel=base.expert_parallel)
         if replica is None or base.problem:
             return replace(base, layout=layout)
+        if max_num_seqs is not None and max_num_seqs != replica.max_num_seqs:
+            replica = replace(replica, max_num_seqs=max_num_seqs)
+            base = replace(base, settings=replace(base.settings, max_num_seqs=max_num_seqs))
+            rate = replica.max_request_rate(self.workload.per_replica(1), self._meets)
         est = estimate(replica, self.workload, self.targets, dp, layout.num_gpus, rate,
                        source_note(self.hardware))
         return replace(base, layout=layout, estimates=est)

@@ -73,7 +73,8 @@ def test_a_fast_ttft_beyond_the_tolerance_warns_too_and_requests_are_not_counted
         check.record(r)
     clock.now += 60
     with caplog.at_level(logging.WARNING, logger="shardserve.launch.plan_check"):
-        assert check.tick().warnings[0].startswith("measured TTFT p50 100.0 ms is 50% below the plan's 200.0 ms")
+        assert check.tick().warnings[0].startswith("measured TTFT p50 100.0 ms is 50% below 200.0 ms, the plan's "
+                                                   "estimate for 1000 prompt / 100 output tokens, 16 in flight")
     clock.now += 60
     assert check.tick() is None  # the next window has no requests of its own
 
@@ -83,7 +84,7 @@ def test_the_plan_percentile_is_the_one_compared():
     assert PlanCheck(PLAN, Clock()).report(requests, 60.0).warnings == ()  # p50: 20 ms as planned
     report = PlanCheck(dataclasses.replace(PLAN, percentile=90), Clock()).report(requests, 60.0)
     assert report.tpot_ms[90] == pytest.approx(60.0)
-    assert report.warnings[0].startswith("measured TPOT p90 60.0 ms is 200% above the plan's 20.0 ms")
+    assert report.warnings[0].startswith("measured TPOT p90 60.0 ms is 200% above 20.0 ms, the plan's estimate")
     assert percentile([1, 2, 3, 4], 50) == 2 and percentile([1, 2, 3, 4], 90) == 4
 
 
@@ -132,3 +133,28 @@ def test_metrics_have_the_tpot_histogram_after_a_request(server, client):
     sums = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
             if line.startswith("shardserve_time_per_output_token_seconds_sum")]
     assert sum(counts) >= 1 and sum(sums) > 0
+
+
+def test_the_check_asks_the_plans_speed_model_for_the_traffic_seen(caplog):
+    """Shorter prompts than planned: the plan's own model (from the plan file) predicts them, so traffic
+    at that prediction passes and a 2x slower TPOT warns against it, not against the planned workload."""
+    from shardserve.launch.plan_check import for_traffic
+    from shardserve.planner import PlanOptions, load_model, make_plan, parse_declared
+
+    model = load_model("meta-llama/Llama-3.1-8B-Instruct")
+    plan = make_plan(model, parse_declared("H100-80GB"), PlanOptions(concurrency=16, input_len=4000,
+                                                                     output_len=500)).record()
+    expected = for_traffic(plan, model)
+    clock = Clock()
+    # 13 requests of 500 in / 100 out in 60 s, each about 3 s long: 0.65 in flight
+    ttft, tpot = expected(500, 100, 1.0)
+    assert ttft < plan.estimates.ttft_ms and tpot < plan.estimates.tpot_ms  # less work than planned
+    for slow in (1.0, 2.0):
+        check = PlanCheck(Prediction.from_plan(plan), clock, for_traffic=expected)
+        for r in finished(ttft, tpot * slow, 13, prompt=500, output=100):
+            check.record(r)
+        clock.now += 60
+        report = check.tick()
+        assert [w.split(" ms")[0] for w in report.warnings] == ([] if slow == 1.0 else [
+            f"measured TPOT p50 {report.tpot_ms[50]:.1f}"])
+    assert "the plan's speed model for the traffic seen" in report.warnings[0]

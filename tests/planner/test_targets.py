@@ -32,8 +32,8 @@ def test_fewest_gpus_that_meet_the_targets():
 
 
 def test_a_tight_tpot_takes_tensor_parallel():
-    loose = plan_for(LLAMA_70B, "8xH100-80GB", concurrency=16, tpot_ms=60)
-    tight = plan_for(LLAMA_70B, "8xH100-80GB", concurrency=16, tpot_ms=20)
+    loose = plan_for(LLAMA_70B, "8xH100-80GB", concurrency=16, tpot_ms=60, ttft_ms=2000)
+    tight = plan_for(LLAMA_70B, "8xH100-80GB", concurrency=16, tpot_ms=20, ttft_ms=2000)
     assert tight.chosen.layout.tensor_parallel_size > loose.chosen.layout.tensor_parallel_size
     assert tight.chosen.estimates.tpot_ms <= 20
 
@@ -108,3 +108,39 @@ def test_launch_reads_the_service_settings_back():
     plan = plan_for(LLAMA_8B, "8xH100-80GB", concurrency=32, tpot_ms=25)
     settings = plan_settings(plan.record())
     assert settings["concurrency"] == 32 and settings["tpot_ms"] == 25 and settings["input_len"] == 1024
+
+
+def test_a_tpot_target_under_a_closed_loop_caps_the_batch():
+    """512 users on one H100: no layout meets TPOT 12 ms with 256 running, a cap of 32 does (the rest
+    queue); the plan records the cap and sizes its KV cache for it."""
+    plan = plan_for(LLAMA_8B, "H100-80GB", concurrency=512, tpot_ms=12, ttft_ms=60000)
+    settings, e = plan.chosen.settings, plan.chosen.estimates
+    assert settings.max_num_seqs < 256 and e.tpot_ms <= 12
+    assert plan.record().runtime.max_num_seqs == settings.max_num_seqs
+    assert any(line.startswith(f"max_num_seqs {settings.max_num_seqs} (not 256)") for line in plan.rationale)
+    full = plan_for(LLAMA_8B, "H100-80GB", max_num_seqs=settings.max_num_seqs)
+    assert plan.record().memory.kv_cache_tokens == full.record().memory.kv_cache_tokens
+    uncapped = plan_for(LLAMA_8B, "H100-80GB", concurrency=512, ttft_ms=60000)
+    assert uncapped.chosen.settings.max_num_seqs == 256
+
+
+@pytest.mark.parametrize("model, hardware, options", [
+    (LLAMA_8B, "H100-80GB", {}),
+    (LLAMA_70B, "8xH100-80GB", dict(request_rate=6, **SERVICE)),
+    ("Qwen/Qwen3-30B-A3B", "4xA10G", dict(concurrency=32)),
+    ("Qwen/Qwen2.5-14B-Instruct", "3xL4", dict(kv_cache_dtype="fp8")),
+    (LLAMA_8B, "H100-80GB", dict(concurrency=512, tpot_ms=12, ttft_ms=60000)),
+])
+def test_the_plan_file_alone_predicts_what_the_plan_did(model, hardware, options):
+    """plan = launch: launch re-makes the speed model from the plan file (and the model) alone."""
+    from shardserve.planner.replay import predict
+    from shardserve.planner.workload import Workload
+
+    plan = plan_for(model, hardware, **options)
+    record = PlanFile.from_dict(plan.to_dict(), "plan.yaml")
+    w = record.estimates.workload
+    again = predict(record, plan.model, Workload(w.input_len, w.output_len, w.prefix_len, w.concurrency,
+                                                 w.request_rate, w.percentile))
+    e = plan.chosen.estimates
+    for name in ("ttft_ms", "tpot_ms", "output_tokens_per_s", "max_request_rate", "decode_tokens_per_s_batch1"):
+        assert getattr(again, name) == pytest.approx(getattr(e, name), rel=1e-3), name
