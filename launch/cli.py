@@ -25,7 +25,14 @@ class Format(str, enum.Enum):
     table = "table"
     json = "json"
     yaml = "yaml"
-    vllm = "vllm"  # plan only: the equivalent serve command of another engine
+
+
+class PlanFormat(str, enum.Enum):
+    """`plan` also prints the equivalent serve command of another engine."""
+    table = "table"
+    json = "json"
+    yaml = "yaml"
+    vllm = "vllm"
     sglang = "sglang"
 
 
@@ -52,9 +59,9 @@ def plan(
         envvar="RAY_ADDRESS", help="Read nodes and GPUs from this Ray cluster.")] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o",
                                                    help="Write the plan YAML here.")] = None,
-    format: Annotated[Format, typer.Option("--format", help="table, json or yaml on stdout; vllm or "
+    format: Annotated[PlanFormat, typer.Option("--format", help="table, json or yaml on stdout; vllm or "
                                            "sglang: that engine's equivalent serve command.")]
-    = Format.table,
+    = PlanFormat.table,
     recommend: Annotated[bool, typer.Option(
         "--recommend", help="Plan on the fewest GPUs of the --hardware GPU type (its GPUs per node) that "
         "serve --request-rate or --concurrency within --ttft-ms/--tpot-ms.")] = False,
@@ -70,12 +77,12 @@ def plan(
         record = make_plan_from(settings, profile, ray_address, recommend).record()
         if output is not None:
             write_plan(record, output)
-    if format is Format.json:
+    if format is PlanFormat.json:
         print(json.dumps(record.to_dict(), indent=2))
-    elif format is Format.yaml:
+    elif format is PlanFormat.yaml:
         import yaml
         print(yaml.safe_dump(record.to_dict(), sort_keys=False), end="")
-    elif format in (Format.vllm, Format.sglang):
+    elif format in (PlanFormat.vllm, PlanFormat.sglang):
         from shardserve.launch.engine_export import export_plan
         print(export_plan(record, format.value).render())
     else:
