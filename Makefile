@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-# The whole suite, as CI runs it (about 18 minutes on two CPU cores).
+# The whole suite, as CI runs it (about 15 minutes on two CPU cores: 1141 tests on a fresh clone).
 test: $(STAMP)
 	$(PY) -m pytest -q
 
