@@ -5,7 +5,8 @@
 
 For each GPU of our catalog that the database measured with vLLM kernels it writes
 `planner/perfdata/<gpu>.json.gz`: grids of latencies in milliseconds (GEMM by m, n, k; prefill and
-decode attention; all-reduce by GPUs and bytes), and `roofline_fit.json`: the efficiencies a roofline
+decode attention; all-reduce by GPUs and bytes; the fused MoE layer of each measured model shape),
+and `roofline_fit.json`: the efficiencies a roofline
 reaches on those GPUs, which the planner uses for GPUs with no data. The planner reads only these
 files (no pandas, no torch). Source and licence: aiconfigurator-core (Apache-2.0), NVIDIA.
 """
@@ -116,13 +117,30 @@ def _allreduce(folder: Path) -> dict:
                                       "bytes": tuple(sorted(frame["bytes"].unique()))})}
 
 
+def _moe(folder: Path) -> dict:
+    """vLLM's fused MoE layer (bf16, balanced routing) for each model shape measured: one table per
+    shape over the experts' tensor-parallel and expert-parallel sizes and the tokens of a step."""
+    base = folder / "moe" / "vllm"
+    if not base.exists():
+        return {}
+    frame = pd.read_parquet(_version(base) / "moe_perf.parquet")
+    frame = _main_kernel(frame[(frame["moe_dtype"] == "bfloat16") & (frame["distribution"] == "balanced")])
+    frame = frame.rename(columns={"moe_tp_size": "tp", "moe_ep_size": "ep"})
+    out = {}
+    for (h, i, k, e), rows in frame.groupby(["hidden_size", "inter_size", "topk", "num_experts"]):
+        out[f"moe.bfloat16@{h}x{i}x{k}x{e}"] = _grid(rows, {
+            "tp": tuple(sorted(rows["tp"].unique())), "ep": tuple(sorted(rows["ep"].unique())),
+            "num_tokens": tuple(sorted(rows["num_tokens"].unique()))})
+    return out
+
+
 def extract(systems_dir: Path, version: str) -> dict[str, dict]:
     made = {}
     for system, gpu in SYSTEMS.items():
         folder = systems_dir / "data" / system
         if not (folder / "gemm" / "vllm").exists():
             continue
-        tables = {**_gemm(folder), **_attention(folder), **_allreduce(folder)}
+        tables = {**_gemm(folder), **_attention(folder), **_allreduce(folder), **_moe(folder)}
         vllm = _version(folder / "gemm" / "vllm").name
         made[gpu] = {"gpu": gpu, "source": f"aiconfigurator-core {version} (Apache-2.0, NVIDIA): "
                      f"systems/data/{system}, vLLM {vllm} kernels", "tables": tables}

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 from shardserve.planner.hardware import Hardware
-from shardserve.planner.search import PREFERENCE_MARGIN, Candidate, pareto_front, rank_key, tier
+from shardserve.planner.search import PREFERENCE_MARGIN, Candidate, pareto_front, preference, rank_key
 from shardserve.planner.workload import Targets
 
 
 def _best_per_shape(candidates: list[Candidate], targets: Targets) -> list[Candidate]:
-    """One candidate per (tp, pp): with targets the fewest replicas that meet them (else the most),
+    """One candidate per (tp, pp, expert parallel): with targets the fewest replicas that meet them (else the most),
     without them the one the search tried (every GPU busy)."""
     shapes: dict[tuple[int, int], list[Candidate]] = {}
     for c in candidates:
         if c.memory is not None:
-            shapes.setdefault((c.layout.tensor_parallel_size, c.layout.pipeline_parallel_size), []).append(c)
+            shapes.setdefault((c.layout.tensor_parallel_size, c.layout.pipeline_parallel_size, c.expert_parallel),
+                              []).append(c)
     out = []
     for group in shapes.values():
         runnable = [c for c in group if c.is_feasible]
@@ -29,7 +30,8 @@ def alternatives(chosen: Candidate, candidates: list[Candidate], hardware: Hardw
                  limit: int = 6) -> list[dict]:
     """The best few other layouts, the Pareto front (tokens/s per GPU against per user) first."""
     front = {id(c) for c in pareto_front(candidates)}
-    others = [c for c in _best_per_shape(candidates, targets) if c.layout != chosen.layout]
+    others = [c for c in _best_per_shape(candidates, targets)
+              if (c.layout, c.expert_parallel) != (chosen.layout, chosen.expert_parallel)]
     others.sort(key=lambda c: (not c.is_feasible, id(c) not in front,
                                rank_key(c, hardware) if c.is_feasible else c.layout))
     out = []
@@ -39,6 +41,7 @@ def alternatives(chosen: Candidate, candidates: list[Candidate], hardware: Hardw
             "tensor_parallel_size": c.layout.tensor_parallel_size,
             "pipeline_parallel_size": c.layout.pipeline_parallel_size,
             "data_parallel_size": c.layout.data_parallel_size,
+            "enable_expert_parallel": c.expert_parallel,
             "output_tokens_per_s": _round(e.output_tokens_per_s, 1),
             "output_tokens_per_s_per_gpu": _round(e.output_tokens_per_s_per_gpu, 1),
             "output_tokens_per_s_per_user": _round(e.output_tokens_per_s_per_user, 1),
@@ -80,9 +83,9 @@ def why_not(c: Candidate, chosen: Candidate, hardware: Hardware, targets: Target
     if idle > hardware.total_gpus - chosen.layout.num_gpus:
         return f"leaves {idle} {hardware.gpu.unit}(s) idle"
     ratio = e.output_tokens_per_s / best.output_tokens_per_s
-    if ratio > 1 and tier(c.layout, hardware) > tier(chosen.layout, hardware):
+    if ratio > 1 and preference(c, hardware) > preference(chosen, hardware):
         return (f"{ratio:.0%} of the plan's output tokens/s, within {1 - PREFERENCE_MARGIN:.0%}: the rules' "
                 "preferred shape wins")
-    if tier(c.layout, hardware) < tier(chosen.layout, hardware):
-        return f"the rules prefer its shape, but it is estimated at {ratio:.0%} of the plan's output tokens/s"
+    if preference(c, hardware) < preference(chosen, hardware):
+        return f"the rules prefer it, but it is estimated at {ratio:.0%} of the plan's output tokens/s"
     return f"slower: {ratio:.0%} of the plan's estimated output tokens/s"

@@ -15,6 +15,7 @@ import gzip
 import json
 import math
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -26,6 +27,7 @@ TABLE_AXES = {
     "prefill_attention": ("head_dim", "num_heads", "batch", "isl"),
     "decode_attention": ("head_dim", "num_kv_heads", "batch", "context"),
     "allreduce": ("num_gpus", "bytes"),
+    "moe": ("tp", "ep", "num_tokens"),  # moe.<dtype>@<hidden>x<inter>x<topk>x<experts>: the fused MoE layer
 }
 DTYPES = ("bfloat16", "float16", "float32", "fp8")  # gemm: the weight's; attention: the KV cache's
 
@@ -97,9 +99,13 @@ def check_calibration(data: object, source: str) -> None:
 
 def _check_table(name: object, table: object, source: str) -> None:
     kind, _, dtype = str(name).partition(".")
+    dtype, _, moe_shape = dtype.partition("@")
+    if (kind == "moe") != bool(moe_shape) or (moe_shape and not re.fullmatch(r"\d+x\d+x\d+x\d+", moe_shape)):
+        kind = ""  # a MoE table names its shape, and only a MoE table does
     if kind not in TABLE_AXES or (kind == "allreduce") != (dtype == "") or (dtype and dtype not in DTYPES):
         raise CalibrationError(f"{source}: tables.{name}: unknown table (names: gemm.<dtype>, "
-                               f"prefill_attention.<dtype>, decode_attention.<dtype>, allreduce; "
+                               f"prefill_attention.<dtype>, decode_attention.<dtype>, allreduce, "
+                               f"moe.<dtype>@<hidden>x<inter>x<topk>x<experts>; "
                                f"dtypes: {', '.join(DTYPES)})")
     key = f"tables.{name}"
     if not isinstance(table, dict) or set(table) != {"axes", "ms"}:
@@ -127,9 +133,10 @@ def _check_table(name: object, table: object, source: str) -> None:
 
 
 def _check_host(host: object, source: str) -> None:
-    if not isinstance(host, dict) or set(host) != {"step_ms", "per_request_ms"}:
-        raise CalibrationError(f"{source}: host: expected a mapping with step_ms and per_request_ms, "
-                               f"got {_short(host)}")
+    if not isinstance(host, dict) or not {"step_ms", "per_request_ms"} <= set(host) <= {
+            "step_ms", "per_request_ms", "request_ms"}:
+        raise CalibrationError(f"{source}: host: expected a mapping with step_ms and per_request_ms (and "
+                               f"optionally request_ms), got {_short(host)}")
     for key, value in host.items():
         if not _is_number(value) or value < 0:
             raise CalibrationError(f"{source}: host.{key}: expected milliseconds >= 0, got {value!r}")

@@ -23,7 +23,8 @@ from shardserve.planner.calibration import calibration_path, read_calibration
 PERFDATA = Path(__file__).resolve().parent / "perfdata"
 # Work exponent of each axis past its last measured point: latency ~ value ** exponent.
 WORK_EXPONENT = {"m": 1, "n": 1, "k": 1, "head_dim": 1, "num_heads": 1, "num_kv_heads": 1,
-                 "batch": 1, "isl": 2, "context": 1, "bytes": 1, "num_gpus": 0}
+                 "batch": 1, "isl": 2, "context": 1, "bytes": 1, "num_gpus": 0, "tp": 0, "ep": 0,
+                 "num_tokens": 1}
 
 
 @dataclass(frozen=True)

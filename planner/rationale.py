@@ -49,7 +49,7 @@ def rationale(search: Search, chosen: Candidate, candidates: list[Candidate], ex
         lines.append(f"max_num_seqs {settings.max_num_seqs} (not {search.settings.max_num_seqs}): a replica runs "
                      f"at most {settings.max_num_seqs} of its {e.workload.concurrency / chosen.layout.data_parallel_size:g} "
                      f"requests at once, for TPOT {e.tpot_ms:.1f} ms; the rest queue (TTFT {e.ttft_ms:,.0f} ms)")
-    experts = _experts_line(model, chosen, search.options.enable_expert_parallel)
+    experts = _experts_line(model, chosen, search.options.enable_expert_parallel, candidates)
     if experts:
         lines.append(experts)
     if pp > 1:
@@ -134,7 +134,8 @@ def _kv_cache_lines(mem, settings: RuntimeSettings, model_limit: int) -> list[st
     return lines
 
 
-def _experts_line(model: ModelInfo, chosen: Candidate, forced: bool | None) -> str | None:
+def _experts_line(model: ModelInfo, chosen: Candidate, forced: bool | None,
+                  candidates: list[Candidate]) -> str | None:
     """Rule 8, for a mixture of experts over tensor-parallel ranks: whole experts per rank or every
     expert split, and why."""
     spec, tp = model.spec, chosen.layout.tensor_parallel_size
@@ -145,6 +146,14 @@ def _experts_line(model: ModelInfo, chosen: Candidate, forced: bool | None) -> s
     split = f"experts split by tensor parallel ({spec.moe_intermediate_size // tp} features per expert and rank)"
     if forced is not None:
         return f"rule 8: {whole if chosen.expert_parallel else split}, as enable_expert_parallel={forced} asks"
+    if not chosen.is_rule8_choice:
+        twin = next((c for c in candidates if c.layout == chosen.layout and c.is_rule8_choice), None)
+        would = "split the experts" if chosen.expert_parallel else "keep experts whole"
+        if twin is None or not twin.is_feasible:
+            return f"rule 8 would {would}, but {twin.problem if twin else 'that cannot run here'}"
+        ratio = chosen.estimates.output_tokens_per_s / twin.estimates.output_tokens_per_s
+        return (f"rule 8 would {would}, but {whole if chosen.expert_parallel else split} is estimated "
+                f"{ratio:.2f}x as fast")
     if chosen.expert_parallel:
         return f"rule 8: {whole}: {expert_parallel_reason(spec, tp)}"
     blocked = expert_parallel_problem(spec, tp)

@@ -8,8 +8,8 @@ from shardserve.planner.hardware import Hardware
 from shardserve.planner.memory import MemoryPlan, plan_memory
 from shardserve.planner.model_source import ModelInfo
 from shardserve.planner.options import PlanOptions, RuntimeSettings
-from shardserve.planner.rules import (Layout, expert_parallel_reason, max_replicas, placement_problem,
-                                      replica_spans_nodes, tensor_parallel_problem)
+from shardserve.planner.rules import (Layout, expert_parallel_problem, expert_parallel_reason, max_replicas,
+                                      placement_problem, replica_spans_nodes, tensor_parallel_problem)
 from shardserve.planner.serving import Replica
 from shardserve.planner.speed import Estimates, estimate, replica_model, source_note
 from shardserve.planner.workload import Targets, Workload
@@ -30,6 +30,7 @@ class Candidate:
     estimates: Estimates | None = None
     expert_parallel: bool = False  # MoE: whole experts per tp rank
     settings: RuntimeSettings | None = None  # with max_model_len auto, this layout's longest
+    is_rule8_choice: bool = True  # experts dealt out as rule 8 (or enable_expert_parallel) says
 
     @property
     def is_feasible(self) -> bool:
@@ -49,9 +50,10 @@ class Search:
     def candidates(self) -> list[Candidate]:
         out = []
         for tp, pp, dps in candidate_shapes(self.model, self.hardware, self.options, self.targets.is_set):
-            shape = self.shape(tp, pp)
-            for dp in dps:
-                out += [self.with_replicas(shape, dp, cap) for cap in self.batch_caps(dp)]
+            for ep in expert_parallel_choices(self.model, tp, self.options):
+                shape = self.shape(tp, pp, expert_parallel=ep)
+                for dp in dps:
+                    out += [self.with_replicas(shape, dp, cap) for cap in self.batch_caps(dp)]
         return out
 
     def batch_caps(self, dp: int) -> list[int]:
@@ -72,15 +74,18 @@ class Search:
         shape = search.shape(layout.tensor_parallel_size, layout.pipeline_parallel_size)
         return search.with_replicas(shape, layout.data_parallel_size)
 
-    def shape(self, tp: int, pp: int, with_rate: bool = True) -> tuple[Candidate, Replica | None, float]:
-        """One replica of tp x pp: its memory, its speed model and the rate it serves within the
-        targets (0 unless `with_rate`)."""
+    def shape(self, tp: int, pp: int, with_rate: bool = True,
+              expert_parallel: bool | None = None) -> tuple[Candidate, Replica | None, float]:
+        """One replica of tp x pp (whole experts per rank or not; default: the options' or rule 8's
+        choice): its memory, its speed model and the rate it serves within the targets (0 unless
+        `with_rate`)."""
         model, spec, settings = self.model, self.model.spec, self.settings
         layout = Layout(tp, pp, 1)
-        ep = uses_expert_parallel(model, tp, self.options)
+        ep = uses_expert_parallel(model, tp, self.options) if expert_parallel is None else expert_parallel
         problem = tensor_parallel_problem(spec, tp, ep) or placement_problem(layout, spec, self.hardware)
+        rule8 = ep == uses_expert_parallel(model, tp, self.options)
         if problem:
-            return Candidate(layout, problem, expert_parallel=ep), None, 0.0
+            return Candidate(layout, problem, expert_parallel=ep, is_rule8_choice=rule8), None, 0.0
         sharded = model.sharded(tp, settings.dtype, pp, ep)
         split = sharded.split(pp)
         memory = plan_memory(spec, sharded.stage_bytes(split), split, tp, self.hardware.gpu, settings, ep)
@@ -90,7 +95,7 @@ class Search:
         problem = _memory_problem(memory, settings, self.options, self.hardware)
         replica = replica_model(spec, split, tp, ep, self.hardware, settings, memory.kv_cache_tokens)
         rate = replica.max_request_rate(self.workload.per_replica(1), self._meets) if with_rate else 0.0
-        return Candidate(layout, problem, tuple(split), memory, None, ep, settings), replica, rate
+        return Candidate(layout, problem, tuple(split), memory, None, ep, settings, rule8), replica, rate
 
     def _meets(self, speed) -> bool:
         return not self.targets.misses(speed.ttft_ms, speed.tpot_ms)
@@ -102,7 +107,8 @@ class Search:
         layout = Layout(base.layout.tensor_parallel_size, base.layout.pipeline_parallel_size, dp)
         placement = placement_problem(layout, self.model.spec, self.hardware)
         if placement:  # this many replicas cannot be placed at all: no memory to speak of
-            return Candidate(layout, placement, expert_parallel=base.expert_parallel)
+            return Candidate(layout, placement, expert_parallel=base.expert_parallel,
+                             is_rule8_choice=base.is_rule8_choice)
         if replica is None or base.problem:
             return replace(base, layout=layout)
         if max_num_seqs is not None and max_num_seqs != replica.max_num_seqs:
@@ -133,6 +139,19 @@ def uses_expert_parallel(model: ModelInfo, tp: int, options: PlanOptions) -> boo
     if options.enable_expert_parallel is not None:
         return options.enable_expert_parallel
     return expert_parallel_reason(model.spec, tp) is not None
+
+
+def expert_parallel_choices(model: ModelInfo, tp: int, options: PlanOptions) -> list[bool]:
+    """Whole experts per rank, split experts, or both where both can run and nothing pins it: the
+    search then weighs them by speed, rule 8's choice first."""
+    preferred = uses_expert_parallel(model, tp, options)
+    spec = model.spec
+    if options.enable_expert_parallel is not None or not spec.is_moe or tp == 1:
+        return [preferred]
+    other = not preferred
+    if tensor_parallel_problem(spec, tp, other) or (other and expert_parallel_problem(spec, tp)):
+        return [preferred]
+    return [preferred, other]
 
 
 def candidate_shapes(model: ModelInfo, hardware: Hardware, options: PlanOptions,
@@ -166,10 +185,16 @@ def tier(layout: Layout, hardware: Hardware) -> int:
     return 1 if pp == 1 else 2  # rule 2: tensor parallel inside a node
 
 
+def preference(c: Candidate, hardware: Hardware) -> tuple[int, int]:
+    """The rules' preference for a candidate (lower first): its shape's tier, then whether it deals
+    out experts as rule 8 (or the setting) would."""
+    return tier(c.layout, hardware), 0 if c.is_rule8_choice else 1
+
+
 def rank_key(c: Candidate, hardware: Hardware):
     """Fewest idle GPUs, then the most output tokens/s (the order alternatives are listed in)."""
     idle = hardware.total_gpus - c.layout.num_gpus
-    return (idle, -c.estimates.output_tokens_per_s, tier(c.layout, hardware),
+    return (idle, -c.estimates.output_tokens_per_s, preference(c, hardware),
             -c.memory.kv_cache_tokens, c.layout)
 
 
@@ -177,8 +202,8 @@ def choose(candidates: list[Candidate], hardware: Hardware, targets: Targets) ->
     """With targets: the fewest GPUs that meet them, then the most output tokens/s per GPU, then
     the most headroom.
     Without: one GPU per replica when the model fits one (rule 1), else every GPU busy (rule 4)
-    and the most output tokens/s, the rules' preferred shape winning when within
-    PREFERENCE_MARGIN of the fastest."""
+    and the most output tokens/s: of the layouts within PREFERENCE_MARGIN of the fastest, the one
+    the rules prefer."""
     feasible = [c for c in candidates if c.is_feasible]
     if targets.is_set:
         meeting = [c for c in feasible if c.estimates.meets(targets)]
@@ -186,7 +211,7 @@ def choose(candidates: list[Candidate], hardware: Hardware, targets: Targets) ->
         # most headroom (the highest rate it holds within the targets) wins then.
         return min(meeting, default=None, key=lambda c: (
             c.layout.num_gpus, -round(c.estimates.output_tokens_per_s_per_gpu, 3), -c.estimates.max_request_rate,
-            tier(c.layout, hardware), c.layout))
+            preference(c, hardware), c.layout))
     if not feasible:
         return None
     single = [c for c in feasible if c.layout.gpus_per_replica == 1]
@@ -194,10 +219,9 @@ def choose(candidates: list[Candidate], hardware: Hardware, targets: Targets) ->
     fewest_idle = min(hardware.total_gpus - c.layout.num_gpus for c in feasible)
     pool = [c for c in feasible if hardware.total_gpus - c.layout.num_gpus == fewest_idle]
     fastest = min(pool, key=lambda c: rank_key(c, hardware))
-    best_tier = min(tier(c.layout, hardware) for c in pool)
-    preferred = [c for c in pool if tier(c.layout, hardware) == best_tier and
-                 c.estimates.output_tokens_per_s >= PREFERENCE_MARGIN * fastest.estimates.output_tokens_per_s]
-    return min(preferred, key=lambda c: rank_key(c, hardware)) if preferred else fastest
+    close = [c for c in pool
+             if c.estimates.output_tokens_per_s >= PREFERENCE_MARGIN * fastest.estimates.output_tokens_per_s]
+    return min(close, key=lambda c: (preference(c, hardware), rank_key(c, hardware)))
 
 
 def pareto_front(candidates: list[Candidate]) -> list[Candidate]:

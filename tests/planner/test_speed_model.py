@@ -134,3 +134,34 @@ def test_targets_wording():
     assert t.misses(620, 20) == ["TTFT 620 ms > 500 ms"]
     assert t.shortfall(620, 15) == pytest.approx(1.24)
     assert math.isclose(Targets().shortfall(1e9, 1e9), 1.0)
+
+
+def test_shipped_data_is_in_the_calibration_format():
+    """One format for shipped measurements and `shardserve calibrate`'s (planner/calibration.py)."""
+    from shardserve.planner.calibration import CalibrationError, check_calibration
+    from shardserve.planner.perf_tables import PERFDATA, _shipped
+
+    names = [p.name.removesuffix(".json.gz") for p in PERFDATA.glob("*.json.gz")]
+    assert {"h100-80gb", "h200", "b200", "a100-80gb", "l40s"} <= set(names)
+    for name in names:
+        check_calibration(_shipped(name), name)
+    with pytest.raises(CalibrationError, match="unknown table"):
+        check_calibration({"gpu": "X", "source": "s", "tables": {"moe.bfloat16@2048": {}}}, "f")
+
+
+def test_a_measured_moe_shape_takes_the_fused_layer_time():
+    """Qwen3-30B-A3B's shape was measured on the H100 as vLLM's fused MoE layer; a shape that was not
+    falls back to grouped GEMMs."""
+    from dataclasses import replace
+
+    from shardserve.planner.model_source import load_model
+    from shardserve.planner.operators import StageShape, _moe_mlp_ms
+
+    spec = load_model("Qwen/Qwen3-30B-A3B").spec
+    h100 = load_database("H100-80GB")
+    ops = Operators(GpuSpec.from_catalog("H100-80GB"), h100, 450e9)
+    shape = StageShape(spec, 2, False, 1, 1, 0, False, False, "bfloat16", 16, 2, "bfloat16", 2)
+    table = h100.tables["moe.bfloat16@2048x768x8x128"]
+    assert _moe_mlp_ms(ops, shape, 64) == pytest.approx(table.lookup(tp=2, ep=1, num_tokens=64))
+    odd = replace(spec, moe_intermediate_size=640)  # no such shape was measured
+    assert _moe_mlp_ms(ops, replace(shape, spec=odd), 64) > 0
