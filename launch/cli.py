@@ -118,7 +118,7 @@ def launch(
     import logging
 
     from shardserve.launch.deploy_config import parse_env, parse_set
-    from shardserve.launch.launcher import api_key_from_env, check_port, serve, setting, settle
+    from shardserve.launch.launcher import api_key_from_env, bind_port, serve, setting, settle
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s", datefmt="%H:%M:%S")
@@ -133,11 +133,10 @@ def launch(
         flags["env"] = parse_env(env or []) or None
         config, plan = settle(str(plan_file) if plan_file else None, profile, flags,
                               ray_address)
-        check_port(setting(config, "host"), setting(config, "port"))
+        listener = bind_port(setting(config, "host"), setting(config, "port"))  # before anything loads
     try:
         with _user_errors():
-            code = serve(config, plan, setting(config, "host"), setting(config, "port"),
-                         api_key_from_env(api_key), config.served_model_name, restart)
+            code = serve(config, plan, listener, api_key_from_env(api_key), config.served_model_name, restart)
     except ValueError as e:  # the runtime refusing a setting (max_model_len too long, ...)
         err.print(f"[bold red]error:[/] {e}", highlight=False)
         raise typer.Exit(1) from None

@@ -109,18 +109,20 @@ def served_name(config: DeployConfig) -> str:
     return DEMO_MODEL_NAME if is_demo_model(config.model) else config.model
 
 
-def check_port(host: str, port: int) -> None:
-    """Fail before loading anything when the port is taken (uvicorn would say so only after)."""
-    if port == 0:
-        return
+def bind_port(host: str, port: int) -> socket.socket:
+    """Listen now, before anything loads, and keep the socket for the server: a second launch on
+    this port fails at once rather than after loading its model."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        try:
-            probe.bind((host, port))
-        except OSError as e:
-            raise PlanError(f"cannot listen on {host}:{port} ({e.strerror}): another server "
-                            f"has the port; pass --port with a free one (--port {port + 1})") from None
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    try:
+        listener.bind((host, port))
+        listener.listen(2048)
+    except OSError as e:
+        listener.close()
+        raise PlanError(f"cannot listen on {host}:{port} ({e.strerror}): another server "
+                        f"has the port; pass --port with a free one (--port {port + 1})") from None
+    return listener
 
 
 def try_it(name: str, host: str, port: int, api_key: str | None) -> str:
@@ -180,19 +182,21 @@ def warn_exposure(host: str, api_key: str | None) -> None:
                        "use the server; set --api-key or SHARDSERVE_API_KEY", host)
 
 
-def serve(config: DeployConfig, plan: PlanFile, host: str, port: int, api_key: str | None,
+def serve(config: DeployConfig, plan: PlanFile, listener: socket.socket, api_key: str | None,
           served_model_name: str | None, restarts: int = 0) -> int:
-    """Serve; when the engine dies (a rank or a node lost), start the whole gang again, up to
-    `restarts` times. Returns the process exit code."""
+    """Serve on `listener` (bind_port's); when the engine dies (a rank or a node lost), start the
+    whole gang again, up to `restarts` times. Returns the process exit code."""
     log_plan(plan)
     export_env(config.env or {})
-    for attempt in range(restarts + 1):
-        if attempt:
-            logger.warning("restarting every replica and rank (restart %d of %d)", attempt,
-                           restarts)
-        code, engine_died = serve_once(config, plan, host, port, api_key, served_model_name)
-        if not engine_died:
-            return code
+    with listener:
+        for attempt in range(restarts + 1):
+            if attempt:
+                logger.warning("restarting every replica and rank (restart %d of %d)", attempt,
+                               restarts)
+            # NOTE: the server closes the socket it is given when it stops: each run gets a duplicate
+            code, engine_died = serve_once(config, plan, listener.dup(), api_key, served_model_name)
+            if not engine_died:
+                return code
     if restarts:
         logger.error("the engine died %d times; giving up (--restart %d)", restarts + 1, restarts)
     return 1
@@ -221,9 +225,9 @@ def model_folder(model: str) -> str:
     return str(Path(path).resolve()) if Path(path).is_dir() else path
 
 
-def serve_once(config: DeployConfig, plan: PlanFile, host: str, port: int, api_key: str | None,
+def serve_once(config: DeployConfig, plan: PlanFile, listener: socket.socket, api_key: str | None,
                served_model_name: str | None) -> tuple[int, bool]:
-    """Start the replicas and the server; (exit code, whether the engine died)."""
+    """Start the replicas and the server on `listener`; (exit code, whether the engine died)."""
     import uvicorn
 
     from shardserve.launch.api_server import build_app
@@ -234,6 +238,7 @@ def serve_once(config: DeployConfig, plan: PlanFile, host: str, port: int, api_k
 
     _Server = _server_class()
 
+    host, port = setting(config, "host"), listener.getsockname()[1]
     name = served_model_name or served_name(config)
     path = model_folder(config.model)
     if uses_ray_cluster(config):
@@ -259,7 +264,7 @@ def serve_once(config: DeployConfig, plan: PlanFile, host: str, port: int, api_k
                 try_it(name, host, port, api_key))
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level="info",
                                     timeout_graceful_shutdown=GRACE_SECONDS, access_log=False))
-    return asyncio.run(_run(server, replicas))
+    return asyncio.run(_run(server, replicas, listener))
 
 
 def start_engines(path: str, kwargs: dict, num_replicas: int) -> list:
@@ -294,7 +299,7 @@ def _server_class():
     return Server
 
 
-async def _run(server, replicas) -> tuple[int, bool]:
+async def _run(server, replicas, listener: socket.socket) -> tuple[int, bool]:
     exit_code, engine_died = 0, False
 
     async def watchdog():
@@ -313,7 +318,7 @@ async def _run(server, replicas) -> tuple[int, bool]:
     watch = asyncio.create_task(watchdog())
     check = asyncio.create_task(replicas.plan_check.run()) if replicas.plan_check else None  # once a minute
     try:
-        await server.serve()
+        await server.serve(sockets=[listener])
     finally:
         watch.cancel()
         if check is not None:

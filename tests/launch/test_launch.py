@@ -187,6 +187,25 @@ def test_restart_brings_the_gang_back_then_gives_up():
     assert "giving up (--restart 1)" in out
 
 
+@pytest.mark.slow
+def test_a_second_launch_on_a_taken_port_fails_before_loading_anything():
+    """The first server holds its port from before its model loads; a second launch on it is
+    refused at once, exit 1, without loading a model (it would take ~30 s to fail at bind)."""
+    proc, url = start_server()
+    try:
+        port = url.rsplit(":", 1)[1]
+        start = time.monotonic()
+        second = launch("--port", port, timeout=60)
+        elapsed = time.monotonic() - start
+        assert second.returncode == 1, second.stderr
+        assert f"cannot listen on 127.0.0.1:{port}" in second.stderr and "another server has the port" in second.stderr
+        assert "Traceback" not in second.stderr and "KV cache measured" not in second.stderr
+        assert elapsed < 15, elapsed  # interpreter start and the plan; no model load
+        assert http(f"{url}/health")[0] == 200  # the first one serves on
+    finally:
+        stop_server(proc)
+
+
 def test_each_gpu_replica_takes_its_own_gpus():
     from shardserve.launch.replica_client import replica_devices
     assert [replica_devices("cuda", 4, r, None) for r in range(3)] == ["0,1,2,3", "4,5,6,7", "8,9,10,11"]
