@@ -133,10 +133,11 @@ def launch(
         flags["env"] = parse_env(env or []) or None
         config, plan = settle(str(plan_file) if plan_file else None, profile, flags,
                               ray_address)
+        key = api_key_from_env(api_key)
         listener = bind_port(setting(config, "host"), setting(config, "port"))  # before anything loads
     try:
         with _user_errors():
-            code = serve(config, plan, listener, api_key_from_env(api_key), config.served_model_name, restart)
+            code = serve(config, plan, listener, key, config.served_model_name, restart)
     except ValueError as e:  # the runtime refusing a setting (max_model_len too long, ...)
         err.print(f"[bold red]error:[/] {e}", highlight=False)
         raise typer.Exit(1) from None

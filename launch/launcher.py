@@ -331,4 +331,8 @@ async def _run(server, replicas, listener: socket.socket) -> tuple[int, bool]:
 
 
 def api_key_from_env(flag: str | None) -> str | None:
+    """--api-key, else SHARDSERVE_API_KEY; an empty key is refused (it would turn authentication off)."""
+    if flag is not None and not flag.strip():
+        raise PlanError("--api-key is empty: an empty key would turn authentication off; give a key, or "
+                        "leave --api-key out to serve without one")
     return flag or os.environ.get("SHARDSERVE_API_KEY") or None

@@ -187,6 +187,11 @@ def test_restart_brings_the_gang_back_then_gives_up():
     assert "giving up (--restart 1)" in out
 
 
+def test_an_empty_api_key_is_refused_not_taken_as_no_auth():
+    done = launch("--api-key", "", "--port", "0")
+    assert done.returncode == 1 and "--api-key is empty" in done.stderr and "Traceback" not in done.stderr
+
+
 @pytest.mark.slow
 def test_a_second_launch_on_a_taken_port_fails_before_loading_anything():
     """The first server holds its port from before its model loads; a second launch on it is
