@@ -69,7 +69,7 @@ def build_app(replicas: ReplicaSet, serving: OpenAIServing, metrics: ServerMetri
 
     @app.get("/health")
     async def health():
-        dead = replicas.dead_reason()
+        dead = replicas.public_dead_reason()
         if dead:
             return JSONResponse({"status": "dead", "reason": dead}, status_code=503)
         return {"status": "ok"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -12,13 +13,15 @@ from dataclasses import dataclass, field
 
 from shardserve.launch.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         TokenizeRequest)
-from shardserve.launch.replicas import ReplicaSet
+from shardserve.launch.replicas import ReplicaSet, public_message
 from shardserve.launch.tool_calls import ToolCallError, ToolPlan, extract_calls, plan_tools, template_messages
 from shardserve.launch.response_format import (chat_logprobs, completion_logprobs, prompt_logprobs_json, sse,
                                                usage)
 from shardserve.runtime.input_processor import InvalidPromptError, ProcessedPrompt
 from shardserve.runtime.outputs import PromptDelta, RequestOutputBuilder, SampleDelta
 from shardserve.runtime.sampling_params import SamplingParams
+
+logger = logging.getLogger("shardserve.launch.serving")
 
 
 @dataclass
@@ -70,7 +73,7 @@ class OpenAIServing:
         if model is not None and model != self.served_model_name:
             raise APIError(404, f"model {model!r} does not exist; this server serves "
                            f"{self.served_model_name!r}", "model", "not_found_error")
-        dead = self.replicas.dead_reason()
+        dead = self.replicas.public_dead_reason()
         if dead:
             raise APIError(503, f"the engine is not running ({dead})",
                            error_type="service_unavailable")
@@ -337,5 +340,6 @@ def _engine_error(error: BaseException) -> Exception:
         return APIError(400, str(error))
     if isinstance(error, asyncio.CancelledError):
         return error
-    return APIError(503, f"the engine failed: {type(error).__name__}: {error}",
+    logger.error("the engine failed on a request: %s: %s", type(error).__name__, error)
+    return APIError(503, f"the engine failed: {public_message(f'{type(error).__name__}: {error}')}",
                     error_type="service_unavailable")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from collections.abc import AsyncIterator
 
@@ -11,6 +12,18 @@ from shardserve.launch.plan_check import FinishedRequest, PlanCheck
 from shardserve.runtime.input_processor import InputProcessor, ProcessedPrompt
 from shardserve.runtime.outputs import PromptDelta
 from shardserve.runtime.sampling_params import SamplingParams
+
+
+_PATH = re.compile(r"(?:[A-Za-z]:)?(?:/[\w.\-]+){2,}/?")
+
+
+def public_message(text: str) -> str:
+    """An internal error as a client may read it: the first line, paths and tracebacks removed
+    (the full text goes to the server log)."""
+    first = text.strip().splitlines()[0] if text.strip() else "internal error"
+    if "Traceback" in first or 'File "' in first:
+        first = first.split("Traceback")[0].split('File "')[0].rstrip(" :(") or "internal error"
+    return _PATH.sub("<path>", first)[:300] + "; the server log has the details"
 
 
 class Replica:
@@ -53,11 +66,16 @@ class ReplicaSet:
         return [r.stats() for r in self.replicas]
 
     def dead_reason(self) -> str | None:
-        """Why serving stopped (a rank or the engine loop died), or None while all is well."""
+        """Why serving stopped (a rank or the engine loop died), in full for the log, or None."""
         for r in self.replicas:
             if r.error is not None:
                 return f"replica {r.index}: {type(r.error).__name__}: {r.error}"
         return None
+
+    def public_dead_reason(self) -> str | None:
+        """dead_reason as a client may read it: its first line, no traceback, no file path."""
+        reason = self.dead_reason()
+        return None if reason is None else public_message(reason)
 
     def pick(self) -> Replica:
         return min(self.replicas, key=lambda r: (r.num_active, r.index))
