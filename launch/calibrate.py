@@ -152,14 +152,14 @@ def measure_tables(setup: Setup, say: Callable[[str], None]) -> tuple[dict, list
     for name, grid, job in _jobs(setup):
         say(f"timing {name}: {grid.size} cells over {', '.join(grid.names)}")
         start = time.monotonic()
-        table = job(name, grid)
+        table = job(grid)
         tables[name] = table.to_dict()
         parts.append(_part(name, table.ms, time.monotonic() - start))
     return tables, parts
 
 
 def _jobs(setup: Setup) -> list[tuple[str, object, Callable]]:
-    """(table name, grid, job(name, grid) -> op_timing.Table) for each operator table."""
+    """(table name, grid, job(grid) -> perf_tables.Table) for each operator table."""
     import torch
 
     from shardserve.runtime import op_timing as ops

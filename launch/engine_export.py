@@ -169,15 +169,22 @@ def _vllm_parallel(plan: PlanFile, draft: _Draft) -> None:
             "only (Ray places the ranks on every node)")
 
 
-def _vllm_runtime(plan: PlanFile, draft: _Draft) -> None:
+def _dtype_flags(plan: PlanFile, draft: _Draft, kv_names: dict[str, str]) -> None:
+    """--dtype, --quantization and --kv-cache-dtype: both engines' names (`kv_names` maps a KV cache
+    dtype the engine spells otherwise)."""
     rt = plan.runtime
-    draft.add("--max-model-len", rt.max_model_len)
     if rt.dtype != "auto":
         draft.add("--dtype", rt.dtype)
     if rt.quantization is not None:
         draft.add("--quantization", rt.quantization)
     if rt.kv_cache_dtype != "auto":
-        draft.add("--kv-cache-dtype", rt.kv_cache_dtype)
+        draft.add("--kv-cache-dtype", kv_names.get(rt.kv_cache_dtype, rt.kv_cache_dtype))
+
+
+def _vllm_runtime(plan: PlanFile, draft: _Draft) -> None:
+    rt = plan.runtime
+    draft.add("--max-model-len", rt.max_model_len)
+    _dtype_flags(plan, draft, {})
     if rt.gpu_memory_utilization != VLLM_DEFAULT_GPU_MEMORY_UTILIZATION:
         draft.add("--gpu-memory-utilization", rt.gpu_memory_utilization)
     if rt.kv_cache_memory_bytes is not None:
@@ -228,12 +235,7 @@ def _sglang_parallel(plan: PlanFile, draft: _Draft) -> None:
 def _sglang_runtime(plan: PlanFile, draft: _Draft) -> None:
     rt = plan.runtime
     draft.add("--context-length", rt.max_model_len)
-    if rt.dtype != "auto":
-        draft.add("--dtype", rt.dtype)
-    if rt.quantization is not None:
-        draft.add("--quantization", rt.quantization)
-    if rt.kv_cache_dtype != "auto":
-        draft.add("--kv-cache-dtype", SGLANG_KV_CACHE_DTYPES.get(rt.kv_cache_dtype, rt.kv_cache_dtype))
+    _dtype_flags(plan, draft, SGLANG_KV_CACHE_DTYPES)
     _sglang_memory(plan, draft)
     draft.add("--max-running-requests", rt.max_num_seqs)
     draft.add("--chunked-prefill-size", rt.max_num_batched_tokens)

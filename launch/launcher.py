@@ -186,15 +186,18 @@ def serve(config: DeployConfig, plan: PlanFile, listener: socket.socket, api_key
           served_model_name: str | None, restarts: int = 0) -> int:
     """Serve on `listener` (bind_port's); when the engine dies (a rank or a node lost), start the
     whole gang again, up to `restarts` times. Returns the process exit code."""
+    from shardserve.launch.plan_check import for_traffic
+
     log_plan(plan)
     export_env(config.env or {})
+    expected = for_traffic(plan, load_model(config.model, config.quantization))  # the self-check's model, once
     with listener:
         for attempt in range(restarts + 1):
             if attempt:
                 logger.warning("restarting every replica and rank (restart %d of %d)", attempt,
                                restarts)
             # NOTE: the server closes the socket it is given when it stops: each run gets a duplicate
-            code, engine_died = serve_once(config, plan, listener.dup(), api_key, served_model_name)
+            code, engine_died = serve_once(config, plan, listener.dup(), api_key, served_model_name, expected)
             if not engine_died:
                 return code
     if restarts:
@@ -226,14 +229,15 @@ def model_folder(model: str) -> str:
 
 
 def serve_once(config: DeployConfig, plan: PlanFile, listener: socket.socket, api_key: str | None,
-               served_model_name: str | None) -> tuple[int, bool]:
-    """Start the replicas and the server on `listener`; (exit code, whether the engine died)."""
+               served_model_name: str | None, expected=None) -> tuple[int, bool]:
+    """Start the replicas and the server on `listener`; (exit code, whether the engine died).
+    `expected`: the plan's speed for the traffic seen (plan_check.for_traffic), for the self-check."""
     import uvicorn
 
     from shardserve.launch.api_server import build_app
     from shardserve.launch.metrics import ServerMetrics
     from shardserve.launch.openai_serving import OpenAIServing
-    from shardserve.launch.plan_check import PlanCheck, Prediction, for_traffic
+    from shardserve.launch.plan_check import PlanCheck, Prediction
     from shardserve.launch.replicas import ReplicaSet
 
     _Server = _server_class()
@@ -251,9 +255,7 @@ def serve_once(config: DeployConfig, plan: PlanFile, listener: socket.socket, ap
     info = engines[0].kv_cache_info
     compare_kv(plan, info)
 
-    replicas = ReplicaSet(engines, plan_check=PlanCheck(Prediction.from_plan(plan),
-                                                        for_traffic=for_traffic(plan, load_model(config.model,
-                                                                                        config.quantization))))
+    replicas = ReplicaSet(engines, plan_check=PlanCheck(Prediction.from_plan(plan), for_traffic=expected))
     metrics = ServerMetrics(name, replicas.stats)
     replicas.metrics = metrics
     limit = config.max_queued_requests or 4 * setting(config, "max_num_seqs") * len(engines)

@@ -7,6 +7,11 @@ from shardserve.planner.search import PREFERENCE_MARGIN, Candidate, pareto_front
 from shardserve.planner.workload import Targets
 
 
+# the estimates each alternative shows, with their decimals
+SPEED_FIELDS = (("output_tokens_per_s", 1), ("output_tokens_per_s_per_gpu", 1), ("output_tokens_per_s_per_user", 1),
+                ("ttft_ms", 1), ("tpot_ms", 2))
+
+
 def _best_per_shape(candidates: list[Candidate], targets: Targets) -> list[Candidate]:
     """One candidate per (tp, pp, expert parallel): with targets the fewest replicas that meet them (else the most),
     without them the one the search tried (every GPU busy)."""
@@ -36,35 +41,20 @@ def alternatives(chosen: Candidate, candidates: list[Candidate], hardware: Hardw
                                rank_key(c, hardware) if c.is_feasible else c.layout))
     out = []
     for c in others[:limit]:
-        e = c.estimates or _NO_ESTIMATES
+        # a layout that cannot run has no speed: its cells stay empty
+        speed = {name: None if c.estimates is None else round(getattr(c.estimates, name), digits)
+                 for name, digits in SPEED_FIELDS}
         out.append({
             "tensor_parallel_size": c.layout.tensor_parallel_size,
             "pipeline_parallel_size": c.layout.pipeline_parallel_size,
             "data_parallel_size": c.layout.data_parallel_size,
             "enable_expert_parallel": c.expert_parallel,
-            "output_tokens_per_s": _round(e.output_tokens_per_s, 1),
-            "output_tokens_per_s_per_gpu": _round(e.output_tokens_per_s_per_gpu, 1),
-            "output_tokens_per_s_per_user": _round(e.output_tokens_per_s_per_user, 1),
-            "ttft_ms": _round(e.ttft_ms, 1),
-            "tpot_ms": _round(e.tpot_ms, 2),
+            **speed,
             "kv_cache_tokens": c.memory.kv_cache_tokens if c.memory else 0,
             "on_pareto_front": id(c) in front,
             "why_not": why_not(c, chosen, hardware, targets),
         })
     return out
-
-
-class _NoEstimates:
-    """A layout that cannot run has no speed: its table cells stay empty."""
-    output_tokens_per_s = output_tokens_per_s_per_gpu = output_tokens_per_s_per_user = None
-    ttft_ms = tpot_ms = None
-
-
-_NO_ESTIMATES = _NoEstimates()
-
-
-def _round(value: float | None, digits: int) -> float | None:
-    return None if value is None else round(value, digits)
 
 
 def why_not(c: Candidate, chosen: Candidate, hardware: Hardware, targets: Targets) -> str:

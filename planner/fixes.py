@@ -73,12 +73,7 @@ def recommend_hardware(search: Search) -> Hardware:
 
 
 def _targets_text(search: Search) -> str:
-    t, parts = search.targets, []
-    if t.ttft_ms is not None:
-        parts.append(f"TTFT <= {t.ttft_ms:g} ms")
-    if t.tpot_ms is not None:
-        parts.append(f"TPOT <= {t.tpot_ms:g} ms")
-    return " and ".join(parts) + f" (p{search.workload.percentile})"
+    return f"{search.targets.describe()} (p{search.workload.percentile})"
 
 
 def missed_targets(search: Search, candidates: list[Candidate]) -> str:

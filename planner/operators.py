@@ -138,14 +138,18 @@ def stage_step_ms(ops: Operators, shape: StageShape, num_decode: int, decode_con
     tokens = num_decode + sum(c.tokens for c in chunks)
     if tokens == 0:
         return 0.0
-    layer = _dense_layer_ms(ops, shape, tokens) + _attention_ms(ops, shape, num_decode, decode_context, chunks, False)
-    total = layer * shape.num_layers
+    # every layer: projections and element-wise work; then each layer's attention and MLP by kind
+    total = _layer_ms(ops, shape, tokens) * shape.num_layers
+    num_full = shape.num_layers - shape.num_window_layers
+    if num_full:
+        total += _attention_ms(ops, shape, num_decode, decode_context, chunks, False) * num_full
     if shape.num_window_layers:
-        windowed = _attention_ms(ops, shape, num_decode, decode_context, chunks, True)
-        total += (windowed - _attention_ms(ops, shape, num_decode, decode_context, chunks, False)) \
-            * shape.num_window_layers
+        total += _attention_ms(ops, shape, num_decode, decode_context, chunks, True) * shape.num_window_layers
+    num_dense = shape.num_layers - shape.num_moe_layers
+    if num_dense:
+        total += _mlp_ms(ops, shape, tokens, spec.intermediate_size // tp) * num_dense
     if shape.num_moe_layers:
-        total += (_moe_mlp_ms(ops, shape, tokens) - _dense_mlp_ms(ops, shape, tokens)) * shape.num_moe_layers
+        total += _moe_mlp_ms(ops, shape, tokens) * shape.num_moe_layers
     if shape.is_first:
         total += ops.elementwise(tokens * spec.hidden_size * shape.act_bytes)
     if shape.is_last:
@@ -158,8 +162,8 @@ def stage_step_ms(ops: Operators, shape: StageShape, num_decode: int, decode_con
     return total
 
 
-def _dense_layer_ms(ops: Operators, shape: StageShape, tokens: int) -> float:
-    """A decoder layer without its attention kernel: projections, MLP, all-reduces, element-wise."""
+def _layer_ms(ops: Operators, shape: StageShape, tokens: int) -> float:
+    """A decoder layer without its attention kernel and its MLP: projections, all-reduces, element-wise."""
     spec, tp = shape.spec, shape.tp
     q_width = spec.num_attention_heads * spec.head_dim // tp
     kv_width = kv_heads_per_rank(spec, tp) * spec.head_dim
@@ -167,22 +171,11 @@ def _dense_layer_ms(ops: Operators, shape: StageShape, tokens: int) -> float:
     t = ops.gemm(tokens, q_width + 2 * kv_width, hidden, g, bits)
     t += ops.gemm(tokens, hidden, q_width, g, bits)
     t += 2 * ops.allreduce(tokens * hidden * shape.act_bytes, tp)
-    t += _dense_mlp_ms(ops, shape, tokens)
     act = shape.act_bytes
     t += ops.elementwise(4 * tokens * hidden * act)  # input norm: read x and residual, write both
     t += ops.elementwise(tokens * (q_width + 2 * kv_width) * act * 2)  # rotary + KV write
     t += ops.elementwise(4 * tokens * hidden * act)  # post-attention norm
     return t
-
-
-def _dense_mlp_ms(ops: Operators, shape: StageShape, tokens: int) -> float:
-    spec, tp = shape.spec, shape.tp
-    inter = spec.intermediate_size // tp
-    if shape.expert_parallel and spec.is_moe:
-        inter = spec.intermediate_size // tp if len(spec.moe_layers) < spec.num_layers else 0
-    if inter == 0:
-        return 0.0
-    return _mlp_ms(ops, shape, tokens, inter)
 
 
 def _mlp_ms(ops: Operators, shape: StageShape, tokens: int, inter: int) -> float:

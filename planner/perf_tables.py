@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import functools
 import gzip
+import itertools
 import json
 import math
 from dataclasses import dataclass, field
@@ -38,6 +39,17 @@ class Table:
         names = tuple(a[0] for a in data["axes"])
         axes = tuple(tuple(a[1]) for a in data["axes"])
         return Table(names, axes, tuple(data["ms"]))
+
+    @staticmethod
+    def from_cells(names: tuple[str, ...], axes: tuple[tuple[int, ...], ...],
+                   cells: dict[tuple[int, ...], float | None]) -> "Table":
+        """Measured cells (coordinates -> ms) laid out in C order; None where a cell was not measured."""
+        return Table(names, axes, tuple(cells.get(c) for c in itertools.product(*axes)))
+
+    def to_dict(self) -> dict:
+        """The file form: {"axes": [[name, values], ...], "ms": [...]} (4 significant digits)."""
+        return {"axes": [[n, list(v)] for n, v in zip(self.names, self.axes)],
+                "ms": [None if v is None else float(f"{v:.4g}") for v in self.ms]}
 
     def _value(self, index: tuple[int, ...]) -> float | None:
         flat = 0

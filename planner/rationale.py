@@ -65,12 +65,9 @@ def rationale(search: Search, chosen: Candidate, candidates: list[Candidate], ex
 def _objective(search: Search, chosen: Candidate, recommend: bool) -> str:
     w, e = search.workload, chosen.estimates
     if search.targets.is_set:
-        t = search.targets
-        want = " and ".join(x for x in (f"TTFT <= {t.ttft_ms:g} ms" if t.ttft_ms is not None else "",
-                                        f"TPOT <= {t.tpot_ms:g} ms" if t.tpot_ms is not None else "") if x)
         head = (f"recommend: {search.hardware.describe()} is the least {search.hardware.gpu.name} hardware "
                 "that holds it; " if recommend else "")
-        return (f"{head}targets: {want} at p{w.percentile} for {e.workload.describe()}: the fewest GPUs "
+        return (f"{head}targets: {search.targets.describe()} at p{w.percentile} for {e.workload.describe()}: the fewest GPUs "
                 f"that meet them ({chosen.layout.num_gpus}), then the most output tokens/s per GPU")
     return (f"objective: the most output tokens/s for {e.workload.describe()} with every "
             f"{search.hardware.gpu.unit} busy (no --ttft-ms/--tpot-ms targets given)")

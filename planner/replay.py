@@ -14,7 +14,7 @@ from shardserve.planner.hardware import GpuSpec, Hardware, Node
 from shardserve.planner.model_source import ModelInfo
 from shardserve.planner.options import RuntimeSettings
 from shardserve.planner.plan_file import GpuSection, PlanFile
-from shardserve.planner.speed import Estimates, estimate, replica_model, source_note
+from shardserve.planner.speed import Estimates, estimate, replica_model
 from shardserve.planner.workload import Targets, Workload
 
 
@@ -56,4 +56,4 @@ def predict(plan: PlanFile, model: ModelInfo, workload: Workload) -> Estimates:
     rate = replica.max_request_rate(workload.per_replica(1),
                                     lambda s: not targets.misses(s.ttft_ms, s.tpot_ms))
     gpus = par.tensor_parallel_size * par.pipeline_parallel_size * par.data_parallel_size
-    return estimate(replica, workload, targets, par.data_parallel_size, gpus, rate, source_note(hardware))
+    return estimate(replica, workload, targets, par.data_parallel_size, gpus, rate)

@@ -11,7 +11,7 @@ from shardserve.planner.options import PlanOptions, RuntimeSettings
 from shardserve.planner.rules import (Layout, expert_parallel_problem, expert_parallel_reason, max_replicas,
                                       placement_problem, replica_spans_nodes, tensor_parallel_problem)
 from shardserve.planner.serving import Replica
-from shardserve.planner.speed import Estimates, estimate, replica_model, source_note
+from shardserve.planner.speed import Estimates, estimate, replica_model
 from shardserve.planner.workload import Targets, Workload
 
 # NOTE: the rules' preferred shapes (one GPU per replica, tensor parallel inside an NVLink node,
@@ -81,9 +81,10 @@ class Search:
         `with_rate`)."""
         model, spec, settings = self.model, self.model.spec, self.settings
         layout = Layout(tp, pp, 1)
-        ep = uses_expert_parallel(model, tp, self.options) if expert_parallel is None else expert_parallel
+        rule8_ep = uses_expert_parallel(model, tp, self.options)
+        ep = rule8_ep if expert_parallel is None else expert_parallel
         problem = tensor_parallel_problem(spec, tp, ep) or placement_problem(layout, spec, self.hardware)
-        rule8 = ep == uses_expert_parallel(model, tp, self.options)
+        rule8 = ep == rule8_ep
         if problem:
             return Candidate(layout, problem, expert_parallel=ep, is_rule8_choice=rule8), None, 0.0
         sharded = model.sharded(tp, settings.dtype, pp, ep)
@@ -115,8 +116,7 @@ class Search:
             replica = replace(replica, max_num_seqs=max_num_seqs)
             base = replace(base, settings=replace(base.settings, max_num_seqs=max_num_seqs))
             rate = replica.max_request_rate(self.workload.per_replica(1), self._meets)
-        est = estimate(replica, self.workload, self.targets, dp, layout.num_gpus, rate,
-                       source_note(self.hardware))
+        est = estimate(replica, self.workload, self.targets, dp, layout.num_gpus, rate)
         return replace(base, layout=layout, estimates=est)
 
 

@@ -48,6 +48,7 @@ class Replica:
     max_num_batched_tokens: int
     kv_cache_tokens: int
     request_ms: float = 0.0  # a request's way through the server before its first step and after its first token
+    source: str = ""  # where the step times come from (measured tables or the fitted roofline)
 
     def max_running(self, w: Workload) -> float:
         """Requests the KV cache holds at once, each at its mean length over its life."""
@@ -56,15 +57,14 @@ class Replica:
         return max(1.0, min(float(self.max_num_seqs), fits))
 
     def _chunks(self, b: int, w: Workload) -> list[Chunk]:
-        """The chunks a new prompt is computed in when b requests decode beside it."""
-        new = max(1, w.input_len - w.prefix_len)
+        """The chunks a new prompt (its uncached part, at least one token) is computed in when b
+        requests decode beside it."""
         budget = max(1, self.max_num_batched_tokens - b)
         chunks, done = [], w.prefix_len
         while done < w.input_len or not chunks:
             n = min(budget, max(1, w.input_len - done))
             chunks.append(Chunk(n, done + n))
             done += n
-        assert sum(c.tokens for c in chunks) >= new
         return chunks
 
     def _steady(self, b: float, arrivals_per_cycle: float, w: Workload,

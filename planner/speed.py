@@ -55,10 +55,11 @@ def stage_shapes(spec: ModelSpec, split: list[int], tp: int, expert_parallel: bo
                  settings: RuntimeSettings, hardware: Hardware) -> list[StageShape]:
     dtypes, shapes, start = _dtypes(spec, settings, hardware), [], 0
     windowed = _window_layers(spec)
+    moe = set(spec.moe_layers)
     for s, count in enumerate(split):
         layers = range(start, start + count)
         shapes.append(StageShape(
-            spec, tp, expert_parallel, count, sum(1 for i in layers if i in set(spec.moe_layers)),
+            spec, tp, expert_parallel, count, sum(1 for i in layers if i in moe),
             sum(1 for i in layers if i in windowed), s == 0, s == len(split) - 1, **dtypes))
         start += count
     return shapes
@@ -118,19 +119,18 @@ def replica_model(spec: ModelSpec, split: list[int], tp: int, expert_parallel: b
         return max(one_pass, (micro - 1) * slowest + busiest) + host * micro
 
     return Replica(cycle, settings.max_num_seqs, settings.max_num_batched_tokens, kv_cache_tokens,
-                   db.host.request_ms)
+                   db.host.request_ms, _source(db, hardware.gpu.name))
 
 
-def source_note(hardware: Hardware) -> str:
-    db = database_for(hardware)
+def _source(db: Database, gpu: str) -> str:
     if db.is_measured:
         return "measured operators: " + "; ".join(db.sources)
-    return (f"no measured data for {hardware.gpu.name}: roofline with efficiencies "
+    return (f"no measured data for {gpu}: roofline with efficiencies "
             f"{roofline_fit()['source'].removeprefix('fitted by bench/perfdata_extract.py to ')} reach")
 
 
 def estimate(replica: Replica, workload: Workload, targets: Targets, dp: int, num_gpus: int,
-             replica_max_rate: float, source: str) -> Estimates:
+             replica_max_rate: float) -> Estimates:
     """The deployment's speed for `workload` (whole deployment), its replicas sharing it evenly;
     `replica_max_rate`: the rate one replica serves within the targets (Replica.max_request_rate)."""
     if workload.concurrency is None and workload.request_rate is None:  # full batches
@@ -141,7 +141,7 @@ def estimate(replica: Replica, workload: Workload, targets: Targets, dp: int, nu
     total = speed.output_tokens_per_s * dp
     return Estimates(workload, speed.ttft_ms, speed.tpot_ms, total, total / num_gpus,
                      1e3 / speed.tpot_ms, replica_max_rate * dp, 1e3 / batch1_ms,
-                     speed.is_overloaded, source)
+                     speed.is_overloaded, replica.source)
 
 
 def _hop_links(hardware: Hardware, tp: int, pp: int) -> list[str]:

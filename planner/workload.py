@@ -38,6 +38,12 @@ class Targets:
     def is_set(self) -> bool:
         return self.ttft_ms is not None or self.tpot_ms is not None
 
+    def describe(self) -> str:
+        """'TTFT <= 500 ms and TPOT <= 30 ms' (the targets set)."""
+        parts = [f"{name} <= {value:g} ms" for name, value in (("TTFT", self.ttft_ms), ("TPOT", self.tpot_ms))
+                 if value is not None]
+        return " and ".join(parts)
+
     def misses(self, ttft_ms: float, tpot_ms: float) -> list[str]:
         """What a speed misses, worded for a reader: 'TTFT 620 ms > 500 ms'."""
         out = []

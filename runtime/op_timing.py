@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from shardserve.planner.perf_tables import Table
 from shardserve.planner.settings import BY_NAME
 from shardserve.runtime.attention.layer import Attention
 from shardserve.runtime.forward_context import ForwardContext, forward_context
@@ -54,23 +55,6 @@ class Grid:
     @property
     def size(self) -> int:
         return int(np.prod([len(v) for v in self.values]))
-
-
-@dataclass(frozen=True)
-class Table:
-    """Milliseconds over a grid, in C order; None where a cell was not measured."""
-
-    name: str  # gemm.bfloat16, prefill_attention.bfloat16, ... (planner/calibration.py)
-    grid: Grid
-    ms: tuple[float | None, ...]
-
-    @staticmethod
-    def from_cells(name: str, grid: Grid, cells: dict[tuple[int, ...], float | None]) -> Table:
-        return Table(name, grid, tuple(cells.get(c) for c in grid.cells()))
-
-    def to_dict(self) -> dict:
-        return {"axes": [[n, list(v)] for n, v in zip(self.grid.names, self.grid.values)],
-                "ms": [None if v is None else float(f"{v:.4g}") for v in self.ms]}
 
 
 @dataclass(frozen=True)
@@ -152,7 +136,7 @@ def _linear(n: int, k: int, dtype: torch.dtype, device: torch.device, is_fp8: bo
     return layer
 
 
-def gemm_table(name: str, grid: Grid, dtype: torch.dtype, timer: Timer, is_fp8: bool = False) -> Table:
+def gemm_table(grid: Grid, dtype: torch.dtype, timer: Timer, is_fp8: bool = False) -> Table:
     """grid: m, n, k; a cell is layer.matmul(x) for x [m, k] and a weight [n, k] (y = x W^T)."""
     ms_axis, n_axis, k_axis = grid.values
     cells: dict[tuple[int, ...], float | None] = {}
@@ -165,7 +149,7 @@ def gemm_table(name: str, grid: Grid, dtype: torch.dtype, timer: Timer, is_fp8: 
                 if fits(timer.device, 2 * (m * k + m * n) * dtype.itemsize):
                     cells[(m, n, k)] = _time_or_none(timer, functools.partial(_matmul, layer, m, dtype), use_graph=True)
             del layer  # freed before the next weight is made
-    return Table.from_cells(name, grid, cells)
+    return Table.from_cells(grid.names, grid.values, cells)
 
 
 def _matmul(layer: ReplicatedLinear, m: int, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
@@ -241,7 +225,7 @@ def _random_cache(shape: tuple[int, ...], kv_dtype: torch.dtype, device: torch.d
     return torch.empty(shape, dtype=kv_dtype, device=device).uniform_(-1, 1)
 
 
-def attention_table(name: str, grid: Grid, shape_of: Callable[..., AttentionShape], dtype: torch.dtype,
+def attention_table(grid: Grid, shape_of: Callable[..., AttentionShape], dtype: torch.dtype,
                     kv_dtype: torch.dtype, backend, timer: Timer, use_graph: bool) -> Table:
     """Each cell's AttentionShape comes from shape_of(**cell as axis name -> value)."""
     cells: dict[tuple[int, ...], float | None] = {}
@@ -253,7 +237,7 @@ def attention_table(name: str, grid: Grid, shape_of: Callable[..., AttentionShap
             if fits(timer.device, shape.kv_bytes(kv_dtype) + activations):
                 cells[cell] = _time_or_none(timer, functools.partial(attention_call, shape, dtype, kv_dtype, backend,
                                                                      timer.device), use_graph)
-    return Table.from_cells(name, grid, cells)
+    return Table.from_cells(grid.names, grid.values, cells)
 
 
 def prefill_shape(head_dim: int, num_heads: int, batch: int, isl: int) -> AttentionShape:

@@ -74,10 +74,10 @@ def test_operators_take_longer_with_more_work():
     from shardserve.runtime.attention.torch_backend import TorchAttentionBackend
 
     timer = ops.Timer(torch.device("cpu"))
-    gemm = ops.gemm_table("gemm.float32", ops.Grid.of(m=(1, 256), n=(32, 512), k=(32, 512)), torch.float32, timer)
+    gemm = ops.gemm_table(ops.Grid.of(m=(1, 256), n=(32, 512), k=(32, 512)), torch.float32, timer)
     by_work = {c["m"] * c["n"] * c["k"]: ms for c, ms in cells(gemm.to_dict())}
     assert by_work[256 * 512 * 512] > 10 * by_work[32 * 32]
-    decode = ops.attention_table("decode_attention.float32", ops.Grid.of(
+    decode = ops.attention_table(ops.Grid.of(
         head_dim=(64,), num_kv_heads=(2,), batch=(8,), context=(64, 2048)), ops.decode_shape, torch.float32,
         torch.float32, TorchAttentionBackend(), timer, use_graph=False)
     assert decode.ms[1] > decode.ms[0] > 0
