@@ -116,7 +116,7 @@ def _variant_fixes(search: Search, verb: str) -> list[str]:
 def _works(search: Search, options, model) -> bool:
     settings = resolve_settings(options, model.spec, search.hardware.gpu)
     variant = replace(search, model=model, options=options, settings=settings)
-    return choose(variant.candidates(), search.hardware, search.targets) is not None
+    return choose(variant.candidates(), search.hardware, search.targets, variant.settings) is not None
 
 
 def cannot_fit(search: Search, candidates: list[Candidate]) -> str:

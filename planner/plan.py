@@ -65,7 +65,7 @@ def make_plan(model: ModelInfo, hardware: Hardware, options: PlanOptions, recomm
     pinned = _pinned_problem(candidates, options)
     if pinned:
         raise PlanError(pinned)
-    chosen = choose(candidates, hardware, search.targets)
+    chosen = choose(candidates, hardware, search.targets, search.settings)
     if chosen is None:
         if any(c.is_feasible for c in candidates) and search.targets.is_set:
             raise InfeasibleError(missed_targets(search, candidates))

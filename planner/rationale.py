@@ -49,6 +49,9 @@ def rationale(search: Search, chosen: Candidate, candidates: list[Candidate], ex
         lines.append(f"max_num_seqs {settings.max_num_seqs} (not {search.settings.max_num_seqs}): a replica runs "
                      f"at most {settings.max_num_seqs} of its {e.workload.concurrency / chosen.layout.data_parallel_size:g} "
                      f"requests at once, for TPOT {e.tpot_ms:.1f} ms; the rest queue (TTFT {e.ttft_ms:,.0f} ms)")
+    budget = _token_budget_line(search, chosen)
+    if budget:
+        lines.append(budget)
     experts = _experts_line(model, chosen, search.options.enable_expert_parallel, candidates)
     if experts:
         lines.append(experts)
@@ -60,6 +63,19 @@ def rationale(search: Search, chosen: Candidate, candidates: list[Candidate], ex
                     "several nodes" if hardware.source != "ray" else "inside a Ray cluster")
                  + ")")
     return lines + _kv_cache_lines(chosen.memory, settings, spec.max_context_len)
+
+
+def _token_budget_line(search: Search, chosen: Candidate) -> str | None:
+    """Why the step budget is not the settings' one (only the targets' search changes it)."""
+    own, ours = search.settings.max_num_batched_tokens, chosen.settings.max_num_batched_tokens
+    if own == ours:
+        return None
+    e, w = chosen.estimates, search.workload
+    why = (f"a {w.input_len:,}-token prompt prefills in {-(-(w.input_len - w.prefix_len) // ours)} step(s), for TTFT "
+           f"{e.ttft_ms:,.0f} ms" if ours > own else
+           f"smaller activations leave the KV cache {chosen.memory.kv_cache_tokens:,} tokens, for "
+           f"{e.output_tokens_per_s_per_gpu:,.0f} output tokens/s per GPU")
+    return f"max_num_batched_tokens {ours} (not {own}): {why}"
 
 
 def _objective(search: Search, chosen: Candidate, recommend: bool) -> str:

@@ -19,6 +19,10 @@ from shardserve.planner.workload import Targets, Workload
 # this much faster: a preference is an input to the comparison, never an override of it.
 PREFERENCE_MARGIN = 0.9
 BATCH_CAPS = (8, 16, 32, 64, 128)  # max_num_seqs tried below the setting's when targets ask for it
+# max_num_batched_tokens tried beside the setting's when targets ask for it and nothing pins it: a
+# smaller step leaves more memory to the KV cache, a larger one prefills a long prompt in fewer steps
+TOKEN_BUDGETS = (2048, 4096, 8192, 16384, 32768)
+DEPARTURE_DISCOUNT = 0.05
 
 
 @dataclass(frozen=True)
@@ -49,12 +53,25 @@ class Search:
 
     def candidates(self) -> list[Candidate]:
         out = []
-        for tp, pp, dps in candidate_shapes(self.model, self.hardware, self.options, self.targets.is_set):
-            for ep in expert_parallel_choices(self.model, tp, self.options):
-                shape = self.shape(tp, pp, expert_parallel=ep)
-                for dp in dps:
-                    out += [self.with_replicas(shape, dp, cap) for cap in self.batch_caps(dp)]
+        for search in self.token_budgets():
+            for tp, pp, dps in candidate_shapes(self.model, self.hardware, self.options, self.targets.is_set):
+                for ep in expert_parallel_choices(self.model, tp, self.options):
+                    shape = search.shape(tp, pp, expert_parallel=ep)
+                    for dp in dps:
+                        out += [search.with_replicas(shape, dp, cap) for cap in search.batch_caps(dp)]
         return out
+
+    def token_budgets(self) -> list[Search]:
+        """This search, then (with targets, max_num_batched_tokens not pinned) one per other step
+        budget of TOKEN_BUDGETS that holds max_num_seqs."""
+        if not self.targets.is_set or self.options.max_num_batched_tokens is not None:
+            return [self]
+        own, seqs = self.settings.max_num_batched_tokens, self.settings.max_num_seqs
+        return [self] + [self.with_settings(max_num_batched_tokens=t)
+                         for t in TOKEN_BUDGETS if t != own and t >= seqs]
+
+    def with_settings(self, **changes) -> Search:
+        return replace(self, settings=replace(self.settings, **changes))
 
     def batch_caps(self, dp: int) -> list[int]:
         """max_num_seqs values to try: the setting's, and with targets under a closed loop every
@@ -66,12 +83,14 @@ class Search:
 
     def exact(self, chosen: Candidate) -> Candidate:
         """The chosen candidate with its memory planned at its own max_num_seqs (the CUDA graphs it
-        keeps), so the plan's KV cache is the one the engine will size."""
+        keeps) and step budget, so the plan's KV cache is the one the engine will size."""
         if chosen.settings is None or chosen.settings.max_num_seqs == self.settings.max_num_seqs:
             return chosen
-        search = replace(self, settings=replace(self.settings, max_num_seqs=chosen.settings.max_num_seqs))
+        search = self.with_settings(max_num_seqs=chosen.settings.max_num_seqs,
+                                    max_num_batched_tokens=chosen.settings.max_num_batched_tokens)
         layout = chosen.layout
-        shape = search.shape(layout.tensor_parallel_size, layout.pipeline_parallel_size)
+        shape = search.shape(layout.tensor_parallel_size, layout.pipeline_parallel_size,
+                             expert_parallel=chosen.expert_parallel)
         return search.with_replicas(shape, layout.data_parallel_size)
 
     def shape(self, tp: int, pp: int, with_rate: bool = True,
@@ -198,20 +217,30 @@ def rank_key(c: Candidate, hardware: Hardware):
             -c.memory.kv_cache_tokens, c.layout)
 
 
-def choose(candidates: list[Candidate], hardware: Hardware, targets: Targets) -> Candidate | None:
-    """With targets: the fewest GPUs that meet them, then the most output tokens/s per GPU, then
-    the most headroom.
+def departures(c: Candidate, base: RuntimeSettings | None) -> int:
+    """How many of max_num_seqs and max_num_batched_tokens the candidate changes from `base`."""
+    if base is None or c.settings is None:
+        return 0
+    return sum(getattr(c.settings, name) != getattr(base, name) for name in ("max_num_seqs", "max_num_batched_tokens"))
+
+
+def choose(candidates: list[Candidate], hardware: Hardware, targets: Targets,
+           base: RuntimeSettings | None = None) -> Candidate | None:
+    """With targets: the fewest GPUs that meet them, then the most output tokens/s per GPU (the
+    batching of `base`, the settings asked for, unless another is clearly faster), then the most headroom.
     Without: one GPU per replica when the model fits one (rule 1), else every GPU busy (rule 4)
     and the most output tokens/s: of the layouts within PREFERENCE_MARGIN of the fastest, the one
     the rules prefer."""
     feasible = [c for c in candidates if c.is_feasible]
     if targets.is_set:
         meeting = [c for c in feasible if c.estimates.meets(targets)]
-        # NOTE: at a fixed rate every layout that keeps up serves the same tokens/s; the one with the
-        # most headroom (the highest rate it holds within the targets) wins then.
+        # NOTE: at a fixed rate every layout that keeps up serves the same tokens/s; the settings'
+        # own batching, then the most headroom (the highest rate it holds within the targets) wins then.
+        # Another max_num_seqs or step budget must be DEPARTURE_DISCOUNT faster per change to win.
         return min(meeting, default=None, key=lambda c: (
-            c.layout.num_gpus, -round(c.estimates.output_tokens_per_s_per_gpu, 3), -c.estimates.max_request_rate,
-            preference(c, hardware), c.layout))
+            c.layout.num_gpus, -round(c.estimates.output_tokens_per_s_per_gpu * (1 - DEPARTURE_DISCOUNT) **
+                                      departures(c, base), 3),
+            departures(c, base), -c.estimates.max_request_rate, preference(c, hardware), c.layout))
     if not feasible:
         return None
     single = [c for c in feasible if c.layout.gpus_per_replica == 1]

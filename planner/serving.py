@@ -11,7 +11,9 @@ Closed loop (`concurrency`): b = the concurrency, capped by max_num_seqs and the
 wait their turn. Open loop (`request_rate`): b is where arrivals match completions,
 b = rate * (TTFT + (output_len - 1) * TPOT), found by fixed-point iteration; a rate no b sustains
 is overload. Prefill queueing is M/D/1 with Poisson arrivals: the wait exceeded by a fraction
-1 - p of requests is 0 when p <= 1 - rho, else mean_wait / rho * ln(rho / (1 - p)).
+1 - p of requests is 0 when p <= 1 - rho, else mean_wait / rho * ln(rho / (1 - p)). A request
+arriving at a random time first waits for the step in progress: a decode step, or now and then a
+longer one carrying another prompt (what sets TTFT's tail at light load).
 """
 
 from __future__ import annotations
@@ -27,6 +29,21 @@ from shardserve.planner.workload import Workload
 def _decode_context(w: Workload) -> int:
     """The mean context a decoding request attends over during its life."""
     return w.input_len + w.output_len // 2
+
+
+def _residual_wait(p: float, steps: list[tuple[float, float]]) -> float:
+    """The wait, exceeded by a fraction 1 - p of arrivals at random times, for the step in progress
+    to end, when a share of the time goes to steps of each length (the rest idle): within a step of
+    length L the wait is uniform over [0, L]."""
+    def exceeds(x: float) -> float:
+        return sum(share * max(0.0, 1 - x / length) for share, length in steps if length > 0)
+    lo, hi = 0.0, max(length for _, length in steps)
+    if exceeds(lo) <= 1 - p:
+        return 0.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if exceeds(mid) > 1 - p else (lo, mid)
+    return hi
 
 
 @dataclass(frozen=True)
@@ -67,33 +84,42 @@ class Replica:
             done += n
         return chunks
 
-    def _steady(self, b: float, arrivals_per_cycle: float, w: Workload,
-                is_random: bool) -> tuple[float, float, float]:
-        """(mean cycle ms, TTFT ms at the percentile, prefill utilisation) with b requests running;
-        `is_random`: arrivals at random times (open loop) first wait for the running step to end,
-        while a closed loop sends the next request as one finishes, at a step's end."""
+    def _steady(self, b: float, w: Workload, per_cycle: float | None = None,
+                rate_per_ms: float | None = None) -> tuple[float, float, float]:
+        """(mean cycle ms, TTFT ms at the percentile, prefill utilisation) with b requests running and
+        new requests arriving `per_cycle` (a closed loop: the next is sent as one finishes, at a step's
+        end) or at random times, `rate_per_ms` (an open loop: a request first waits for the running
+        step to end). Utilisation 1 or more is overload."""
         bi = max(1, math.ceil(b))
         context = _decode_context(w)
         decode_only = self.cycle_ms(bi, (), context)
         chunks = self._chunks(bi, w)
         own = [self.cycle_ms(bi, (c,), context) for c in chunks]  # the steps that carry this prompt
         extra = sum(own) - decode_only * len(own)
-        mean = decode_only + arrivals_per_cycle * extra
-        new = max(1, w.input_len - w.prefix_len)
-        rho = arrivals_per_cycle * new / max(1, self.max_num_batched_tokens - bi)
+        new, room = max(1, w.input_len - w.prefix_len), max(1, self.max_num_batched_tokens - bi)
+        busy = 0.0
+        if rate_per_ms is not None:  # arrivals per cycle while cycles stretch by the prefills they carry;
+            busy = rate_per_ms * extra  # past saturation (every step's budget full of prefill) overload
+            per_cycle = room / new if busy >= 1 else min(room / new, rate_per_ms * decode_only / (1 - busy))
+        mean = decode_only + per_cycle * extra
+        rho = 1.0 if busy >= 1 or per_cycle >= room / new else per_cycle * new / room
         service = sum(own)
         p = w.percentile / 100
         wait = 0.0
         if 0 < rho < 1 and p > 1 - rho:
             mean_wait = rho * service / (2 * (1 - rho))
             wait = mean_wait / rho * math.log(rho / (1 - p))
-        step_wait = p * mean * min(1.0, b) if is_random else 0.0
-        return mean, self.request_ms + step_wait + service + wait, rho
+        step_wait = 0.0
+        if rate_per_ms is not None:  # the rest of the step running when the request arrives
+            in_prefill = min(1.0, rate_per_ms * service)  # the share of time in steps that carry a prompt
+            step_wait = _residual_wait(p, [(in_prefill, service / len(own)),
+                                           ((1 - in_prefill) * min(1.0, b), decode_only)])
+        return mean, self.request_ms + step_wait + service + wait, max(rho, busy)
 
     def closed_loop(self, w: Workload) -> ReplicaSpeed:
         c = w.concurrency or 1.0
         b = min(c, self.max_running(w))
-        cycle, ttft, rho = self._steady(b, b / max(1, w.output_len), w, False)
+        cycle, ttft, rho = self._steady(b, w, per_cycle=b / max(1, w.output_len))
         if c > b:  # the rest wait their turn: (c - b) ahead, b finishing per request lifetime
             ttft += (c - b) / b * (ttft + (w.output_len - 1) * cycle)
         return ReplicaSpeed(ttft, cycle, b / cycle * 1e3, b, rho >= 1)
@@ -103,18 +129,15 @@ class Replica:
         cap = self.max_running(w)
         b = max(1e-3, rate * w.output_len)
         for _ in range(60):
-            cycle, ttft, rho = self._steady(b, rate * self.cycle_ms(max(1, math.ceil(b)), (), _decode_context(w)),
-                                            w, True)
-            if rho >= 1:
-                return ReplicaSpeed(ttft, cycle, rate * w.output_len * 1e3, cap, True)
+            cycle, ttft, rho = self._steady(b, w, rate_per_ms=rate)
             nxt = rate * (ttft + (w.output_len - 1) * cycle)
-            if nxt > cap:
+            if rho >= 1 or nxt > cap:
                 return ReplicaSpeed(ttft, cycle, rate * w.output_len * 1e3, cap, True)
             if abs(nxt - b) <= 1e-3 * max(1.0, b):
                 b = nxt
                 break
             b = 0.5 * (b + nxt)
-        cycle, ttft, rho = self._steady(b, rate * cycle, w, True)
+        cycle, ttft, rho = self._steady(b, w, rate_per_ms=rate)
         return ReplicaSpeed(ttft, cycle, rate * w.output_len * 1e3, b, rho >= 1)
 
     def speed(self, w: Workload) -> ReplicaSpeed:

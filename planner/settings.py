@@ -176,6 +176,9 @@ SETTINGS: tuple[Setting, ...] = (
        "bundled demo model, however given; else --model).", "server"),
     _s("max_queued_requests", int, None, "Requests in flight before the server answers 503 "
        "(default: 4 x max_num_seqs per replica).", "server", minimum=1),
+    _s("shutdown_timeout", float, 10.0, "Seconds that SIGTERM or Ctrl-C gives in-flight requests to finish "
+       "while new ones get 503; then streams still running end with an error event and [DONE], other "
+       "requests with a 503. 0 ends them at once; a second signal cuts the wait short.", "server", minimum=0),
     _s("tool_call_parser", str, None, "How tool calls are found in free text for tool_choice auto: hermes "
        "(<tool_call> blocks; Qwen, Hermes) or llama3_json.", "server", choices=("hermes", "llama3_json")),
     _s("enable_auto_tool_choice", bool, False, "Serve tool_choice auto (needs --tool-call-parser).", "server"),

@@ -126,7 +126,7 @@ def test_a_tpot_target_under_a_closed_loop_caps_the_batch():
 
 @pytest.mark.parametrize("model, hardware, options", [
     (LLAMA_8B, "H100-80GB", {}),
-    (LLAMA_70B, "8xH100-80GB", dict(request_rate=6, **SERVICE)),
+    (LLAMA_70B, "8xH100-80GB", dict(request_rate=4, **SERVICE)),
     ("Qwen/Qwen3-30B-A3B", "4xA10G", dict(concurrency=32)),
     ("Qwen/Qwen2.5-14B-Instruct", "3xL4", dict(kv_cache_dtype="fp8")),
     (LLAMA_8B, "H100-80GB", dict(concurrency=512, tpot_ms=12, ttft_ms=60000)),
@@ -144,3 +144,17 @@ def test_the_plan_file_alone_predicts_what_the_plan_did(model, hardware, options
     e = plan.chosen.estimates
     for name in ("ttft_ms", "tpot_ms", "output_tokens_per_s", "max_request_rate", "decode_tokens_per_s_batch1"):
         assert getattr(again, name) == pytest.approx(getattr(e, name), rel=1e-3), name
+
+
+def test_the_step_budget_is_searched_when_the_targets_need_it():
+    """70B on two H100s has little room for KV: a 2,048-token step budget leaves enough for 26 requests
+    to run at once within TTFT 1 s; vLLM's 8,192 queues some of them past it."""
+    kw = dict(input_len=1000, output_len=200, concurrency=26, max_model_len=4096)
+    plan = plan_for(LLAMA_70B, "2xH100-80GB", ttft_ms=1000, **kw)
+    assert plan.chosen.settings.max_num_batched_tokens < 8192 and plan.chosen.estimates.ttft_ms <= 1000
+    assert plan.record().runtime.max_num_batched_tokens == plan.chosen.settings.max_num_batched_tokens
+    assert any(line.startswith(f"max_num_batched_tokens {plan.chosen.settings.max_num_batched_tokens} (not 8192)")
+               for line in plan.rationale)
+    assert plan_for(LLAMA_70B, "2xH100-80GB", **kw).chosen.settings.max_num_batched_tokens == 8192  # no targets
+    with pytest.raises(InfeasibleError, match="TTFT"):  # pinned, it is not searched
+        plan_for(LLAMA_70B, "2xH100-80GB", ttft_ms=1000, max_num_batched_tokens=8192, **kw)
