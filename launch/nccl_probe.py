@@ -9,8 +9,11 @@ import re
 import tempfile
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shardserve.runtime.distributed import Rendezvous
 
 PROBE_TIMEOUT_SECONDS = 120
 # `Channel 00/0 : 0[0] -> 1[1] [send] via NET/IB/2/GDRDMA`: the transport is the text after via
@@ -77,18 +80,19 @@ def judge(report: TransportReport, crosses_nodes: bool) -> tuple[str, str, str |
     return "pass", f"NCCL channels: {seen}" + (" (GPUDirect RDMA)" if report.gdrdma else ""), None
 
 
-def all_reduce_rank(rank: int, world_size: int, host: str, port: int, backend: str,
+def all_reduce_rank(rank: int, world_size: int, rendezvous: Rendezvous, backend: str,
                     log_dir: str) -> None:
-    """One rank of the probe: join the store at host:port, all-reduce 1 MiB, check it, leave.
+    """One rank of the probe: join the caller's store, all-reduce 1 MiB, check it, leave.
     NCCL writes its INFO log into log_dir."""
     os.environ["NCCL_DEBUG"] = "INFO"
     os.environ["NCCL_DEBUG_FILE"] = os.path.join(log_dir, "nccl.%h.%p.log")
     import torch
     import torch.distributed as dist
 
+    from shardserve.runtime.distributed import join_rendezvous
+
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
-    store = dist.TCPStore(host, port, world_size + 1, is_master=False,
-                          timeout=timedelta(seconds=PROBE_TIMEOUT_SECONDS))
+    store = join_rendezvous(rendezvous, world_size)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     try:
         tensor = torch.ones(1 << 18, device=device)
@@ -99,16 +103,16 @@ def all_reduce_rank(rank: int, world_size: int, host: str, port: int, backend: s
         dist.destroy_process_group()
 
 
-def _local_rank(rank: int, world_size: int, port: int, log_dir: str) -> None:
+def _local_rank(rank: int, world_size: int, rendezvous: Rendezvous, log_dir: str) -> None:
     import torch
     torch.cuda.set_device(rank)
-    all_reduce_rank(rank, world_size, "127.0.0.1", port, "nccl", log_dir)
+    all_reduce_rank(rank, world_size, rendezvous, "nccl", log_dir)
 
 
-def _node_rank(rank: int, world_size: int, host: str, port: int, backend: str) -> str:
+def _node_rank(rank: int, world_size: int, rendezvous: Rendezvous, backend: str) -> str:
     """A rank on a cluster node (a Ray task): its node's NCCL log text."""
     with tempfile.TemporaryDirectory(prefix="shardserve-nccl-") as log_dir:
-        all_reduce_rank(rank, world_size, host, port, backend, log_dir)
+        all_reduce_rank(rank, world_size, rendezvous, backend, log_dir)
         return _read_logs(log_dir)
 
 
@@ -124,7 +128,7 @@ def run_local_probe(world_size: int) -> str:
 
     store, rendezvous = start_rendezvous("127.0.0.1", world_size)
     with tempfile.TemporaryDirectory(prefix="shardserve-nccl-") as log_dir:
-        context = mp.start_processes(_local_rank, args=(world_size, rendezvous.port, log_dir),
+        context = mp.start_processes(_local_rank, args=(world_size, rendezvous, log_dir),
                                      nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + PROBE_TIMEOUT_SECONDS
         while not context.join(timeout=1.0):  # raises if a rank failed
@@ -153,7 +157,7 @@ def run_cluster_probe(address: str | None, backend: str = "nccl") -> tuple[list[
     task = ray.remote(_node_rank)
     refs = [task.options(num_cpus=0, num_gpus=1 if needs_gpu else 0,
                          scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
-            .remote(rank, len(nodes), rendezvous.host, rendezvous.port, backend)
+            .remote(rank, len(nodes), rendezvous, backend)
             for rank, n in enumerate(nodes)]
     logs = ray.get(refs, timeout=PROBE_TIMEOUT_SECONDS)
     return [n["NodeManagerAddress"] for n in nodes], "\n".join(logs)

@@ -3,7 +3,8 @@
     python -m shardserve.runtime.allreduce_timing RANK WORLD_SIZE PORT DEVICE DTYPE OUT PARENT_PID BYTES...
 
 Each rank joins the caller's rendezvous as the runtime's ranks do (distributed.init_distributed:
-NCCL on GPUs, gloo on CPUs), then all-reduces a tensor of each size through
+NCCL on GPUs, gloo on CPUs; the store's secret comes in SHARDSERVE_RENDEZVOUS_SECRET, never on the
+command line), then all-reduces a tensor of each size through
 parallel_state.tensor_parallel_all_reduce; rank 0 writes {bytes: milliseconds} to OUT as JSON.
 A size's time is the median of a few repeats after a warm-up, each repeat a barrier then `calls`
 all-reduces back to back (CUDA events on a GPU, the wall clock on a CPU)."""
@@ -24,6 +25,7 @@ import torch
 TIMEOUT_SECONDS = 300
 REPEATS = 5
 MODULE = "shardserve.runtime.allreduce_timing"
+SECRET_ENV = "SHARDSERVE_RENDEZVOUS_SECRET"  # the environment is the owner's alone; argv is anyone's (ps)
 
 
 def time_allreduce(num_ranks: int, sizes: list[int], device: torch.device, dtype: torch.dtype) -> dict[int, float]:
@@ -38,7 +40,8 @@ def time_allreduce(num_ranks: int, sizes: list[int], device: torch.device, dtype
         processes = [subprocess.Popen(
             [sys.executable, *SAFE_PATH, "-m", MODULE, str(rank), str(num_ranks), str(rendezvous.port),
              device.type, str(dtype).removeprefix("torch."), str(out), str(os.getpid()), *map(str, sizes)],
-            stdin=subprocess.DEVNULL, stdout=log.open("w"), stderr=subprocess.STDOUT) for rank, log in enumerate(logs)]
+            stdin=subprocess.DEVNULL, stdout=log.open("w"), stderr=subprocess.STDOUT,
+            env={**os.environ, SECRET_ENV: rendezvous.secret}) for rank, log in enumerate(logs)]
         try:
             _wait(processes, logs)
         finally:
@@ -101,7 +104,8 @@ def run_rank(rank: int, world_size: int, port: int, device: torch.device, dtype:
     if device.type == "cuda":
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
-    init_distributed(ParallelState(tp_rank=rank, tp_size=world_size), Rendezvous("127.0.0.1", port), device)
+    rendezvous = Rendezvous("127.0.0.1", port, os.environ.pop(SECRET_ENV))
+    init_distributed(ParallelState(tp_rank=rank, tp_size=world_size), rendezvous, device)
     try:
         times = {}
         for size in sizes:

@@ -10,8 +10,10 @@ import pickle
 import time
 from abc import ABC, abstractmethod
 
+import torch
+
 from shardserve.runtime.config import EngineConfig
-from shardserve.runtime.distributed import Rendezvous, start_rendezvous
+from shardserve.runtime.distributed import Rendezvous, needs_store_after_joining, start_rendezvous
 from shardserve.runtime.errors import EngineDeadError
 from shardserve.runtime.executor import Executor
 from shardserve.runtime.messages import ModelRunnerOutput, SchedulerOutput
@@ -59,6 +61,7 @@ class DistributedExecutor(Executor):
         self.states = rank_states((parallel.tensor_parallel_size, parallel.pipeline_parallel_size), layer_split,
                                   parallel.enable_expert_parallel)
         self.output_rank = next(s.global_rank for s in self.states if s.is_output_rank)
+        self.store: torch.distributed.TCPStore | None  # the rendezvous server, while it is held
         self.store, rendezvous = start_rendezvous(self.rendezvous_host(), parallel.world_size)
         self.handles: list[WorkerHandle] = []
         self.is_dead = False
@@ -69,11 +72,21 @@ class DistributedExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
+        self._after_joining(rendezvous)
         for state, placement in zip(self.states, self.placements):
             first, count = sum(layer_split[:state.pp_rank]), layer_split[state.pp_rank]
             logger.info("rank %d (tp %d/%d, pp %d/%d, layers %d-%d) runs on %s", state.global_rank, state.tp_rank,
                         state.tp_size, state.pp_rank, state.pp_size, first, first + count - 1,
                         placement.describe() if placement else "this host")
+
+    def _after_joining(self, rendezvous: Rendezvous) -> None:
+        """Every rank has joined: stop the store where the ranks are done with it."""
+        where = f"{rendezvous.host}:{rendezvous.port}"
+        if needs_store_after_joining(torch.device(self.config.device)):
+            logger.info("the rendezvous store on %s stays open while the engine runs (its backend uses it)", where)
+        else:
+            self.store = None  # the server stops, its port closes
+            logger.info("every rank joined: the rendezvous store on %s is closed", where)
 
     @abstractmethod
     def rendezvous_host(self) -> str:

@@ -156,6 +156,8 @@ def test_pipeline_stage_on_each_host_then_a_lost_node(cluster, tmp_path):
         placed = dict(re.findall(r"rank \d \(tp 0/1, pp \d/2, layers \d+-\d+\) runs on (\S+) \((.*)\)",
                                  log.read_text()))
         assert set(placed) == {a.ip, b.ip}, log.read_text()  # one stage on each host
+        # the store listened on the cluster interface (not 0.0.0.0), b's rank reached it, then it closed
+        assert re.search(rf"the rendezvous store on {re.escape(a.ip)}:\d+ is closed", log.read_text())
         for host in (a, b):  # each node's interface, and the chosen variable everywhere
             assert placed[host.ip] == (f"GLOO_SOCKET_IFNAME={host.interface} "
                                        f"NCCL_SOCKET_IFNAME={host.interface} SS_MARK=two-hosts")
