@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from shardserve.planner.errors import PlanError
 from shardserve.planner.hardware import GpuSpec
 from shardserve.planner.model_spec import DTYPE_BYTES, ModelSpec, canonical_dtype
+from shardserve.planner.rules import fp8_kv_problem
 from shardserve.planner.workload import Targets, Workload
 from shardserve.planner.settings import (DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN, PLAN,
                                          SettingError, resolved_max_num_batched_tokens, settings_dataclass)
@@ -50,8 +51,9 @@ class RuntimeSettings:
 def resolve_settings(options: PlanOptions, spec: ModelSpec, gpu: GpuSpec) -> RuntimeSettings:
     dtype = _resolve_dtype(options.dtype, spec, gpu)
     is_fp8_kv = options.kv_cache_dtype.startswith("fp8")
-    if is_fp8_kv and not (gpu.has_fp8 or gpu.is_cpu):
-        raise PlanError(f"kv_cache_dtype {options.kv_cache_dtype} needs a GPU with fp8 support; {gpu.name} has none")
+    problem = fp8_kv_problem(options.kv_cache_dtype, gpu.name, gpu.has_fp8 or gpu.is_cpu)
+    if problem:
+        raise PlanError(problem)
     is_auto = options.max_model_len == "auto"
     max_len = spec.max_context_len if is_auto else options.max_model_len or spec.max_context_len
     if max_len > spec.max_context_len:

@@ -70,6 +70,18 @@ def _split_mlp(spec: ModelSpec, expert_parallel: bool) -> tuple[str, int]:
     return "intermediate_size", spec.intermediate_size if has_dense else 0
 
 
+FP8_COMPUTE_CAPABILITY = (8, 9)  # Ada, Hopper and later have fp8 tensor cores
+
+
+def fp8_kv_problem(kv_cache_dtype: str, device: str, has_fp8: bool) -> str | None:
+    """Why an fp8 KV cache cannot run on `device` (the plan's GPU or the worker's own), or None. CPU
+    ranks store fp8 and compute in float32, so they count as having fp8."""
+    if not kv_cache_dtype.startswith("fp8") or has_fp8:
+        return None
+    return (f"kv_cache_dtype {kv_cache_dtype} needs a GPU with fp8 support (compute capability "
+            f"{'.'.join(map(str, FP8_COMPUTE_CAPABILITY))} or newer); {device} has none: use kv_cache_dtype auto")
+
+
 def tensor_parallel_problem(spec: ModelSpec, tp: int, expert_parallel: bool = False) -> str | None:
     """Rule 4: why `tp` cannot shard this model (its experts whole per rank with expert_parallel), or None."""
     if tp == 1:

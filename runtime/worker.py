@@ -8,6 +8,7 @@ import logging
 
 import torch
 
+from shardserve.planner.rules import FP8_COMPUTE_CAPABILITY, fp8_kv_problem
 from shardserve.planner.settings import DEFAULT_CPU_KV_CACHE_BYTES
 from shardserve.runtime.attention.layer import Attention
 from shardserve.runtime.attention.torch_backend import TorchAttentionBackend
@@ -27,7 +28,6 @@ from shardserve.runtime.sampler import sample_on_device, sampled_logprobs
 from shardserve.runtime.sampling_batch import SamplingCache
 from shardserve.runtime.staging import SampledTokenBuffers, StagingBuffer, StepOutput
 from shardserve.runtime.structured_output import GrammarMatchers, sync_matchers
-from shardserve.runtime.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -83,11 +83,13 @@ class Worker:
         return elements * len(self.attention_layers) * self.kv_cache_dtype.itemsize
 
     def _check_kv_cache_dtype(self) -> None:
-        if self.kv_cache_dtype.itemsize == 1 and self.device.type == "cuda" and \
-                torch.cuda.get_device_capability(self.device) < (8, 9):
-            raise ValueError(f"kv_cache_dtype={self.config.cache.kv_cache_dtype} needs a GPU with fp8 support "
-                             f"(compute capability 8.9 or newer); {torch.cuda.get_device_name(self.device)} has "
-                             "none: use kv_cache_dtype auto")
+        """The planner's fp8 KV rule, on this worker's own device."""
+        if self.device.type != "cuda":
+            return
+        has_fp8 = torch.cuda.get_device_capability(self.device) >= FP8_COMPUTE_CAPABILITY
+        problem = fp8_kv_problem(self.config.cache.kv_cache_dtype, torch.cuda.get_device_name(self.device), has_fp8)
+        if problem:
+            raise ValueError(problem)
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:
@@ -239,9 +241,7 @@ class Worker:
 
     def _sync_matchers(self, output: SchedulerOutput) -> None:
         if self.matchers is None and any(d.sampling_params.structured_outputs for d in output.new_requests):
-            tokenizer = load_tokenizer(self.config.model)
-            self.matchers = GrammarMatchers(tokenizer, self.config.model.vocab_size,
-                                            eos_token_ids(self.config.model, tokenizer))
+            self.matchers = GrammarMatchers(self.config.model)
         if self.matchers is not None:
             sync_matchers(self.matchers, output, self.states)
 

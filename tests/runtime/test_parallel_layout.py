@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
+from transformers import LlamaConfig, MixtralConfig
 
 from shardserve.runtime import LLM
 from shardserve.runtime.config import ModelConfig, ParallelConfig
@@ -15,15 +14,17 @@ from test_parallel_generate import rank_pids
 
 
 def model_config(heads=8, kv_heads=4, layers=4, intermediate=96, experts=None) -> ModelConfig:
-    hf = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads, num_hidden_layers=layers,
-                         intermediate_size=intermediate, hidden_size=64, num_local_experts=experts)
+    """A transformers config as the engine loads it; the planner reads the same one."""
+    kw = dict(num_attention_heads=heads, num_key_value_heads=kv_heads, num_hidden_layers=layers,
+              intermediate_size=intermediate, hidden_size=16 * heads, vocab_size=128, max_position_embeddings=256)
+    hf = MixtralConfig(num_local_experts=experts, **kw) if experts else LlamaConfig(**kw)
     return ModelConfig("m", hf, "MixtralForCausalLM" if experts else "LlamaForCausalLM", torch.float32, 128)
 
 
 @pytest.mark.parametrize("kwargs, tp, pp, devices, message", [
-    ({}, 3, 1, None, "does not divide the model's 8 attention heads"),
-    ({"heads": 12, "kv_heads": 4}, 6, 1, None, "one must divide the other"),
-    ({"intermediate": 100}, 8, 1, None, "does not divide the MLP's 100 intermediate features"),
+    ({}, 3, 1, None, "cannot shard this model: 8 attention heads are not divisible by tensor_parallel_size 3"),
+    ({"heads": 12, "kv_heads": 4}, 6, 1, None, "4 KV heads neither divide by tensor_parallel_size 6 nor divide it"),
+    ({"intermediate": 100}, 8, 1, None, "intermediate_size 100 is not divisible by tensor_parallel_size 8"),
     ({"layers": 2}, 1, 3, None, "more stages than the model's 2 layers"),
     ({}, 2, 2, 2, "4 ranks, more than the 2 devices available"),
     ({}, 0, 1, None, "must be at least 1"),
@@ -34,8 +35,8 @@ def test_refusals_name_the_rule(kwargs, tp, pp, devices, message):
 
 
 @pytest.mark.parametrize("experts, tp, message", [
-    (None, 2, "enable_expert_parallel: LlamaForCausalLM has no routed experts"),
-    (6, 4, "enable_expert_parallel: the model's 6 experts do not divide evenly over tensor_parallel_size=4"),
+    (None, 2, "enable_expert_parallel: m has no routed experts"),
+    (6, 4, "enable_expert_parallel: 6 experts do not divide evenly over tensor_parallel_size 4"),
 ])
 def test_expert_parallel_refusals_name_the_setting(experts, tp, message):
     with pytest.raises(ValueError, match=message):
@@ -46,7 +47,7 @@ def test_expert_parallel_refusals_name_the_setting(experts, tp, message):
 def test_expert_parallel_layouts_pass():
     check_parallel_layout(model_config(experts=8), ParallelConfig(4, 1, enable_expert_parallel=True), None)
     # Mixtral's experts are its intermediate_size: whole per rank, 90 features need not divide by 4
-    with pytest.raises(ValueError, match="does not divide the experts' 90 intermediate features; "
+    with pytest.raises(ValueError, match="intermediate_size 90 is not divisible by tensor_parallel_size 4; "
                                          "enable_expert_parallel keeps experts whole"):
         check_parallel_layout(model_config(experts=8, intermediate=90), ParallelConfig(4, 1), None)
     check_parallel_layout(model_config(experts=8, intermediate=90), ParallelConfig(4, 1, enable_expert_parallel=True),
@@ -67,7 +68,7 @@ def test_backend_follows_the_planners_rule():
 
 
 @pytest.mark.parametrize("engine_kwargs, message", [
-    ({"tensor_parallel_size": 3}, "does not divide the model's 4 attention heads"),
+    ({"tensor_parallel_size": 3}, "4 attention heads are not divisible by tensor_parallel_size 3"),
     ({"pipeline_parallel_size": 3}, "more stages than the model's 2 layers"),
     ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"}, "runs one rank"),
     ({"tensor_parallel_size": 2, "distributed_executor_backend": "threads"}, "must be one of"),

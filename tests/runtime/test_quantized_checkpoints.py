@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -14,8 +15,8 @@ from quant_checkpoints import FORMATS, pack_int32, save_quantized
 from shardserve.planner.model_source import load_model as load_model_info
 from shardserve.planner.rules import tensor_parallel_problem
 from shardserve.runtime import LLM, SamplingParams
-from shardserve.runtime.config import load_model_config
-from shardserve.runtime.layers.quantization.config import check_quantized_layout
+from shardserve.runtime.config import ParallelConfig, load_model_config
+from shardserve.runtime.parallel_layout import check_parallel_layout
 from shardserve.runtime.layers.quantization.packed_int import AWQ_ORDER, unpack_int32
 from test_runtime_matches_transformers import random_prompts, reference, token_outputs
 
@@ -91,9 +92,9 @@ def test_group_split_refused_with_the_planners_reason(quantized, tmp_path):
     reason = tensor_parallel_problem(load_model_info(str(odd)).spec, 2)
     assert reason == "awq group_size 32 does not divide the intermediate size per rank (96 / 2 = 48)"
     model_config = load_model_config(str(odd))
-    check_quantized_layout(model_config, 1)
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 cannot shard this checkpoint: " + reason.replace("(", r"\(").replace(")", r"\)")):
-        check_quantized_layout(model_config, 2)
+    check_parallel_layout(model_config, ParallelConfig(1, 1), None)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 cannot shard this model: " + re.escape(reason)):
+        check_parallel_layout(model_config, ParallelConfig(2, 1), None)
 
 
 def test_online_fp8_of_a_float_checkpoint_matches_per_row_fp8_weights(checkpoint_factory):

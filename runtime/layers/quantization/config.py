@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from shardserve.planner.errors import PlanError
 from shardserve.planner.model_spec import QuantSpec, compressed_tensors_weights
@@ -88,20 +88,12 @@ def current_linear_method():
 
 
 
-def check_quantized_layout(model_config, tp_size: int) -> None:
-    """Refuse what the quantized layers cannot build, before loading: the tensor-parallel check is the
-    planner's own (rules.tensor_parallel_problem), so plan and runtime agree on every group split."""
-    from shardserve.planner.model_spec import ModelSpec
-    from shardserve.planner.rules import tensor_parallel_problem
+def check_quantized_layout(model_config) -> None:
+    """Refuse a quantized checkpoint of an architecture the quantized layers cannot build, before loading
+    (how its groups split over ranks is the planner's rule 4, checked with the layout)."""
     from shardserve.planner.served import quantizable_architectures
 
     quant = model_config.quantization
-    if quant is None:
-        return
-    if model_config.architecture not in quantizable_architectures():
+    if quant is not None and model_config.architecture not in quantizable_architectures():
         raise ValueError(f"{model_config.architecture} is not served quantized ({quant.format}); quantized "
                          f"architectures: {', '.join(quantizable_architectures())}")
-    spec = replace(ModelSpec.from_config(model_config.model, model_config.hf_config.to_dict()), quantization=quant.spec)
-    problem = tensor_parallel_problem(spec, tp_size)
-    if problem:
-        raise ValueError(f"tensor_parallel_size={tp_size} cannot shard this checkpoint: {problem}")
