@@ -95,17 +95,36 @@ class LLMEngine:
                 or (self.output_thread is not None and self.output_thread.is_busy))
 
     def step(self) -> list[PromptDelta]:
-        """Schedule, execute, update. With pipeline stages, up to max_concurrent_batches batches are
-        submitted before the oldest is collected, so no stage idles while another computes. With
-        async scheduling, two: step N+1 is queued on the device before step N's tokens are read
-        (the scheduler then schedules every running request, not a share)."""
+        """One turn of the step loop: a batch at a time, or overlapped (pipeline stages, async
+        scheduling)."""
         if self.executor.is_dead:
             raise EngineDeadError("the engine's workers have stopped; start a new engine")
         if self.executor.max_concurrent_batches == 1:
-            scheduler_output = self.scheduler.schedule()
-            if scheduler_output.is_empty and self.scheduler.has_unfinished_requests:
+            return self._step_one()
+        return self._step_overlapped()
+
+    def _step_one(self) -> list[PromptDelta]:
+        """Schedule, execute, update."""
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty and self.scheduler.has_unfinished_requests:
+            raise RuntimeError("the scheduler could not run any request; this is a bug")
+        return self._update(scheduler_output, self.executor.execute_model(scheduler_output))
+
+    def _step_overlapped(self) -> list[PromptDelta]:
+        """Submit batches until max_concurrent_batches are in flight, then collect the oldest. With
+        pipeline stages each batch takes a share of the requests, so no stage idles while another
+        computes; with async scheduling, step N+1 is queued on the device before step N's tokens are
+        read (every running request goes in each batch)."""
+        self._submit_batches()
+        if not self.in_flight:
+            if self.scheduler.has_unfinished_requests:
                 raise RuntimeError("the scheduler could not run any request; this is a bug")
-            return self._update(scheduler_output, self.executor.execute_model(scheduler_output))
+            return self._take_outputs(wait=True)  # nothing left to run: the last outputs
+        scheduler_output = self.in_flight.popleft()
+        self._hand_over_updates()  # the loop now waits on the device: the thread's turn
+        return self._update(scheduler_output, self.executor.collect_batch())
+
+    def _submit_batches(self) -> None:
         num_batches = self.executor.max_concurrent_batches
         share = -(-self.scheduler.num_unfinished_requests // num_batches)  # requests per batch, rounded up
         share = None if self.config.scheduler.async_scheduling else max(share, 1)
@@ -115,13 +134,6 @@ class LLMEngine:
                 break  # (an empty batch still goes out alone to tell the workers what finished)
             self.executor.submit_batch(scheduler_output)
             self.in_flight.append(scheduler_output)
-        if not self.in_flight:
-            if self.scheduler.has_unfinished_requests:
-                raise RuntimeError("the scheduler could not run any request; this is a bug")
-            return self._take_outputs(wait=True)  # nothing left to run: the last outputs
-        scheduler_output = self.in_flight.popleft()
-        self._hand_over_updates()  # the loop now waits on the device: the thread's turn
-        return self._update(scheduler_output, self.executor.collect_batch())
 
     def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[PromptDelta]:
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
