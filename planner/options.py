@@ -3,19 +3,51 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from shardserve.planner.errors import PlanError
 from shardserve.planner.hardware import GpuSpec
 from shardserve.planner.model_spec import DTYPE_BYTES, ModelSpec, canonical_dtype
 from shardserve.planner.rules import fp8_kv_problem
 from shardserve.planner.workload import Targets, Workload
-from shardserve.planner.settings import (DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN, PLAN,
-                                         SettingError, resolved_max_num_batched_tokens, settings_dataclass)
+from shardserve.planner.settings import (DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN,
+                                         SettingError, check_fields, default, resolved_max_num_batched_tokens)
 
 
-class PlanOptions(settings_dataclass(PLAN, "PlanOptionsFields")):
-    """The planner's options: the settings table's "plan" layer (planner/settings.py), each value
+@dataclass(frozen=True)
+class PlanOptions:
+    """The planner's options: the settings table's "plan" layer (planner/settings.py), in table order
+    with the table's defaults (tests/planner/test_settings_classes.py keeps them equal), each value
     checked against the table when made."""
+
+    tensor_parallel_size: int | None = default("tensor_parallel_size")
+    pipeline_parallel_size: int | None = default("pipeline_parallel_size")
+    data_parallel_size: int | None = default("data_parallel_size")
+    distributed_executor_backend: str | None = default("distributed_executor_backend")
+    enable_expert_parallel: bool | None = default("enable_expert_parallel")
+    max_model_len: int | Literal["auto"] | None = default("max_model_len")
+    dtype: str = default("dtype")
+    quantization: str | None = default("quantization")
+    kv_cache_dtype: str = default("kv_cache_dtype")
+    gpu_memory_utilization: float = default("gpu_memory_utilization")
+    kv_cache_memory_bytes: int | None = default("kv_cache_memory_bytes")
+    block_size: int = default("block_size")
+    max_num_seqs: int = default("max_num_seqs")
+    max_num_batched_tokens: int | None = default("max_num_batched_tokens")
+    enable_prefix_caching: bool = default("enable_prefix_caching")
+    enforce_eager: bool = default("enforce_eager")
+    target_concurrency: int = default("target_concurrency")
+    input_len: int | None = default("input_len")
+    output_len: int | None = default("output_len")
+    prefix_len: int = default("prefix_len")
+    concurrency: float | None = default("concurrency")
+    request_rate: float | None = default("request_rate")
+    ttft_ms: float | None = default("ttft_ms")
+    tpot_ms: float | None = default("tpot_ms")
+    target_percentile: int = default("target_percentile")
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 @dataclass(frozen=True)

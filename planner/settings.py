@@ -15,8 +15,8 @@ Torch-free: the planner, the runtime and launch all import it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, make_dataclass
-from typing import Any, Literal, Optional, Union
+from dataclasses import dataclass, fields
+from typing import Any, Literal, Union
 
 from shardserve.planner.errors import PlanError
 from shardserve.planner.served import QUANTIZATION_FORMATS
@@ -219,12 +219,9 @@ def check_fields(record) -> None:
             object.__setattr__(record, f.name, checked)
 
 
-def settings_dataclass(layer: str, cls_name: str) -> type:
-    """A frozen dataclass with one field per setting of `layer`, in table order, its defaults the
-    table's; construction checks every value (subclass it to add methods)."""
-    spec = [(s.name, Optional[s.annotation] if s.default is None else s.annotation, field(default=s.default))
-            for s in SETTINGS if layer in s.layers]
-    return make_dataclass(cls_name, spec, frozen=True, namespace={"__post_init__": check_fields})
+def default(name: str) -> Any:
+    """The table's default of a setting, for the settings classes' fields."""
+    return BY_NAME[name].default
 
 
 def for_layer(values: dict, layer: str) -> dict:
