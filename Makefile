@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # The CPU wheel: an unpinned torch would pull gigabytes of CUDA packages.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: test test-fast demo install clean
+.PHONY: test test-fast lint demo install clean
 
 install: $(STAMP)
 
@@ -17,9 +17,18 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-# The whole suite, as CI runs it (about 15 minutes on two CPU cores: 1141 tests on a fresh clone).
-test: $(STAMP)
+# Lint, then the whole suite, as CI runs it (about 15 minutes on two CPU cores: 1141 tests on a fresh clone).
+test: lint
 	$(PY) -m pytest -q
+
+# ruff and mypy as pyproject.toml configures them (mypy: about 40 s on a cold .mypy_cache, 2 s warm).
+# mypy cannot read the package-dir mapping, so it reads the packages through links in build/mypy-path;
+# the empty shardserve/__init__.py keeps it from taking the data folder planner/catalog/ for catalog.py.
+lint: $(STAMP)
+	$(PY) -m ruff check --quiet .
+	@mkdir -p build/mypy-path/shardserve && touch build/mypy-path/shardserve/__init__.py
+	@for p in planner runtime launch; do ln -sfn ../../../$$p build/mypy-path/shardserve/$$p; done
+	$(PY) -m mypy
 
 # Everything but the end-to-end tests marked slow (about 4.5 minutes): while editing.
 test-fast: $(STAMP)
@@ -33,4 +42,4 @@ demo: $(STAMP)
 	$(VENV)/bin/shardserve launch --profile demo
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache

@@ -142,12 +142,15 @@ def make_awq_checkpoint(folder: Path) -> Path:
     partial = awq.with_name(awq.name + ".partial")
     shutil.copytree(folder, partial, ignore=shutil.ignore_patterns("*.safetensors*"))
     tensors, generator = {}, torch.Generator().manual_seed(0)
+
+    def words(*shape: int) -> torch.Tensor:
+        return torch.randint(-2**31, 2**31 - 1, shape, generator=generator, dtype=torch.int32)
+
     for file in sorted(folder.glob("*.safetensors")):
         for name, tensor in load_file(file).items():
             if name.endswith("_proj.weight") and ".layers." in name:
                 out, num_in = tensor.shape
                 prefix = name.removesuffix(".weight")
-                words = lambda *shape: torch.randint(-2**31, 2**31 - 1, shape, generator=generator, dtype=torch.int32)
                 tensors |= {f"{prefix}.qweight": words(num_in, out // 8), f"{prefix}.qzeros": words(num_in // 128, out // 8),
                             f"{prefix}.scales": (torch.rand(num_in // 128, out, generator=generator) * 1e-3).half()}
             else:

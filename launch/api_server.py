@@ -12,6 +12,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shardserve.launch import __version__
+from shardserve.launch.admission import Admission, InFlightLimit
+from shardserve.launch.body_limit import BodyLimit
 from shardserve.launch.metrics import ServerMetrics
 from shardserve.launch.openai_serving import OpenAIServing, PreparedRequest
 from shardserve.launch.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -19,59 +21,48 @@ from shardserve.launch.protocol import (APIError, ChatCompletionRequest, Complet
 from shardserve.launch.replicas import ReplicaSet
 
 
-class InFlightLimit:
-    """ASGI middleware: counts API requests from arrival until their response is fully sent
-    (streams included, disconnects too) and answers 503 beyond `limit`.
+class ApiKeyAuth:
+    """ASGI middleware: the API routes want 'Authorization: Bearer <key>' (compared in constant time).
 
-    NOTE: counting here, not in the engine, closes the race where a burst passes the check
-    before any of its requests has reached a replica."""
+    NOTE: plain ASGI, not @app.middleware("http"): Starlette's BaseHTTPMiddleware runs the app in a task
+    of its own behind a memory stream, which hides a client's disconnect from the routes."""
 
-    def __init__(self, app, limit: int, metrics: ServerMetrics):
-        self.app, self.limit, self.metrics = app, limit, metrics
-        self.active = 0
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] != "POST" or \
-                not scope["path"].startswith("/v1/"):
-            return await self.app(scope, receive, send)
-        if self.active >= self.limit:
-            self.metrics.outcome("unavailable")
-            error = APIError(503, f"server overloaded: {self.active} requests in flight; retry "
-                             "later", error_type="service_unavailable")
-            return await JSONResponse(error.body(), 503)(scope, receive, send)
-        self.active += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.active -= 1
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and \
+                scope["path"].startswith(("/v1", "/tokenize", "/detokenize")):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
+                return await JSONResponse(error.body(), 401)(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 def build_app(replicas: ReplicaSet, serving: OpenAIServing, metrics: ServerMetrics,
               api_key: str | None, max_queued_requests: int,
-              allowed_origins: list[str] | None = None) -> FastAPI:
+              allowed_origins: list[str] | None = None, *, max_request_body_bytes: int) -> FastAPI:
     app = FastAPI(title="shardserve", version=__version__)
-    app.add_middleware(InFlightLimit, limit=max_queued_requests, metrics=metrics)
+    admission = app.state.admission = Admission(max_queued_requests, metrics)  # the launcher drains it
+    app.add_middleware(InFlightLimit, admission=admission)
+    app.add_middleware(BodyLimit, limit=max_request_body_bytes, metrics=metrics)
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
                            allow_headers=["*"], allow_credentials="*" not in allowed_origins)
     _install_error_handlers(app, metrics)
     _add_token_routes(app, serving)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        path = request.url.path
-        if api_key and request.method != "OPTIONS" and path.startswith(("/v1", "/tokenize", "/detokenize")):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return JSONResponse(APIError(401, "missing or wrong API key: send "
-                                             "'Authorization: Bearer <key>'").body(), 401)
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(ApiKeyAuth, api_key=api_key)
 
     @app.get("/health")
     async def health():
         dead = replicas.public_dead_reason()
         if dead:
             return JSONResponse({"status": "dead", "reason": dead}, status_code=503)
+        if admission.is_draining:  # a load balancer sends no more
+            return JSONResponse({"status": "shutting down"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/version")
@@ -89,6 +80,7 @@ def build_app(replicas: ReplicaSet, serving: OpenAIServing, metrics: ServerMetri
             "owned_by": "shardserve", "max_model_len": replicas.max_model_len}]}
 
     async def respond(prepared: PreparedRequest, body, request: Request):
+        await serving.compile_grammar(prepared)  # a 400 comes before any stream starts
         if body.stream:
             return _streaming(serving.stream(prepared, body.include_usage), metrics)
         return await _until_disconnect(serving.full_response(prepared), request, metrics)
@@ -143,6 +135,18 @@ def _add_token_routes(app: FastAPI, serving: OpenAIServing) -> None:
         return serving.detokenize(body)
 
 
+class _EventStream(StreamingResponse):
+    """NOTE: a client's departure cancels the response wherever it waits; closing the events here unwinds
+    their generators at once (their finally clauses abort the prompts in the engine), rather than
+    whenever the garbage collector finds them."""
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
 def _streaming(events, metrics: ServerMetrics) -> StreamingResponse:
     async def counted():
         outcome = "aborted"
@@ -152,19 +156,31 @@ def _streaming(events, metrics: ServerMetrics) -> StreamingResponse:
             outcome = "success"
         finally:
             metrics.outcome(outcome)
-    return StreamingResponse(counted(), media_type="text/event-stream")
+            await events.aclose()
+    return _EventStream(counted(), media_type="text/event-stream")
 
 
 async def _until_disconnect(coro, request: Request, metrics: ServerMetrics):
-    """Run a non-streaming request; if the client goes away, cancel it (freeing its blocks)."""
+    """Run a non-streaming request; the moment its client goes away, cancel it: the cancel unwinds into
+    the engine, which aborts its prompts and frees their blocks."""
     task = asyncio.ensure_future(coro)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=0.5)
-        if done:
-            result = task.result()  # re-raises APIError for the handler
-            metrics.outcome("success")
-            return result
-        if await request.is_disconnected():
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
             task.cancel()
-            metrics.outcome("aborted")
-            return Response(status_code=499)
+            await asyncio.wait({task})  # unwound: the abort is on its way to the engine
+    if task.cancelled():
+        metrics.outcome("aborted")
+        return Response(status_code=499)  # nobody reads it
+    result = task.result()  # re-raises APIError for the handler
+    metrics.outcome("success")
+    return result
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone: once the body is read, receive() has nothing else to say."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

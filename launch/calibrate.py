@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table as RichTable
@@ -21,6 +22,9 @@ from rich.table import Table as RichTable
 from shardserve.launch import __version__
 from shardserve.planner import PlanError
 from shardserve.planner.calibration import calibration_path, write_calibration
+
+if TYPE_CHECKING:  # op_timing imports torch: read only when timing
+    from shardserve.runtime.op_timing import Grid
 
 POWERS_OF_TWO = tuple(2 ** i for i in range(16))
 
@@ -158,7 +162,7 @@ def measure_tables(setup: Setup, say: Callable[[str], None]) -> tuple[dict, list
     return tables, parts
 
 
-def _jobs(setup: Setup) -> list[tuple[str, object, Callable]]:
+def _jobs(setup: Setup) -> list[tuple[str, Grid, Callable]]:
     """(table name, grid, job(grid) -> perf_tables.Table) for each operator table."""
     import torch
 
@@ -168,7 +172,7 @@ def _jobs(setup: Setup) -> list[tuple[str, object, Callable]]:
     device, dtype, sizes = torch.device(setup.device), getattr(torch, setup.dtype), setup.sizes
     timer = ops.Timer(device)
     gemm, grid = functools.partial(ops.gemm_table, dtype=dtype, timer=timer), ops.Grid.of(**sizes.gemm)
-    jobs = [(f"gemm.{setup.dtype}", grid, gemm)]
+    jobs: list[tuple[str, Grid, Callable]] = [(f"gemm.{setup.dtype}", grid, gemm)]
     if ops.has_fp8_gemm(device, dtype):
         jobs.append(("gemm.fp8", grid, functools.partial(gemm, is_fp8=True)))
     attention = functools.partial(ops.attention_table, dtype=dtype, backend=select_attention_backend(device),

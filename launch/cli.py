@@ -118,7 +118,7 @@ def launch(
     import logging
 
     from shardserve.launch.deploy_config import parse_env, parse_set
-    from shardserve.launch.launcher import api_key_from_env, bind_port, serve, setting, settle
+    from shardserve.launch.launcher import api_key_from_env, bind_port, exit_now, serve, setting, settle
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s", datefmt="%H:%M:%S")
@@ -141,7 +141,7 @@ def launch(
     except ValueError as e:  # the runtime refusing a setting (max_model_len too long, ...)
         err.print(f"[bold red]error:[/] {e}", highlight=False)
         raise typer.Exit(1) from None
-    raise typer.Exit(code)
+    exit_now(code)
 
 
 @app.command(short_help="Check this machine, a plan, or a Ray cluster.")
@@ -394,5 +394,5 @@ def _user_errors():
 def main() -> None:
     # NOTE: click exits 2 on a usage error; here 2 means "does not fit", so bad input exits 1
     # (typer carries its own click: its UsageError is reached through the public BadParameter)
-    typer.BadParameter.__base__.exit_code = 1
+    typer.BadParameter.__base__.exit_code = 1  # type: ignore[union-attr]  # the base: click's UsageError
     app(prog_name="shardserve")

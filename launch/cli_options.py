@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -35,11 +35,11 @@ def _parameter(setting: Setting) -> inspect.Parameter:
     decls = [setting.flag] + ([setting.short] if setting.short else [])
     if setting.type is bool:
         decls = [f"{setting.flag}/--no-{setting.flag[2:]}"]
-    parser = {"parser": _word_or_number(setting)} if setting.words else {}
+    parser: dict[str, Any] = {"parser": _word_or_number(setting)} if setting.words else {}
     option = typer.Option(*decls, help=_help(setting), show_default=False, **parser)
     kind = list[str] if setting.type is list else setting.type  # a list: the flag given once per item
     kind = str if setting.words else kind
-    annotation = Annotated[Optional[kind], option]
+    annotation = Annotated[Optional[kind], option]  # type: ignore[valid-type]  # a type made at run time
     return inspect.Parameter(setting.name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
 
 
@@ -63,7 +63,7 @@ def setting_options(names: Iterable[str]) -> Callable:
         signature = inspect.signature(func, eval_str=True)  # NOTE: typer reads __signature__ as is
         kept = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
         added = [_parameter(BY_NAME[name]) for name in names]
-        func.__signature__ = signature.replace(parameters=kept + added)
+        func.__signature__ = signature.replace(parameters=kept + added)  # type: ignore[attr-defined]
         func.__annotations__ = {**func.__annotations__, **{p.name: p.annotation for p in added}}
         return func
     return decorate

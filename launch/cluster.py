@@ -16,6 +16,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, overload
 
 from shardserve.launch.node_facts import IFNAME_VARS, interface_addresses
 from shardserve.planner import PlanError
@@ -50,7 +51,7 @@ class NodeRecord:
     node_ip: str
     interface: str
     session_id: int  # `ray start` ran as a session leader: every Ray process here is in it
-    pids: list[list[int]]  # [pid, start time in clock ticks]: a reused pid is not ours
+    pids: list[list[Any]]  # [pid, start time in clock ticks (None: it had ended)]: a reused pid is not ours
     temp_dir: str
 
 
@@ -141,6 +142,12 @@ def auth_env(folder: Path | None = None) -> dict[str, str]:
 
 def use_cluster_auth() -> None:
     os.environ.update(auth_env())
+
+
+@overload
+def resolve_address(address: str) -> str: ...
+@overload
+def resolve_address(address: None) -> None: ...
 
 
 def resolve_address(address: str | None) -> str | None:

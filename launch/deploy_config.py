@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal, Optional, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
@@ -16,16 +16,22 @@ from shardserve.planner.yaml_file import read_yaml
 class _DeployConfigBase(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
+    if TYPE_CHECKING:  # the fields come from the settings table at import (below), unseen by checkers
+        def __getattr__(self, name: str) -> Any: ...
+
     def set_values(self) -> dict:
         return self.model_dump(exclude_none=True)
 
 
+_PYDANTIC_TYPES: dict[type, Any] = {tuple: list[int], list: list[str], dict: dict[str, str]}  # the table's kinds
+
+
 def _pydantic_field(setting: Setting) -> tuple:
     """A setting as an optional pydantic field (a profile is partial) with the table's checks."""
-    kind = {tuple: list[int], list: list[str], dict: dict[str, str]}.get(setting.type, setting.type)
+    kind: Any = _PYDANTIC_TYPES.get(setting.type, setting.type)
     if setting.choices is not None:
         kind = Literal[setting.choices]
-    bounds = {"ge": setting.minimum, "le": setting.maximum, "gt": setting.above}
+    bounds: dict[str, Any] = {"ge": setting.minimum, "le": setting.maximum, "gt": setting.above}
     bounds = {k: v for k, v in bounds.items() if v is not None}
     if setting.words:  # the bounds apply to the number, not to the words beside it
         return Optional[Union[Annotated[kind, Field(**bounds)], Literal[setting.words]]], Field(
@@ -34,8 +40,11 @@ def _pydantic_field(setting: Setting) -> tuple:
 
 
 # Every key a profile, a plan or a flag may set: the settings table's, all optional.
-DeployConfig = create_model("DeployConfig", __base__=_DeployConfigBase,
-                            **{s.name: _pydantic_field(s) for s in SETTINGS if s.in_profile})
+_FIELDS: dict[str, Any] = {s.name: _pydantic_field(s) for s in SETTINGS if s.in_profile}
+if TYPE_CHECKING:
+    DeployConfig = _DeployConfigBase
+else:
+    DeployConfig = create_model("DeployConfig", __base__=_DeployConfigBase, **_FIELDS)
 
 
 def merge(*layers: dict) -> dict:

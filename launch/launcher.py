@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import atexit
 import ipaddress
 import logging
 import os
-import signal
 import socket
+import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import NoReturn
 
 from shardserve.launch.deploy_config import DeployConfig, merge, validate
 from shardserve.launch.plan_view import build_plan, resolve_hardware
@@ -27,7 +28,6 @@ logger = logging.getLogger("shardserve.launch")
 
 DEFAULT_MODEL = DEMO_MODEL_NAME
 DEFAULT_PROFILE = "demo"  # bare `shardserve launch`: no plan, no profile, no model
-GRACE_SECONDS = 10
 
 
 def plan_settings(plan: PlanFile) -> dict:
@@ -205,6 +205,19 @@ def serve(config: DeployConfig, plan: PlanFile, listener: socket.socket, api_key
     return 1
 
 
+def exit_now(code: int) -> NoReturn:
+    """End the process once serve() has returned (its engines and ranks stopped): every atexit handler
+    runs and the output is flushed, then the process leaves without the interpreter's teardown.
+
+    NOTE: that teardown collects every object of torch, transformers and the server, again and again:
+    a second or more on a busy CPU, more with CUDA loaded, all of it after the drain whose length
+    --shutdown-timeout promises."""
+    atexit._run_exitfuncs()  # logging's flush among them
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def export_env(env: dict[str, str]) -> None:
     """Set the chosen variables here and name them for the runtime, which sends them to every
     rank (local processes inherit them anyway)."""
@@ -239,8 +252,7 @@ def serve_once(config: DeployConfig, plan: PlanFile, listener: socket.socket, ap
     from shardserve.launch.openai_serving import OpenAIServing
     from shardserve.launch.plan_check import PlanCheck, Prediction
     from shardserve.launch.replicas import ReplicaSet
-
-    _Server = _server_class()
+    from shardserve.launch.server_loop import ENDING_SECONDS, Drain, run, server_class
 
     host, port = setting(config, "host"), listener.getsockname()[1]
     name = served_model_name or served_name(config)
@@ -259,14 +271,18 @@ def serve_once(config: DeployConfig, plan: PlanFile, listener: socket.socket, ap
     metrics = ServerMetrics(name, replicas.stats)
     replicas.metrics = metrics
     limit = config.max_queued_requests or 4 * setting(config, "max_num_seqs") * len(engines)
-    serving = OpenAIServing(replicas, name, config.tool_call_parser, bool(config.enable_auto_tool_choice))
-    app = build_app(replicas, serving, metrics, api_key, limit, config.allowed_origins)
+    serving = OpenAIServing(replicas, name, config.tool_call_parser, bool(config.enable_auto_tool_choice),
+                            setting(config, "grammar_compile_timeout"), setting(config, "trust_request_chat_template"))
+    app = build_app(replicas, serving, metrics, api_key, limit, config.allowed_origins,
+                    max_request_body_bytes=setting(config, "max_request_body_bytes"))
     warn_exposure(host, api_key)
     logger.info("serving %r at http://%s:%d/v1; try:\n  %s", name, host, port,
                 try_it(name, host, port, api_key))
-    server = _Server(uvicorn.Config(app, host=host, port=port, log_level="info",
-                                    timeout_graceful_shutdown=GRACE_SECONDS, access_log=False))
-    return asyncio.run(_run(server, replicas, listener))
+    # NOTE: uvicorn's own grace only covers what is left after the drain (see server_loop.Drain)
+    drain = Drain(app.state.admission, replicas, setting(config, "shutdown_timeout"))
+    server = server_class()(uvicorn.Config(app, host=host, port=port, log_level="info",
+                                           timeout_graceful_shutdown=ENDING_SECONDS, access_log=False), drain)
+    return asyncio.run(run(server, replicas, listener))
 
 
 def start_engines(path: str, kwargs: dict, num_replicas: int) -> list:
@@ -277,59 +293,6 @@ def start_engines(path: str, kwargs: dict, num_replicas: int) -> list:
         return [AsyncEngine(path, **kwargs)]
     from shardserve.launch.replica_client import start_replicas
     return start_replicas(path, kwargs, num_replicas)
-
-
-def _server_class():
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        """NOTE: uvicorn re-raises SIGTERM after a graceful stop, so the process would die by
-        the signal; shardserve owns SIGINT/SIGTERM instead: stop accepting, let in-flight
-        requests finish for GRACE_SECONDS (then abort them), stop the engines, exit 0."""
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, self.handle_exit, sig, None)
-            try:
-                yield
-            finally:
-                for sig in (signal.SIGINT, signal.SIGTERM):
-                    loop.remove_signal_handler(sig)
-
-    return Server
-
-
-async def _run(server, replicas, listener: socket.socket) -> tuple[int, bool]:
-    exit_code, engine_died = 0, False
-
-    async def watchdog():
-        nonlocal exit_code, engine_died
-        while not server.should_exit:
-            dead = replicas.dead_reason()
-            if dead:
-                logger.error("engine died: %s; stopping the server", dead)
-                exit_code, engine_died = 1, True
-                await asyncio.sleep(1.0)  # /health answers 503 meanwhile
-                server.should_exit = True
-                return
-            await asyncio.sleep(0.5)
-
-    replicas.start()
-    watch = asyncio.create_task(watchdog())
-    check = asyncio.create_task(replicas.plan_check.run()) if replicas.plan_check else None  # once a minute
-    try:
-        await server.serve(sockets=[listener])
-    finally:
-        watch.cancel()
-        if check is not None:
-            check.cancel()
-        await replicas.shutdown()
-    if exit_code == 0 and not server.started:
-        exit_code = 1  # could not bind the port: uvicorn has said why
-    logger.info("shut down cleanly" if exit_code == 0 else "stopped with an error")
-    return exit_code, engine_died
 
 
 def api_key_from_env(flag: str | None) -> str | None:

@@ -20,7 +20,7 @@ _SIOCGIFADDR = 0x8915
 def interface_addresses() -> dict[str, str | None]:
     """Each interface -> its (primary) IPv4 address, None where it has none.
     NOTE: the ioctl needs no iproute2 and reads the same table `ip addr` shows."""
-    table = {}
+    table: dict[str, str | None] = {}
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for _, name in socket.if_nameindex():
             try:

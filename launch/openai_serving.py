@@ -17,6 +17,7 @@ from shardserve.launch.replicas import ReplicaSet, public_message
 from shardserve.launch.tool_calls import ToolCallError, ToolPlan, extract_calls, plan_tools, template_messages
 from shardserve.launch.response_format import (chat_logprobs, completion_logprobs, prompt_logprobs_json, sse,
                                                usage)
+from shardserve.planner.settings import BY_NAME
 from shardserve.runtime.input_processor import InvalidPromptError, ProcessedPrompt
 from shardserve.runtime.outputs import PromptDelta, RequestOutputBuilder, SampleDelta
 from shardserve.runtime.sampling_params import SamplingParams
@@ -39,6 +40,7 @@ class PreparedRequest:
     first_token_texts: list[str] | None = None
     prompt_logprobs: int | None = None  # vLLM's extra: the choices carry the prompt's logprobs
     tool_plan: ToolPlan | None = None  # a chat request whose tools are in play
+    grammar_param: str | None = None  # the field that asked for params.structured_outputs, for errors
     created: int = field(default_factory=lambda: int(time.time()))
 
     def prompt_id(self, prompt_index: int) -> str:
@@ -57,16 +59,20 @@ def _as_api_error(prompt_param: str, structured_param: str | None = None) -> Ite
     except InvalidPromptError as e:
         names = {"prompt": prompt_param, "response_format": structured_param or "response_format"}
         raise APIError(400, str(e), names.get(e.field, e.field)) from None
-    except ValueError as e:  # SamplingParams' own checks
-        raise APIError(400, str(e)) from None
+    except ValueError as e:  # SamplingParams' own checks (InvalidSamplingParamsError names its field)
+        raise APIError(400, str(e), getattr(e, "field", None)) from None
 
 
 class OpenAIServing:
     def __init__(self, replicas: ReplicaSet, served_model_name: str, tool_call_parser: str | None = None,
-                 enable_auto_tool_choice: bool = False):
+                 enable_auto_tool_choice: bool = False,
+                 grammar_compile_timeout: float = BY_NAME["grammar_compile_timeout"].default,
+                 trust_request_chat_template: bool = BY_NAME["trust_request_chat_template"].default):
         self.replicas = replicas
         self.served_model_name = served_model_name
         self.tool_call_parser, self.enable_auto_tool_choice = tool_call_parser, enable_auto_tool_choice
+        self.grammar_compile_timeout = grammar_compile_timeout
+        self.trust_request_chat_template = trust_request_chat_template
 
     # ---- API request -> prompts ------------------------------------------------------------
     def check_ready(self, model: str | None) -> None:
@@ -91,7 +97,7 @@ class OpenAIServing:
         scored = body.echo and body.logprobs is not None  # the echoed prompt comes with its logprobs
         processor = self.replicas.input_processor
         with _as_api_error("prompt", body.structured_field):
-            wanted = max(body.prompt_logprobs or 0, body.logprobs) if scored else body.prompt_logprobs
+            wanted = max(body.prompt_logprobs or 0, body.logprobs or 0) if scored else body.prompt_logprobs
             params = body.sampling_params(body.max_tokens, body.logprobs, self.replicas.sampling_defaults, wanted)
             prompts = [processor.process(p, params) for p in body.prompts()]
         echo_texts = first_texts = None
@@ -101,7 +107,8 @@ class OpenAIServing:
         if scored:
             first_texts = [processor.decode(p.prompt_token_ids[:1]) for p in prompts]
         return PreparedRequest("completion", f"cmpl-{uuid.uuid4().hex}", self.served_model_name,
-                               prompts, params, echo_texts, first_texts, body.prompt_logprobs)
+                               prompts, params, echo_texts, first_texts, body.prompt_logprobs,
+                               grammar_param=body.structured_field)
 
     def tokenize(self, body: TokenizeRequest) -> dict:
         self.check_ready(body.model)
@@ -109,7 +116,7 @@ class OpenAIServing:
             raise APIError(400, "give either prompt or messages", "prompt")
         processor = self.replicas.input_processor
         with _as_api_error("prompt" if body.messages is None else "messages"):
-            if body.messages is None:
+            if body.prompt is not None:
                 ids = processor.tokenize(body.prompt, body.add_special_tokens)
             else:
                 text = processor.apply_chat_template(body.conversation(), body.add_generation_prompt)
@@ -129,15 +136,18 @@ class OpenAIServing:
         if body.stream and body.prompt_logprobs is not None:
             raise APIError(400, "prompt_logprobs is not supported with stream", "prompt_logprobs")
         processor = self.replicas.input_processor
+        tools, tool_choice = body.tool_request()
         try:
-            plan = plan_tools(body.tools or [], body.tool_choice, self.tool_call_parser, self.enable_auto_tool_choice,
+            plan = plan_tools(tools, tool_choice, self.tool_call_parser, self.enable_auto_tool_choice,
                               body.parallel_tool_calls is not False)
             conversation = template_messages(body.conversation())
         except ToolCallError as e:
             raise APIError(400, str(e), e.field) from None
-        self._check_template_renders(conversation, plan)
-        kwargs = (body.chat_template_kwargs or {}) | ({"tools": body.tools} if plan else {})
-        with _as_api_error("messages", "tool_choice" if plan and plan.structured else body.structured_field):
+        kwargs = self._template_kwargs(body)
+        self._check_template_renders(conversation, plan, kwargs.get("chat_template"))
+        kwargs |= ({"tools": tools} if plan else {})
+        grammar_param = "tool_choice" if plan and plan.structured else body.structured_field
+        with _as_api_error("messages", grammar_param):
             params = body.sampling_params(body.requested_max_tokens(), body.num_logprobs(),
                                           self.replicas.sampling_defaults)
             if plan is not None and plan.structured is not None:
@@ -147,11 +157,40 @@ class OpenAIServing:
                 params = dataclasses.replace(params, structured_outputs=plan.structured)
             prompt = processor.process_chat(conversation, params, body.add_generation_prompt, kwargs)
         return PreparedRequest("chat", f"chatcmpl-{uuid.uuid4().hex}", self.served_model_name,
-                               [prompt], params, prompt_logprobs=body.prompt_logprobs, tool_plan=plan)
+                               [prompt], params, prompt_logprobs=body.prompt_logprobs, tool_plan=plan,
+                               grammar_param=grammar_param)
 
-    def _check_template_renders(self, conversation: list[dict], plan: ToolPlan | None) -> None:
+    def _template_kwargs(self, body: ChatCompletionRequest) -> dict:
+        """The request's chat_template_kwargs, its own template among them. NOTE: a template is code the
+        server runs (a loop in one holds the event loop for seconds): a request's own runs only on a server
+        started with --trust-request-chat-template, as on vLLM."""
+        kwargs = dict(body.chat_template_kwargs or {})
+        field = "chat_template_kwargs.chat_template" if "chat_template" in kwargs else None
+        if body.chat_template is not None:
+            kwargs["chat_template"], field = body.chat_template, "chat_template"
+        if field is not None and not self.trust_request_chat_template:
+            raise APIError(400, f"{field}: this server runs only its own chat template; start it with "
+                           "--trust-request-chat-template to let requests bring theirs", field)
+        return kwargs
+
+    async def compile_grammar(self, request: PreparedRequest) -> None:
+        """The request's grammar compiled before any engine sees it: off the event loop (other streams go
+        on), within grammar_compile_timeout; the engine in this process then finds it compiled."""
+        if request.params.structured_outputs is None:
+            return
+        try:
+            await asyncio.wait_for(self.replicas.input_processor.compile_grammar(request.params.structured_outputs),
+                                   self.grammar_compile_timeout)
+        except asyncio.TimeoutError:
+            field = request.grammar_param
+            raise APIError(400, f"{field}: the grammar takes more than {self.grammar_compile_timeout:g} s to "
+                           "compile (the server's --grammar-compile-timeout); make it smaller or simpler",
+                           field) from None
+
+    def _check_template_renders(self, conversation: list[dict], plan: ToolPlan | None,
+                                request_template: str | None = None) -> None:
         """Tools or tool calls that the chat template never reads would be dropped without a word."""
-        template = getattr(self.replicas.input_processor.tokenizer, "chat_template", None) or ""
+        template = request_template or getattr(self.replicas.input_processor.tokenizer, "chat_template", None) or ""
         needs = (["tools"] if plan else []) + (["tool_calls"] if any("tool_calls" in m for m in conversation) else [])
         for name in needs:
             if name not in template:
@@ -198,15 +237,16 @@ class OpenAIServing:
         choices, num_completion_tokens = [], 0
         for prompt_index, output in enumerate(b.build() for b in builders):
             echo = request.echo_texts[prompt_index] if request.echo_texts else ""
-            scored = request.first_token_texts is not None
             for c in output.outputs:
                 num_completion_tokens += len(c.token_ids)
-                token_ids, logprobs = c.token_ids, c.logprobs or []
-                if scored:  # the echoed prompt's tokens come first, the first one unscored
-                    token_ids, logprobs = output.prompt_token_ids + token_ids, output.prompt_logprobs + logprobs
+                token_ids, logprobs = c.token_ids, list[dict | None](c.logprobs or [])
+                first_text = None
+                if request.first_token_texts is not None:  # the echoed prompt's tokens lead, the first unscored
+                    token_ids = output.prompt_token_ids + token_ids
+                    logprobs = list(output.prompt_logprobs or []) + logprobs
+                    first_text = request.first_token_texts[prompt_index]
                 choice = _choice(request, request.choice_index(prompt_index, c.index), echo + c.text, token_ids,
-                                 logprobs, 0, c.finish_reason, request.first_token_texts[prompt_index] if scored
-                                 else None)
+                                 logprobs, 0, c.finish_reason, first_text)
                 if request.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
                 if request.tool_plan is not None:
@@ -288,7 +328,7 @@ class _ChunkMapper:
         self.request = request
         self.num_completion_tokens = 0
         self.text_offsets: dict[int, int] = {}  # choice index -> text_offset of its next token
-        self.waiting: dict[int, tuple[list[int], list[dict]]] = {}  # index -> tokens, logprobs
+        self.waiting: dict[int, tuple[list[int], list[dict | None]]] = {}  # index -> tokens, logprobs
 
     def choice(self, prompt_index: int, sample: SampleDelta) -> dict | None:
         request = self.request
@@ -333,7 +373,7 @@ def _choice(request: PreparedRequest, index: int, text: str, token_ids, logprobs
             "logprobs": lp, "finish_reason": finish}
 
 
-def _engine_error(error: BaseException) -> Exception:
+def _engine_error(error: BaseException) -> BaseException:
     if isinstance(error, APIError):
         return error
     if isinstance(error, (ValueError, TypeError)):

@@ -3,6 +3,7 @@ each live node's own facts (versions, interfaces, model files) from a task pinne
 
 from __future__ import annotations
 
+import logging
 import os
 
 from shardserve.launch.cluster import ClusterError, use_cluster_auth
@@ -23,7 +24,7 @@ def connect(address: str | None):
     if not ray.is_initialized():
         use_cluster_auth()
         try:
-            ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+            ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR)
         except (ConnectionError, RuntimeError) as e:
             raise ClusterError(f"cannot join the Ray cluster at {address}: {e} (is it up, and "
                                "does this host have the cluster's token?)") from None

@@ -2,7 +2,7 @@
 
 ReplicaClient starts `python -m shardserve.launch.replica_process`, hands it the engine's settings and
 its devices (a CUDA_VISIBLE_DEVICES slice on GPUs), then relays prompts and deltas over the socket
-(replica_protocol.py). It answers what ReplicaSet asks of an in-process AsyncEngine: generate,
+(replica_protocol.py). It answers what ReplicaSet asks of an in-process AsyncEngine: generate, abort,
 get_stats, error, input_processor, start, shutdown. The replica's death (its engine failing, or its
 process gone) sets `error`, as a dead rank does for an engine."""
 
@@ -17,6 +17,7 @@ import sys
 import time
 import weakref
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from shardserve.launch.replica_protocol import (AbortPrompt, AddPrompt, DeltaMessage, EngineFailed, PromptFailed,
                                                 ReplicaFailed, ReplicaReady, ReplicaStartup, StatsMessage,
@@ -24,12 +25,16 @@ from shardserve.launch.replica_protocol import (AbortPrompt, AddPrompt, DeltaMes
 from shardserve.runtime.config import resolve_device
 from shardserve.runtime.errors import EngineDeadError
 
+if TYPE_CHECKING:
+    from shardserve.runtime.input_processor import InputProcessor
+
 logger = logging.getLogger("shardserve.launch")
 
 REPLICA_MODULE = "shardserve.launch.replica_process"
 SAFE_PATH = ("-P",) if sys.version_info >= (3, 11) else ()  # the caller's working directory stays off the path
 STOP_GRACE_SECONDS = 10.0
 SILENCE_SECONDS = 60.0  # a replica sends stats every half second; this long without a word: hung
+_ABORTED = object()  # ends a prompt's stream here; generate() then tells the replica
 
 
 def replica_devices(device: str, num_ranks: int, replica: int, visible: str | None) -> str | None:
@@ -63,7 +68,7 @@ class ReplicaClient:
         send_blocking(self.sock, ReplicaStartup(index, model, kwargs))
         self._error: BaseException | None = None
         self._last_heard = time.monotonic()
-        self.input_processor = None  # with the replica's ReplicaReady
+        self.input_processor: InputProcessor | None = None  # with the replica's ReplicaReady
         self._streams: dict[str, asyncio.Queue] = {}
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task | None = None
@@ -164,13 +169,17 @@ class ReplicaClient:
             raise ValueError(f"prompt id {prompt_id!r} is already in use")
         self.start()
         await asyncio.shield(self._connected)  # a cancelled prompt must not cancel the connection
+        writer = self._writer
+        assert writer is not None  # connected
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[prompt_id] = stream
         finished = False
         try:
-            self._writer.write(frame(AddPrompt(prompt_id, prompt, sampling_params)))
+            writer.write(frame(AddPrompt(prompt_id, prompt, sampling_params)))
             while not finished:
                 item = await stream.get()
+                if item is _ABORTED:
+                    return
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -178,8 +187,12 @@ class ReplicaClient:
                 yield item
         finally:
             self._streams.pop(prompt_id, None)
-            if not finished and self._error is None and not self._writer.is_closing():
-                self._writer.write(frame(AbortPrompt(prompt_id)))  # the consumer went away
+            if not finished and self._error is None and not writer.is_closing():
+                writer.write(frame(AbortPrompt(prompt_id)))  # the consumer went away
+
+    async def abort(self, prompt_id: str) -> None:
+        """End the prompt's stream; the replica frees its blocks (generate() sends AbortPrompt as it ends)."""
+        self._put(prompt_id, _ABORTED)
 
     async def shutdown(self) -> None:
         """Ask the replica to stop its engine and exit; after STOP_GRACE_SECONDS, stop it by pid. Its

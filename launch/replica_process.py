@@ -117,16 +117,20 @@ async def run(engine, sock: socket.socket) -> int:
 def main() -> None:
     from shardserve.runtime.worker_process import watch_parent
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the server, which stops us
+    # Ctrl-C, and a SIGTERM to the whole process group (systemd's stop), belong to the server, which drains
+    # and then stops us (a stop that cannot wait escalates to SIGKILL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     fd, parent_pid = (int(arg) for arg in sys.argv[1:3])
     watch_parent(parent_pid)
     sock = socket.socket(fileno=fd)
     try:
-        startup: ReplicaStartup = recv_blocking(sock)
+        startup = recv_blocking(sock)
     except EOFError:
         return  # the server went away before we started
+    assert isinstance(startup, ReplicaStartup)  # the server's first message
     logger.info("replica %d (pid %d) starting", startup.index, os.getpid())
     engine = build_engine(sock, startup)
     if engine is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import re
 import time
@@ -9,6 +10,7 @@ from collections.abc import AsyncIterator
 
 from shardserve.launch.metrics import ServerMetrics
 from shardserve.launch.plan_check import FinishedRequest, PlanCheck
+from shardserve.launch.protocol import APIError
 from shardserve.runtime.input_processor import InputProcessor, ProcessedPrompt
 from shardserve.runtime.outputs import PromptDelta
 from shardserve.runtime.sampling_params import SamplingParams
@@ -28,7 +30,7 @@ def public_message(text: str) -> str:
 
 class Replica:
     """engine: an in-process AsyncEngine (data_parallel_size 1) or a ReplicaClient (a replica in a
-    process of its own); both answer generate, get_stats, error, start and shutdown alike."""
+    process of its own); both answer generate, abort, get_stats, error, start and shutdown alike."""
 
     def __init__(self, index: int, engine):
         self.index, self.engine = index, engine
@@ -47,6 +49,8 @@ class ReplicaSet:
         self.replicas = [Replica(i, e) for i, e in enumerate(engines)]
         self.metrics = metrics
         self.plan_check = plan_check  # fed each finished prompt's times (with metrics)
+        self.prompts: dict[str, Replica] = {}  # prompt id -> its replica, while its deltas flow
+        self.is_stopping = False  # shutting down: running prompts are aborted, new ones refused
 
     @property
     def input_processor(self) -> InputProcessor:
@@ -82,55 +86,79 @@ class ReplicaSet:
 
     async def generate(self, prompt: ProcessedPrompt, params: SamplingParams,
                        prompt_id: str) -> AsyncIterator[PromptDelta]:
-        """The prompt's deltas from the least-loaded replica, timed for metrics."""
+        """The prompt's deltas from the least-loaded replica, timed for metrics. A prompt that stop()
+        ended raises a 503."""
+        if self.is_stopping:
+            raise _shutting_down()
         replica = self.pick()
         replica.num_active += 1
-        labels = (self.metrics.model, str(replica.index)) if self.metrics else None
+        self.prompts[prompt_id] = replica
+        metrics = self.metrics
+        labels = (metrics.model, str(replica.index)) if metrics is not None else ("", "")
         start = last = first = time.monotonic()
-        num_tokens = 0
+        num_tokens, is_finished = 0, False
         try:
             async for delta in replica.engine.generate(prompt, params, prompt_id):
+                is_finished = delta.finished
                 now = time.monotonic()
                 num_new = sum(len(sample.new_token_ids) for sample in delta.samples)
-                if labels:
-                    self._observe_times(delta, labels)
-                if labels and num_new:
+                if metrics is not None:
+                    self._observe_times(metrics, delta, labels)
+                if metrics is not None and num_new:
                     is_first = num_tokens == 0
-                    (self.metrics.ttft if is_first else self.metrics.itl).labels(*labels).observe(
+                    (metrics.ttft if is_first else metrics.itl).labels(*labels).observe(
                         now - (start if is_first else last))
-                    self.metrics.generation_tokens.labels(*labels).inc(num_new)
+                    metrics.generation_tokens.labels(*labels).inc(num_new)
                     num_tokens, last = num_tokens + num_new, now
                     first = now if is_first else first
                 yield delta
-            if labels:
-                self._observe_finish(labels, prompt.num_prompt_tokens, num_tokens / params.n, start, first)
+            if not is_finished and self.is_stopping:
+                raise _shutting_down()
+            if metrics is not None:
+                self._observe_finish(metrics, labels, prompt.num_prompt_tokens, num_tokens / params.n, start, first)
         finally:
+            self.prompts.pop(prompt_id, None)
             replica.num_active -= 1
 
-    def _observe_finish(self, labels: tuple[str, str], num_prompt_tokens: int, num_output_tokens: float,
+    def _observe_finish(self, metrics: ServerMetrics, labels: tuple[str, str], num_prompt_tokens: int, num_output_tokens: float,
                         start: float, first: float) -> None:
         """A finished prompt: e2e; TPOT = (e2e - TTFT) / (output tokens - 1) with 2 tokens or more
         (output tokens per sample when n > 1); the plan check's record."""
         e2e, ttft = time.monotonic() - start, first - start
-        self.metrics.prompt_tokens.labels(*labels).inc(num_prompt_tokens)
-        self.metrics.e2e.labels(*labels).observe(e2e)
+        metrics.prompt_tokens.labels(*labels).inc(num_prompt_tokens)
+        metrics.e2e.labels(*labels).observe(e2e)
         tpot = (e2e - ttft) / (num_output_tokens - 1) if num_output_tokens >= 2 else None
         if tpot is not None:
-            self.metrics.tpot.labels(*labels).observe(tpot)
+            metrics.tpot.labels(*labels).observe(tpot)
         if self.plan_check is not None and num_output_tokens >= 1:
             self.plan_check.record(FinishedRequest(ttft, tpot, e2e, num_prompt_tokens, round(num_output_tokens)))
 
-    def _observe_times(self, delta: PromptDelta, labels: tuple[str, str]) -> None:
+    @staticmethod
+    def _observe_times(metrics: ServerMetrics, delta: PromptDelta, labels: tuple[str, str]) -> None:
         for sample in delta.samples:
             if sample.times is not None:
-                self.metrics.queue_time.labels(*labels).observe(sample.times.queue_s)
-                self.metrics.prefill_time.labels(*labels).observe(sample.times.prefill_s)
+                metrics.queue_time.labels(*labels).observe(sample.times.queue_s)
+                metrics.prefill_time.labels(*labels).observe(sample.times.prefill_s)
 
     def start(self) -> None:
         """Every engine watches its ranks from now on, busy or not."""
         for r in self.replicas:
             r.engine.start()
 
+    async def stop(self) -> int:
+        """The drain is over: abort every prompt still running (each one's API request ends with a 503 or
+        an error event) and refuse new ones; how many were aborted."""
+        self.is_stopping = True
+        running = list(self.prompts.items())
+        await asyncio.gather(*(replica.engine.abort(prompt_id) for prompt_id, replica in running),
+                             return_exceptions=True)  # a dead engine has nothing left to abort
+        return len(running)
+
     async def shutdown(self) -> None:
         for r in self.replicas:
             await r.engine.shutdown()
+
+
+def _shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down; send the request again to another server",
+                    error_type="service_unavailable")

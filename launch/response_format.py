@@ -32,7 +32,7 @@ def _top(entries: dict[int, Logprob], k: int) -> list[tuple[str, float]]:
 def completion_logprobs(token_ids, logprobs, k: int, text_offset: int, first_text: str | None = None) -> dict:
     """The legacy completions shape: parallel lists, top_logprobs as {token: logprob}. An entry of
     None (an echoed prompt's first token, which nothing scores) has null logprobs and first_text."""
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     offset = text_offset
     for token_id, entries in zip(token_ids, logprobs):
         text = first_text if entries is None else _token_text(token_id, entries[token_id])
@@ -40,6 +40,7 @@ def completion_logprobs(token_ids, logprobs, k: int, text_offset: int, first_tex
         out["token_logprobs"].append(None if entries is None else entries[token_id].logprob)
         out["top_logprobs"].append(None if entries is None else dict(_top(entries, k)))
         out["text_offset"].append(offset)
+        assert text is not None  # a None entry comes with its first_text
         offset += len(text)
     return out
 

@@ -39,6 +39,11 @@ class ToolPlan:
     structured: StructuredOutputs | None = None  # for required and named
 
 
+def _schema_text(schema: dict) -> str:
+    """A JSON schema as StructuredOutputs keeps it."""
+    return json.dumps(schema, sort_keys=True)
+
+
 def plan_tools(tools: list[dict], choice, parser: str | None, auto_enabled: bool,
                parallel: bool = True) -> ToolPlan | None:
     """None when the tools play no part (no tools, or tool_choice none). parallel False: one call at most."""
@@ -49,12 +54,12 @@ def plan_tools(tools: list[dict], choice, parser: str | None, auto_enabled: bool
         name = (choice.get("function") or {}).get("name")
         if name not in functions:
             raise ToolCallError(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
-        return ToolPlan("named", (name,), structured=StructuredOutputs("json", functions[name]))
+        return ToolPlan("named", (str(name),), structured=StructuredOutputs("json", _schema_text(functions[name])))
     if choice == "required":
         calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
                   "properties": {"name": {"const": name}, "parameters": params}} for name, params in functions.items()]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}} | ({} if parallel else {"maxItems": 1})
-        return ToolPlan("required", tuple(functions), structured=StructuredOutputs("json", schema))
+        return ToolPlan("required", tuple(functions), structured=StructuredOutputs("json", _schema_text(schema)))
     if choice not in (None, "auto"):
         raise ToolCallError(f"tool_choice {choice!r}: use none, auto, required or a named function", "tool_choice")
     if not (auto_enabled and parser):
@@ -67,22 +72,30 @@ def plan_tools(tools: list[dict], choice, parser: str | None, auto_enabled: bool
 def template_messages(messages: list[dict]) -> list[dict]:
     """OpenAI messages as chat templates expect them: tool-call arguments as mappings, not JSON text."""
     out = []
-    for message in messages:
+    for i, message in enumerate(messages):
         calls = message.get("tool_calls")
         if calls:
             message = message | {"tool_calls": [call | {"function": call["function"] | {
-                "arguments": _as_mapping(call["function"].get("arguments"))}} for call in calls]}
+                "arguments": _as_mapping(call["function"].get("arguments"), f"messages.{i}.tool_calls.{j}")}}
+                for j, call in enumerate(calls)]}
         out.append(message)
     return out
 
 
-def _as_mapping(arguments):
+def _as_mapping(arguments, where: str) -> dict:
     if isinstance(arguments, str):
         try:
-            return json.loads(arguments)
+            arguments = json.loads(arguments)
         except ValueError:
-            raise ToolCallError("a tool call's arguments must be a JSON object", "messages") from None
+            raise _not_an_object(where) from None
+    if arguments is not None and not isinstance(arguments, dict):
+        raise _not_an_object(where)
     return arguments or {}
+
+
+def _not_an_object(where: str) -> ToolCallError:
+    return ToolCallError(f"{where}.function.arguments: a tool call's arguments must be a JSON object",
+                         f"{where}.function.arguments")
 
 
 def extract_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from shardserve.planner.hardware import Hardware
-from shardserve.planner.search import PREFERENCE_MARGIN, Candidate, pareto_front, preference, rank_key
+from shardserve.planner.search import PREFERENCE_MARGIN, Candidate, estimates_of, pareto_front, preference, rank_key
 from shardserve.planner.workload import Targets
 
 
@@ -15,7 +15,7 @@ SPEED_FIELDS = (("output_tokens_per_s", 1), ("output_tokens_per_s_per_gpu", 1), 
 def _best_per_shape(candidates: list[Candidate], targets: Targets) -> list[Candidate]:
     """One candidate per (tp, pp, expert parallel): with targets the fewest replicas that meet them (else the most),
     without them the one the search tried (every GPU busy)."""
-    shapes: dict[tuple[int, int], list[Candidate]] = {}
+    shapes: dict[tuple[int, int, bool], list[Candidate]] = {}
     for c in candidates:
         if c.memory is not None:
             shapes.setdefault((c.layout.tensor_parallel_size, c.layout.pipeline_parallel_size, c.expert_parallel),
@@ -23,7 +23,7 @@ def _best_per_shape(candidates: list[Candidate], targets: Targets) -> list[Candi
     out = []
     for group in shapes.values():
         runnable = [c for c in group if c.is_feasible]
-        meeting = [c for c in runnable if targets.is_set and c.estimates.meets(targets)]
+        meeting = [c for c in runnable if targets.is_set and estimates_of(c).meets(targets)]
         if meeting:
             out.append(min(meeting, key=lambda c: c.layout.num_gpus))
         else:
@@ -60,7 +60,7 @@ def alternatives(chosen: Candidate, candidates: list[Candidate], hardware: Hardw
 def why_not(c: Candidate, chosen: Candidate, hardware: Hardware, targets: Targets) -> str:
     if c.problem:
         return c.problem
-    e, best = c.estimates, chosen.estimates
+    e, best = estimates_of(c), estimates_of(chosen)
     if targets.is_set:
         misses = targets.misses(e.ttft_ms, e.tpot_ms) + (["overloaded"] if e.is_overloaded else [])
         if misses:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from itertools import combinations
 
@@ -17,9 +18,10 @@ def detect_local(nvml=None) -> Hardware:
     """
     if nvml is None:
         try:
-            import pynvml as nvml
+            import pynvml
         except ImportError:
             return cpu_hardware()
+        nvml = pynvml
     try:
         nvml.nvmlInit()
     except Exception:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...: no usable GPU here
@@ -96,7 +98,7 @@ def detect_ray(address: str) -> Hardware:
         raise PlanError("--ray-address needs Ray on this machine: pip install 'ray[default]'") \
             from None
     try:
-        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+        ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
     except Exception as e:  # ConnectionError, RuntimeError: no cluster there
         raise PlanError(f"cannot join the Ray cluster at {address}: {e}") from None
     try:

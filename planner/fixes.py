@@ -10,7 +10,7 @@ from shardserve.planner.hardware import Hardware, Node
 from shardserve.planner.model_source import load_model
 from shardserve.planner.options import resolve_settings
 from shardserve.planner.rules import Layout
-from shardserve.planner.search import Candidate, Search, choose
+from shardserve.planner.search import Candidate, Search, choose, estimates_of
 
 MAX_NODES = 16  # --recommend and "would fit" look this far
 MAX_STAGES = 16  # --recommend's deepest pipeline
@@ -34,7 +34,7 @@ def _replicas_needed(search: Search, shape, dp_limit: int) -> int | None:
     if w.request_rate is not None:
         return math.ceil(w.request_rate / rate) if rate > 0 else None
     for dp in range(1, dp_limit + 1):
-        if search.with_replicas(shape, dp).estimates.meets(search.targets):
+        if estimates_of(search.with_replicas(shape, dp)).meets(search.targets):
             return dp
     return None
 
@@ -79,9 +79,9 @@ def _targets_text(search: Search) -> str:
 def missed_targets(search: Search, candidates: list[Candidate]) -> str:
     """The nearest miss, and what would meet the targets: more GPUs, an fp8 KV cache, fp8 weights."""
     runnable = [c for c in candidates if c.is_feasible]
-    nearest = min(runnable, key=lambda c: (c.estimates.is_overloaded, search.targets.shortfall(
-        c.estimates.ttft_ms, c.estimates.tpot_ms), c.layout.num_gpus))
-    e = nearest.estimates
+    nearest = min(runnable, key=lambda c: (estimates_of(c).is_overloaded, search.targets.shortfall(
+        estimates_of(c).ttft_ms, estimates_of(c).tpot_ms), c.layout.num_gpus))
+    e = estimates_of(nearest)
     why = "; ".join(search.targets.misses(e.ttft_ms, e.tpot_ms))
     if e.is_overloaded:
         why = (why + "; " if why else "") + "overloaded: the load outruns it"
@@ -122,13 +122,13 @@ def _works(search: Search, options, model) -> bool:
 def cannot_fit(search: Search, candidates: list[Candidate]) -> str:
     """Why nothing fits in memory, and what would: a shorter max_model_len, fp8 KV, more GPUs."""
     spec, hardware, settings, options = search.model.spec, search.hardware, search.settings, search.options
-    sized = [c for c in candidates if c.memory is not None]
+    sized = [(c.memory, c) for c in candidates if c.memory is not None]
     head = f"{spec.id} does not fit on {hardware.describe()}"
     if not sized:
-        return f"{head}: " + "; ".join(sorted({c.problem for c in candidates}))
-    best = max(sized, key=lambda c: (c.memory.kv_cache_tokens, c.memory.tightest.kv_budget_bytes))
+        return f"{head}: " + "; ".join(sorted({c.problem for c in candidates if c.problem}))
+    memory, best = max(sized, key=lambda mc: (mc[0].kv_cache_tokens, mc[0].tightest.kv_budget_bytes))
     lines = [f"{head} with max_model_len {settings.max_model_len}: {best.problem} (best layout {best.layout})."]
-    fitting_len = best.memory.longest_fitting_len(spec.max_context_len, options.target_concurrency)
+    fitting_len = memory.longest_fitting_len(spec.max_context_len, options.target_concurrency)
     if fitting_len is not None and fitting_len >= settings.block_size:
         lines.append(f"--max-model-len {fitting_len} would fit ({best.layout}; --max-model-len auto picks it).")
     no_targets = replace(search, targets=replace(search.targets, ttft_ms=None, tpot_ms=None))

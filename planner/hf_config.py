@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import builtins
+from typing import Any, overload
 
 from shardserve.planner.errors import PlanError
 
@@ -41,7 +42,15 @@ class ConfigReader:
             raise PlanError(f"{self.model_id}: config.json has no {wanted} (required)")
         return keys[0], default
 
-    def int(self, *keys: str, default: Any = REQUIRED) -> int:
+    # NOTE: in this class `int` names the method below, so annotations spell the type builtins.int
+    @overload
+    def int(self, *keys: str) -> builtins.int: ...
+    @overload
+    def int(self, *keys: str, default: builtins.int) -> builtins.int: ...
+    @overload
+    def int(self, *keys: str, default: None) -> builtins.int | None: ...
+
+    def int(self, *keys: str, default: Any = REQUIRED) -> builtins.int | None:
         name, value = self.find(*keys, default=default)
         if value is None:
             return value
@@ -49,7 +58,7 @@ class ConfigReader:
             raise self.bad(name, value, "an integer")
         return int(value)
 
-    def count(self, *keys: str, default: Any = REQUIRED) -> int:
+    def count(self, *keys: str, default: Any = REQUIRED) -> builtins.int:
         """An integer of at least 1 (layers, heads, sizes)."""
         name, _ = self.find(*keys, default=default)
         value = self.int(*keys, default=default)
@@ -63,7 +72,7 @@ class ConfigReader:
             raise self.bad(key, value, "true or false")
         return value
 
-    def ints(self, key: str) -> tuple[int, ...]:
+    def ints(self, key: str) -> tuple[builtins.int, ...]:
         value = self.get(key, default=[])
         if not isinstance(value, (list, tuple)) or not all(
                 isinstance(v, int) and not isinstance(v, bool) for v in value):
@@ -125,7 +134,7 @@ def layer_types(config: dict, model_id: str = "model", family: str | None = None
         return tuple(saved)
     pattern = config.get("sliding_window_pattern")
     if pattern is None:
-        pattern = DEFAULT_SLIDING_PATTERN.get(config.get("model_type") or family)
+        pattern = DEFAULT_SLIDING_PATTERN.get(config.get("model_type") or family or "")
     if pattern is None or not isinstance(num_layers, int):
         return None
     if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
@@ -191,7 +200,8 @@ def max_context_length(max_position_embeddings: int, rope: dict | None, model_ty
     stretch the (pretraining) length by `factor`; llama3 and longrope configs (and Gemma 3's)
     already count the stretched length in max_position_embeddings."""
     kind = rope["rope_type"] if rope else "default"
-    if kind not in ROPE_TYPES_STRETCHING_CONTEXT or not rope.get("factor") or model_type in POSITIONS_ALREADY_STRETCHED:
+    if (not rope or kind not in ROPE_TYPES_STRETCHING_CONTEXT or not rope.get("factor")
+            or model_type in POSITIONS_ALREADY_STRETCHED):
         return max_position_embeddings
     start = rope.get("original_max_position_embeddings") if kind == "yarn" else None
     return int((start or max_position_embeddings) * float(rope["factor"]))

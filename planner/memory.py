@@ -121,6 +121,7 @@ def activation_bytes_per_token(spec: ModelSpec, tp: int, dtype_bytes: int, exper
     if spec.is_moe:
         # the fused MoE kernel's buffers, a row per (token, k) pair: SiLU(gate) * up over the rank's
         # features of an expert (all of them when experts are whole per rank) and the down output
+        assert spec.moe_intermediate_size is not None and spec.num_experts_per_tok is not None
         width = spec.moe_intermediate_size if expert_parallel else spec.moe_intermediate_size // tp
         mlp = spec.num_experts_per_tok * (width + spec.hidden_size)
         mlp += 2 * (spec.shared_expert_intermediate_size or 0) // tp

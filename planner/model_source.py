@@ -25,6 +25,7 @@ DEMO_MODEL_NAME = "shardserve-demo"  # the bundled demo checkpoint, launch/demo/
 def demo_model_dir() -> Path:
     """NOTE: found through the import system, not imported: the planner stays below launch."""
     spec = importlib.util.find_spec("shardserve.launch.demo")
+    assert spec is not None and spec.submodule_search_locations is not None  # a package shipped with shardserve
     return Path(next(iter(spec.submodule_search_locations))) / "model"
 
 

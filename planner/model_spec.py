@@ -173,7 +173,7 @@ class ModelSpec:
 
 
 _TIED_BY_DEFAULT = ("gpt2", "opt", "gemma2", "gemma3_text")  # transformers' default when config.json omits it
-_FIELD_NAMES = {
+_FIELD_NAMES: dict[str, dict[str, tuple[str, ...]]] = {
     "gpt2": {"hidden_size": ("n_embd", "hidden_size"), "num_attention_heads": ("n_head",),
              "num_hidden_layers": ("n_layer",), "intermediate_size": ("n_inner",),
              "max_position_embeddings": ("n_positions", "n_ctx")},

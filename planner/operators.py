@@ -190,6 +190,7 @@ def _moe_mlp_ms(ops: Operators, shape: StageShape, tokens: int) -> float:
     whole experts per rank under expert parallel, else every expert split over the tp ranks."""
     spec, tp = shape.spec, shape.tp
     experts, topk = spec.num_experts, spec.num_experts_per_tok
+    assert experts and topk and spec.moe_intermediate_size is not None  # a mixture of experts has all three
     shared = (_mlp_ms(ops, shape, tokens, spec.shared_expert_intermediate_size // tp)
               if spec.shared_expert_intermediate_size else 0.0)
     if shape.gemm_dtype == "bfloat16" and shape.weight_bits == 16:

@@ -87,7 +87,7 @@ def resolve_settings(options: PlanOptions, spec: ModelSpec, gpu: GpuSpec) -> Run
     if problem:
         raise PlanError(problem)
     is_auto = options.max_model_len == "auto"
-    max_len = spec.max_context_len if is_auto else options.max_model_len or spec.max_context_len
+    max_len = spec.max_context_len if options.max_model_len == "auto" else options.max_model_len or spec.max_context_len
     if max_len > spec.max_context_len:
         raise PlanError(f"max_model_len {max_len} is beyond the model's "
                         f"{spec.max_context_len} positions: lower --max-model-len")

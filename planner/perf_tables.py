@@ -59,7 +59,8 @@ class Table:
 
     def lookup(self, **coords: float) -> float | None:
         """Milliseconds at `coords` (one value per axis), or None where no neighbour was measured."""
-        brackets, scale = [], 1.0
+        brackets: list[tuple[tuple[int, float], ...]] = []  # per axis: (index, weight) of each neighbour
+        scale = 1.0
         for name, axis in zip(self.names, self.axes):
             x = float(coords[name])
             if x >= axis[-1]:

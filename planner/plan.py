@@ -72,6 +72,7 @@ def make_plan(model: ModelInfo, hardware: Hardware, options: PlanOptions, recomm
         raise InfeasibleError(cannot_fit(search, candidates))
     chosen = search.exact(chosen)
     settings = chosen.settings  # max_model_len auto: the chosen layout's number; max_num_seqs: its cap
+    assert settings is not None  # the chosen candidate is feasible
     executor = choose_executor(chosen.layout, hardware, options)
     weight_bytes = total_weight_bytes(model.spec, model.groups, settings.dtype)
     return Plan(model, hardware, settings, chosen, executor,

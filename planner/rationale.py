@@ -6,7 +6,7 @@ from shardserve.planner.hardware import GIB, Hardware
 from shardserve.planner.model_source import ModelInfo
 from shardserve.planner.options import RuntimeSettings
 from shardserve.planner.rules import expert_parallel_problem, expert_parallel_reason, replica_spans_nodes
-from shardserve.planner.search import Candidate, Search, tier
+from shardserve.planner.search import Candidate, Search, estimates_of, tier
 
 
 
@@ -30,9 +30,10 @@ def rationale(search: Search, chosen: Candidate, candidates: list[Candidate], ex
     """`pins`: the sizes the settings fixed; the layout is then theirs, not a rule's."""
     model, hardware, settings = search.model, search.hardware, chosen.settings
     spec, gpu, pp = model.spec, hardware.gpu, chosen.layout.pipeline_parallel_size
+    assert settings is not None  # the chosen candidate is feasible
     usable = gpu.memory_bytes * settings.gpu_memory_utilization
-    offer = (f"host memory offers {_gib(usable)} per rank; KV cache pool "
-             f"{_gib(settings.kv_cache_memory_bytes)}" if gpu.is_cpu else
+    pool = settings.kv_cache_memory_bytes or 0  # resolve_settings always gives a CPU plan its pool
+    offer = (f"host memory offers {_gib(usable)} per rank; KV cache pool {_gib(pool)}" if gpu.is_cpu else
              f"one {gpu.name} offers {_gib(usable)} at gpu_memory_utilization "
              f"{settings.gpu_memory_utilization}")
     lines = [f"weights: {_gib(weights)} in {settings.dtype}"
@@ -45,7 +46,8 @@ def rationale(search: Search, chosen: Candidate, candidates: list[Candidate], ex
     else:
         lines += _layout_lines(search, chosen, candidates)
     if settings.max_num_seqs < search.settings.max_num_seqs:
-        e = chosen.estimates
+        e = estimates_of(chosen)
+        assert e.workload.concurrency is not None  # Search.batch_caps tries caps only at a concurrency
         lines.append(f"max_num_seqs {settings.max_num_seqs} (not {search.settings.max_num_seqs}): a replica runs "
                      f"at most {settings.max_num_seqs} of its {e.workload.concurrency / chosen.layout.data_parallel_size:g} "
                      f"requests at once, for TPOT {e.tpot_ms:.1f} ms; the rest queue (TTFT {e.ttft_ms:,.0f} ms)")
@@ -67,10 +69,11 @@ def rationale(search: Search, chosen: Candidate, candidates: list[Candidate], ex
 
 def _token_budget_line(search: Search, chosen: Candidate) -> str | None:
     """Why the step budget is not the settings' one (only the targets' search changes it)."""
+    assert chosen.settings is not None and chosen.memory is not None  # the chosen candidate is feasible
     own, ours = search.settings.max_num_batched_tokens, chosen.settings.max_num_batched_tokens
     if own == ours:
         return None
-    e, w = chosen.estimates, search.workload
+    e, w = estimates_of(chosen), search.workload
     why = (f"a {w.input_len:,}-token prompt prefills in {-(-(w.input_len - w.prefix_len) // ours)} step(s), for TTFT "
            f"{e.ttft_ms:,.0f} ms" if ours > own else
            f"smaller activations leave the KV cache {chosen.memory.kv_cache_tokens:,} tokens, for "
@@ -79,7 +82,7 @@ def _token_budget_line(search: Search, chosen: Candidate) -> str | None:
 
 
 def _objective(search: Search, chosen: Candidate, recommend: bool) -> str:
-    w, e = search.workload, chosen.estimates
+    w, e = search.workload, estimates_of(chosen)
     if search.targets.is_set:
         head = (f"recommend: {search.hardware.describe()} is the least {search.hardware.gpu.name} hardware "
                 "that holds it; " if recommend else "")
@@ -129,11 +132,10 @@ def _overridden(search: Search, chosen: Candidate, candidates: list[Candidate]) 
               and tier(c.layout, hardware) < tier(chosen.layout, hardware)]
     if not rivals:
         return None
-    best = max(rivals, key=lambda c: c.estimates.output_tokens_per_s)
-    ratio = chosen.estimates.output_tokens_per_s / best.estimates.output_tokens_per_s
+    best = max(rivals, key=lambda c: estimates_of(c).output_tokens_per_s)
+    ours, theirs = estimates_of(chosen).output_tokens_per_s, estimates_of(best).output_tokens_per_s
     return (f"{_rule_name(best.layout, hardware)} prefers {best.layout}, but this layout "
-            f"is estimated {ratio:.1f}x as fast ({chosen.estimates.output_tokens_per_s:,.0f} vs "
-            f"{best.estimates.output_tokens_per_s:,.0f} output tok/s)")
+            f"is estimated {ours / theirs:.1f}x as fast ({ours:,.0f} vs {theirs:,.0f} output tok/s)")
 
 
 def _kv_cache_lines(mem, settings: RuntimeSettings, model_limit: int) -> list[str]:
@@ -154,6 +156,7 @@ def _experts_line(model: ModelInfo, chosen: Candidate, forced: bool | None,
     spec, tp = model.spec, chosen.layout.tensor_parallel_size
     if not spec.is_moe or tp == 1:
         return None
+    assert spec.num_experts and spec.moe_intermediate_size is not None  # a mixture of experts has both
     whole = (f"expert parallel: {spec.num_experts // tp} of the {spec.num_experts} experts whole on each "
              "rank, attention tensor parallel")
     split = f"experts split by tensor parallel ({spec.moe_intermediate_size // tp} features per expert and rank)"
@@ -164,7 +167,7 @@ def _experts_line(model: ModelInfo, chosen: Candidate, forced: bool | None,
         would = "split the experts" if chosen.expert_parallel else "keep experts whole"
         if twin is None or not twin.is_feasible:
             return f"rule 8 would {would}, but {twin.problem if twin else 'that cannot run here'}"
-        ratio = chosen.estimates.output_tokens_per_s / twin.estimates.output_tokens_per_s
+        ratio = estimates_of(chosen).output_tokens_per_s / estimates_of(twin).output_tokens_per_s
         return (f"rule 8 would {would}, but {whole if chosen.expert_parallel else split} is estimated "
                 f"{ratio:.2f}x as fast")
     if chosen.expert_parallel:

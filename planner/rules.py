@@ -36,6 +36,7 @@ def expert_parallel_problem(spec: ModelSpec, tp: int) -> str | None:
     """Why whole experts cannot be dealt out evenly to `tp` ranks, or None."""
     if not spec.is_moe:
         return f"enable_expert_parallel: {spec.id} has no routed experts (not a mixture-of-experts model)"
+    assert spec.num_experts  # is_moe
     if spec.num_experts % tp:
         return (f"enable_expert_parallel: {spec.num_experts} experts do not divide evenly over "
                 f"tensor_parallel_size {tp} (every rank holds as many experts)")
@@ -47,6 +48,7 @@ def expert_parallel_reason(spec: ModelSpec, tp: int) -> str | None:
     if tp == 1 or expert_parallel_problem(spec, tp):
         return None
     inter, q = spec.moe_intermediate_size, spec.quantization
+    assert inter is not None  # a mixture of experts (expert_parallel_problem checked it)
     per_rank = inter // tp
     if inter % tp:
         return f"moe_intermediate_size {inter} does not divide by tensor_parallel_size {tp}"
@@ -65,6 +67,7 @@ def _split_mlp(spec: ModelSpec, expert_parallel: bool) -> tuple[str, int]:
     if not spec.is_moe:
         return "intermediate_size", spec.intermediate_size
     if not expert_parallel:
+        assert spec.moe_intermediate_size is not None  # a mixture of experts has it
         return "moe_intermediate_size", spec.moe_intermediate_size
     has_dense = len(spec.moe_layers) < spec.num_layers  # Qwen-MoE's mlp_only_layers stay split
     return "intermediate_size", spec.intermediate_size if has_dense else 0

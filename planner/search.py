@@ -41,6 +41,12 @@ class Candidate:
         return self.problem is None
 
 
+def estimates_of(c: Candidate) -> Estimates:
+    """A feasible candidate's estimates: Search.with_replicas gives every one its own."""
+    assert c.estimates is not None, f"{c.layout} has no estimates: {c.problem}"
+    return c.estimates
+
+
 @dataclass(frozen=True)
 class Search:
     """One planning question: the model on the hardware, for a workload, within targets."""
@@ -131,6 +137,7 @@ class Search:
                              is_rule8_choice=base.is_rule8_choice)
         if replica is None or base.problem:
             return replace(base, layout=layout)
+        assert base.settings is not None  # Search.shape sets them on every shape it sizes
         if max_num_seqs is not None and max_num_seqs != replica.max_num_seqs:
             replica = replace(replica, max_num_seqs=max_num_seqs)
             base = replace(base, settings=replace(base.settings, max_num_seqs=max_num_seqs))
@@ -213,7 +220,8 @@ def preference(c: Candidate, hardware: Hardware) -> tuple[int, int]:
 def rank_key(c: Candidate, hardware: Hardware):
     """Fewest idle GPUs, then the most output tokens/s (the order alternatives are listed in)."""
     idle = hardware.total_gpus - c.layout.num_gpus
-    return (idle, -c.estimates.output_tokens_per_s, preference(c, hardware),
+    assert c.memory is not None  # only feasible candidates are ranked; each has its memory
+    return (idle, -estimates_of(c).output_tokens_per_s, preference(c, hardware),
             -c.memory.kv_cache_tokens, c.layout)
 
 
@@ -233,14 +241,14 @@ def choose(candidates: list[Candidate], hardware: Hardware, targets: Targets,
     the rules prefer."""
     feasible = [c for c in candidates if c.is_feasible]
     if targets.is_set:
-        meeting = [c for c in feasible if c.estimates.meets(targets)]
+        meeting = [c for c in feasible if estimates_of(c).meets(targets)]
         # NOTE: at a fixed rate every layout that keeps up serves the same tokens/s; the settings'
         # own batching, then the most headroom (the highest rate it holds within the targets) wins then.
         # Another max_num_seqs or step budget must be DEPARTURE_DISCOUNT faster per change to win.
         return min(meeting, default=None, key=lambda c: (
-            c.layout.num_gpus, -round(c.estimates.output_tokens_per_s_per_gpu * (1 - DEPARTURE_DISCOUNT) **
+            c.layout.num_gpus, -round(estimates_of(c).output_tokens_per_s_per_gpu * (1 - DEPARTURE_DISCOUNT) **
                                       departures(c, base), 3),
-            departures(c, base), -c.estimates.max_request_rate, preference(c, hardware), c.layout))
+            departures(c, base), -estimates_of(c).max_request_rate, preference(c, hardware), c.layout))
     if not feasible:
         return None
     single = [c for c in feasible if c.layout.gpus_per_replica == 1]
@@ -249,16 +257,16 @@ def choose(candidates: list[Candidate], hardware: Hardware, targets: Targets,
     pool = [c for c in feasible if hardware.total_gpus - c.layout.num_gpus == fewest_idle]
     fastest = min(pool, key=lambda c: rank_key(c, hardware))
     close = [c for c in pool
-             if c.estimates.output_tokens_per_s >= PREFERENCE_MARGIN * fastest.estimates.output_tokens_per_s]
+             if estimates_of(c).output_tokens_per_s >= PREFERENCE_MARGIN * estimates_of(fastest).output_tokens_per_s]
     return min(close, key=lambda c: (preference(c, hardware), rank_key(c, hardware)))
 
 
 def pareto_front(candidates: list[Candidate]) -> list[Candidate]:
     """Runnable layouts no other beats on both output tokens/s per GPU and per user."""
-    runnable = [c for c in candidates if c.is_feasible and not c.estimates.is_overloaded]
+    runnable = [c for c in candidates if c.is_feasible and not estimates_of(c).is_overloaded]
 
     def beats(a: Candidate, b: Candidate) -> bool:
-        ea, eb = a.estimates, b.estimates
+        ea, eb = estimates_of(a), estimates_of(b)
         return (ea.output_tokens_per_s_per_gpu >= eb.output_tokens_per_s_per_gpu and
                 ea.output_tokens_per_s_per_user >= eb.output_tokens_per_s_per_user and
                 (ea.output_tokens_per_s_per_gpu, ea.output_tokens_per_s_per_user) !=

@@ -77,7 +77,8 @@ class Replica:
         """The chunks a new prompt (its uncached part, at least one token) is computed in when b
         requests decode beside it."""
         budget = max(1, self.max_num_batched_tokens - b)
-        chunks, done = [], w.prefix_len
+        chunks: list[Chunk] = []
+        done = w.prefix_len
         while done < w.input_len or not chunks:
             n = min(budget, max(1, w.input_len - done))
             chunks.append(Chunk(n, done + n))
@@ -101,6 +102,7 @@ class Replica:
         if rate_per_ms is not None:  # arrivals per cycle while cycles stretch by the prefills they carry;
             busy = rate_per_ms * extra  # past saturation (every step's budget full of prefill) overload
             per_cycle = room / new if busy >= 1 else min(room / new, rate_per_ms * decode_only / (1 - busy))
+        assert per_cycle is not None  # a closed loop gives it; an open loop's rate sets it above
         mean = decode_only + per_cycle * extra
         rho = 1.0 if busy >= 1 or per_cycle >= room / new else per_cycle * new / room
         service = sum(own)

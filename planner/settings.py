@@ -83,7 +83,8 @@ class Setting:
             return {str(k): str(v) for k, v in value.items()}
         if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
             return value
-        wanted = {tuple: "a list of integers", list: "a list of strings", dict: "a mapping"}.get(kind, kind.__name__)
+        kinds: dict[type, str] = {tuple: "a list of integers", list: "a list of strings", dict: "a mapping"}
+        wanted = kinds.get(kind, kind.__name__)
         raise SettingError(f"{self.name}={value!r} must be {wanted}" + "".join(f" or {w!r}" for w in self.words))
 
     @property
@@ -179,6 +180,15 @@ SETTINGS: tuple[Setting, ...] = (
     _s("shutdown_timeout", float, 10.0, "Seconds that SIGTERM or Ctrl-C gives in-flight requests to finish "
        "while new ones get 503; then streams still running end with an error event and [DONE], other "
        "requests with a 503. 0 ends them at once; a second signal cuts the wait short.", "server", minimum=0),
+    _s("max_request_body_bytes", int, 16 << 20, "Largest request body the server reads; a larger one is "
+       "answered 413 before it is parsed (16 MiB: a million-token prompt as text or token ids).", "server",
+       minimum=1),
+    _s("grammar_compile_timeout", float, 10.0, "Seconds a request's grammar (response_format, guided_*, "
+       "tool_choice required or named) may take to compile before the request is refused with a 400. It is "
+       "compiled off the event loop, so other requests go on meanwhile.", "server", above=0),
+    _s("trust_request_chat_template", bool, False, "Let a request bring its own chat template (chat_template, "
+       "or chat_template_kwargs.chat_template), as vLLM's flag does; without it such a request gets a 400. "
+       "A template is code the server runs: trust only clients you would let start the server.", "server"),
     _s("tool_call_parser", str, None, "How tool calls are found in free text for tool_choice auto: hermes "
        "(<tool_call> blocks; Qwen, Hermes) or llama3_json.", "server", choices=("hermes", "llama3_json")),
     _s("enable_auto_tool_choice", bool, False, "Serve tool_choice auto (needs --tool-call-parser).", "server"),

@@ -126,7 +126,10 @@ def shard_model(spec: ModelSpec, groups: TensorGroups, tp: int, dtype: str,
                Shard.KV: kv_per_rank / spec.num_kv_heads,
                Shard.VOCAB: math.ceil(spec.vocab_size / tp) / spec.vocab_size,
                Shard.REPLICATED: 1.0}
-    expert_share = -(-spec.num_experts // tp) / spec.num_experts if expert_parallel else None
+    expert_share = None
+    if expert_parallel:
+        assert spec.num_experts  # only a mixture of experts runs expert parallel
+        expert_share = -(-spec.num_experts // tp) / spec.num_experts
     layers = [0.0] * spec.num_layers
     first = last = embedding = experts = 0.0
     has_lm_head = False

@@ -156,6 +156,7 @@ def _attention_tensors(spec: ModelSpec, t: _Tensors, p: str, q_out: int, kv_out:
 
 def _moe_tensors(spec: ModelSpec, prefix: str, linear, dtype: str) -> list[TensorInfo]:
     h, inter, n = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
+    assert inter is not None and n is not None  # a mixture of experts has both
     if spec.family == "mixtral":
         router = f"{prefix}.block_sparse_moe.gate"
         for e in range(n):

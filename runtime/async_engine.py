@@ -70,6 +70,8 @@ class AsyncEngine:
             raise ValueError(f"prompt id {prompt_id!r} is already in use")
         if not isinstance(prompt, ProcessedPrompt):
             prompt = self.input_processor.process(prompt, sampling_params)
+        if sampling_params.structured_outputs is not None:  # compiled now, off the loop, not in a step
+            await self.input_processor.compile_grammar(sampling_params.structured_outputs)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[prompt_id] = stream
         self._pending_adds.append(_PendingAdd(prompt_id, prompt, sampling_params))
@@ -92,6 +94,7 @@ class AsyncEngine:
             self._streams.pop(prompt_id, None)
             if not finished:  # the consumer went away: free the requests' blocks
                 self._pending_aborts.append((prompt_id, asyncio.get_running_loop().create_future()))
+                assert self._wake is not None  # _ensure_loop made it above
                 self._wake.set()
 
     async def abort(self, prompt_id: str) -> None:
@@ -112,12 +115,14 @@ class AsyncEngine:
         if self._loop_task is None or self._loop_task.done():
             self._wake = asyncio.Event()
             self._loop_task = asyncio.get_running_loop().create_task(self._step_loop())
+        assert self._wake is not None  # made with the loop task
         self._wake.set()
 
     async def _step_loop(self) -> None:
         while True:
             self._apply_pending()
             if not self.engine.has_unfinished_requests():
+                assert self._wake is not None  # made before this loop started
                 self._wake.clear()
                 if not (self._pending_adds or self._pending_aborts):
                     await self._idle()
@@ -134,6 +139,7 @@ class AsyncEngine:
 
     async def _idle(self) -> None:
         """Wait for work; meanwhile notice a worker rank dying, so the engine is known dead at once."""
+        assert self._wake is not None  # made before the step loop started
         try:
             await asyncio.wait_for(self._wake.wait(), HEALTH_CHECK_SECONDS)
         except asyncio.TimeoutError:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from shardserve.runtime.request import Request
 
@@ -89,7 +90,7 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def allocate_slots(self, request: Request, num_tokens: int, cached_block_ids: list[int] = ()) -> bool:
+    def allocate_slots(self, request: Request, num_tokens: int, cached_block_ids: Sequence[int] = ()) -> bool:
         """Make the request's blocks cover `num_tokens` tokens, first taking `cached_block_ids`
         (only for a request with no blocks yet; its computed tokens are then those blocks'). Blocks
         behind the window are released first, as they are never read again; beyond that, returns

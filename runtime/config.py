@@ -6,7 +6,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -55,7 +55,7 @@ class ModelConfig:
         return self.hf_config.vocab_size
 
 
-def load_model_config(model: str, dtype: str = "auto", max_model_len: int | str | None = None,
+def load_model_config(model: str, dtype: str = "auto", max_model_len: int | Literal["auto"] | None = None,
                       skip_tokenizer_init: bool = False, enforce_eager: bool = False,
                       device: str = "cpu", quantization: str | None = None) -> ModelConfig:
     from transformers import AutoConfig
@@ -75,7 +75,7 @@ def load_model_config(model: str, dtype: str = "auto", max_model_len: int | str 
     hf_config = checkpoint_config.text_config if served and served.has_text_config else checkpoint_config
     longest = _max_positions(hf_config)
     is_auto = max_model_len == "auto"  # kv_sizing picks the length once the pool is measured
-    if max_model_len is None or is_auto:
+    if max_model_len is None or max_model_len == "auto":
         max_model_len = longest
     elif max_model_len > longest:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's {longest} positions; "

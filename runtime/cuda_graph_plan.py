@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -73,7 +74,7 @@ def agreed_decision(config: EngineConfig, device: torch.device, model: torch.nn.
         return local
     gathered: list[CaptureDecision | None] = [None] * world_size
     torch.distributed.all_gather_object(gathered, local)
-    return agree(gathered)
+    return agree(cast("list[CaptureDecision]", gathered))  # all_gather_object filled every slot
 
 
 def graph_shape(config: EngineConfig, num_layers: int) -> GraphShape:

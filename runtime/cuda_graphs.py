@@ -18,6 +18,7 @@ import bisect
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -81,7 +82,8 @@ class StaticDecodeInputs:
                  device: torch.device):
         self.max_model_len = max_model_len
         max_blocks_per_request = -(-max_model_len // block_size)
-        int32, int64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
+        int32: dict[str, Any] = dict(dtype=torch.int32, device=device)
+        int64: dict[str, Any] = dict(dtype=torch.int64, device=device)
         self.input_ids = torch.zeros(max_size, **int64)
         self.positions = torch.zeros(max_size, **int64)
         self.slot_mapping = torch.full((max_size,), scratch_block * block_size, **int64)
@@ -176,6 +178,7 @@ class DecodeGraphRunner:
         """Copy the step into the static inputs; returns the padded size that runs it and where its
         pending input ids go (into self.inputs.input_ids)."""
         size = padded_size(host.num_requests, self.sizes)
+        assert size is not None  # can_replay: a captured size holds the step
         return size, self.inputs.load(pad_decode_batch(host, size, self.scratch_block, self.block_size), staging)
 
     def replay(self, size: int, num_requests: int) -> torch.Tensor | IntermediateTensors:

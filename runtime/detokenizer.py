@@ -5,7 +5,7 @@ from __future__ import annotations
 try:
     from tokenizers.decoders import DecodeStream
 except ImportError:  # tokenizers before 0.21
-    DecodeStream = None
+    DecodeStream = None  # type: ignore[assignment,misc]  # an optional import: checked for None below
 
 REPLACEMENT = "\ufffd"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 from collections import deque
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from shardserve.runtime.outputs import PromptDelta
 from shardserve.runtime.request import Request, RequestStatus
 from shardserve.runtime.sampling_params import SamplingParams
 from shardserve.runtime.scheduler import Scheduler
+from shardserve.runtime.structured_output import accept_tokens, grammar_bitmask
 from shardserve.runtime.tokenizer import eos_token_ids, load_tokenizer
 
 
@@ -105,7 +107,7 @@ class LLMEngine:
 
     def _step_one(self) -> list[PromptDelta]:
         """Schedule, execute, update."""
-        scheduler_output = self.scheduler.schedule()
+        scheduler_output = self._schedule()
         if scheduler_output.is_empty and self.scheduler.has_unfinished_requests:
             raise RuntimeError("the scheduler could not run any request; this is a bug")
         return self._update(scheduler_output, self.executor.execute_model(scheduler_output))
@@ -126,16 +128,25 @@ class LLMEngine:
 
     def _submit_batches(self) -> None:
         num_batches = self.executor.max_concurrent_batches
-        share = -(-self.scheduler.num_unfinished_requests // num_batches)  # requests per batch, rounded up
-        share = None if self.config.scheduler.async_scheduling else max(share, 1)
+        per_batch = -(-self.scheduler.num_unfinished_requests // num_batches)  # requests per batch, rounded up
+        share = None if self.config.scheduler.async_scheduling else max(per_batch, 1)
         while len(self.in_flight) < num_batches:
-            scheduler_output = self.scheduler.schedule(max_num_requests=share)
+            scheduler_output = self._schedule(max_num_requests=share)
             if scheduler_output.is_empty and not scheduler_output.finished_request_ids:
                 break  # (an empty batch still goes out alone to tell the workers what finished)
             self.executor.submit_batch(scheduler_output)
             self.in_flight.append(scheduler_output)
 
+    def _schedule(self, max_num_requests: int | None = None) -> SchedulerOutput:
+        """The scheduler's batch, with what its requests under a grammar may sample next."""
+        output = self.scheduler.schedule(max_num_requests=max_num_requests)
+        requests = self.scheduler.requests
+        bitmask = grammar_bitmask([requests[r] for r in output.num_scheduled_tokens], self.config.model)
+        return output if bitmask is None else dataclasses.replace(output, grammar_bitmask=bitmask)
+
     def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[PromptDelta]:
+        if scheduler_output.grammar_bitmask is not None:  # before a finished request leaves the scheduler
+            accept_tokens(scheduler_output.grammar_bitmask, self.scheduler.requests, runner_output.sampled_token_ids)
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self.output_thread is not None:
             self._held_updates = updates
@@ -162,6 +173,7 @@ class LLMEngine:
         to wait for the device (after the next step is queued), so that the thread's work runs in
         that wait instead of taking the GIL while the loop builds and launches the next step."""
         if self._held_updates is not None:
+            assert self.output_thread is not None  # updates are held only for the output thread
             self.output_thread.put(self._held_updates)
             self._held_updates = None
 

@@ -70,7 +70,9 @@ class InProcessExecutor(Executor):
         self.worker.initialize_kv_cache(num_blocks)
 
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute(output)
+        result = self.worker.execute(output)
+        assert result is not None  # the only rank is the output rank
+        return result
 
     @property
     def max_concurrent_batches(self) -> int:
@@ -81,7 +83,9 @@ class InProcessExecutor(Executor):
         self._submitted.append(self.worker.submit(output))
 
     def collect_batch(self) -> ModelRunnerOutput:
-        return self.worker.collect(self._submitted.popleft())
+        result = self.worker.collect(self._submitted.popleft())
+        assert result is not None  # the only rank is the output rank
+        return result
 
     def shutdown(self) -> None:
         self.worker.release()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator, Protocol
 
 import torch
 
@@ -40,10 +40,20 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
+class AttentionBackend(Protocol):
+    """attention/torch_backend.py's or attention/triton_backend.py's."""
+
+    name: str
+    fuses_rotary: bool  # forward also takes positions and rotary_emb, and rotates q and k itself
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float, *args: Any, **kwargs: Any) -> torch.Tensor: ...
+
+
 @dataclass(slots=True)
 class ForwardContext:
     attn_metadata: AttentionMetadata | None  # None during weight-free dry runs
-    backend: object  # an attention backend with forward(q, k, v, kv_cache, metadata, scale)
+    backend: AttentionBackend
 
 
 # NOTE: per thread, so engines stepping in different threads of one process (data-parallel

@@ -51,7 +51,7 @@ def random_prompts(vocab_size: int, num: int, length: int, seed: int) -> list[li
 class PhaseTimer:
     """Wraps methods so that each call adds its wall time to a phase; restore() unwraps them."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.enabled = False
         self._wrapped: list[tuple[object, str, object]] = []

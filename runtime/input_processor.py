@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Union
 
 from shardserve.runtime.sampling_params import SamplingParams
+from shardserve.runtime.structured_output import StructuredOutputs, compile_in_background
+from shardserve.runtime.tokenizer import longest_token_chars
 
 if TYPE_CHECKING:
     from shardserve.runtime.config import ModelConfig
@@ -16,7 +19,8 @@ PromptType = Union[str, list[int], dict]
 
 
 class InvalidPromptError(ValueError):
-    """A prompt the engine cannot take. `field` names what to change: "prompt", "max_tokens", "stop", "logit_bias" or "response_format"."""
+    """A prompt the engine cannot take. `field` names what to change: "prompt", "max_tokens", "min_tokens", "stop",
+    "stop_token_ids", "logit_bias" or "response_format"."""
 
     def __init__(self, message: str, field: str):
         super().__init__(message)
@@ -43,12 +47,13 @@ class InputProcessor:
     def __init__(self, model_config: ModelConfig, tokenizer, async_scheduling: bool = False):
         self.tokenizer = tokenizer  # None with skip_tokenizer_init
         self.async_scheduling = async_scheduling
+        self.model_config = model_config
         self.vocab_size = model_config.vocab_size
         self.max_model_len = model_config.max_model_len
 
     def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
         if isinstance(prompt, str):
-            return self._check(prompt, self.tokenize(prompt, add_special_tokens=True), params)
+            return self._check(prompt, self._tokenize_prompt(prompt, add_special_tokens=True), params)
         if isinstance(prompt, list):
             return self._check(None, prompt, params)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -62,7 +67,7 @@ class InputProcessor:
                      chat_template_kwargs: dict[str, Any] | None = None) -> ProcessedPrompt:
         """One conversation (OpenAI messages: role and text content) through the chat template."""
         text = self.apply_chat_template(conversation, add_generation_prompt, chat_template_kwargs)
-        return self._check(text, self.tokenize(text, add_special_tokens=False), params)
+        return self._check(text, self._tokenize_prompt(text, add_special_tokens=False), params)
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
                             chat_template_kwargs: dict[str, Any] | None = None) -> str:
@@ -92,6 +97,26 @@ class InputProcessor:
         except ValueError as error:
             raise InvalidPromptError(str(error), "response_format") from None
 
+    async def compile_grammar(self, outputs: StructuredOutputs) -> None:
+        """Compile a checked grammar off the event loop, so that the engine's matchers in this process
+        find it compiled instead of compiling it in a step that every running request waits for."""
+        if self.tokenizer is not None:
+            await compile_in_background(self.model_config, outputs)
+
+    @cached_property
+    def longest_token_chars(self) -> int | None:
+        return None if self.tokenizer is None else longest_token_chars(self.tokenizer)
+
+    def _tokenize_prompt(self, text: str, add_special_tokens: bool) -> list[int]:
+        """tokenize, but a text that cannot fit max_model_len is refused untokenized (NOTE: tokenizing
+        megabytes takes seconds; no token covers more than longest_token_chars characters)."""
+        chars = self.longest_token_chars
+        if chars is not None and len(text) > self.max_model_len * chars:
+            raise InvalidPromptError(f"the prompt has {len(text)} characters, so more than max_model_len="
+                                     f"{self.max_model_len} tokens (no token of this tokenizer covers more than "
+                                     f"{chars} characters); shorten the prompt", "prompt")
+        return self.tokenize(text, add_special_tokens)
+
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise InvalidPromptError("this engine was started with skip_tokenizer_init=True; "
@@ -109,6 +134,8 @@ class InputProcessor:
             self._check_structured_outputs(params.structured_outputs)
         if any(token >= vocab for token, _ in params.logit_bias):
             raise InvalidPromptError(f"logit_bias token ids must lie in [0, {vocab})", "logit_bias")
+        if any(token >= vocab for token in params.stop_token_ids or ()):
+            raise InvalidPromptError(f"stop_token_ids must lie in [0, {vocab})", "stop_token_ids")
         try:
             ids = tuple(operator.index(t) for t in token_ids)
         except TypeError:
@@ -125,6 +152,9 @@ class InputProcessor:
             raise InvalidPromptError(f"prompt ({num_tokens} tokens) + max_tokens ({params.max_tokens}) exceeds "
                                      f"max_model_len={limit}; shorten the prompt or lower max_tokens",
                                      "max_tokens")
+        if num_tokens + params.min_tokens > limit:
+            raise InvalidPromptError(f"prompt ({num_tokens} tokens) + min_tokens ({params.min_tokens}) exceeds "
+                                     f"max_model_len={limit}; lower min_tokens", "min_tokens")
         return ProcessedPrompt(text, ids)
 
 

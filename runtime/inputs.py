@@ -37,7 +37,7 @@ class RequestState:
     @classmethod
     def from_new(cls, data: NewRequestData) -> RequestState:
         return cls(data.request_id, list(data.token_ids), data.num_prompt_tokens, data.sampling_params,
-                   data.seed, data.stop_token_ids, data.block_ids, data.num_computed_tokens)
+                   data.seed, data.stop_token_ids, np.asarray(data.block_ids, dtype=np.int32), data.num_computed_tokens)
 
     @property
     def num_output_tokens(self) -> int:

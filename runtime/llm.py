@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 from shardserve.runtime.config import KVCacheInfo
 from shardserve.runtime.engine import LLMEngine
@@ -32,9 +33,10 @@ class LLM:
         """What a prompt gets without SamplingParams: the model's generation_config.json defaults."""
         return self.engine.default_sampling_params()
 
-    def generate(self, prompts: PromptType | Sequence[PromptType],
+    def generate(self, prompts: str | dict | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order."""
+        """Run every prompt to completion; outputs come back in input order. One prompt of token ids
+        goes in a list ([ids]) or as {"prompt_token_ids": ids}."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
@@ -48,7 +50,7 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = cast("list[list[dict]]", [messages] if messages and isinstance(messages[0], dict) else messages)
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         processor = self.engine.input_processor
         prompts = [processor.process_chat(c, params, add_generation_prompt) for c in conversations]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -61,9 +61,9 @@ def load_weights(model: nn.Module, folder: str) -> None:
     params = dict(model.named_parameters())
     optional = dict(model.named_buffers())  # read when the checkpoint has them (fp8 KV cache scales)
     loaded: set[str] = set()
-    start, end = model.layer_range
+    start, end = model.layer_range  # type: ignore[misc]  # every family's attribute, not nn.Module's
     for name, tensor in _read_with_progress(folder):
-        target = model.checkpoint_target(name)
+        target = model.checkpoint_target(name)  # type: ignore[operator]  # every family's method
         if target is None or target.skip:
             continue
         layer = _LAYER_INDEX.search(name)
@@ -82,7 +82,7 @@ def load_weights(model: nn.Module, folder: str) -> None:
         if target.transpose:
             tensor = tensor.transposed()
         owner = model.get_submodule(target.param_name.rpartition(".")[0])
-        weight_loader = getattr(owner, "weight_loader", default_weight_loader)
+        weight_loader: Callable[..., None] = getattr(owner, "weight_loader", default_weight_loader)
         if target.shard_id is None:
             weight_loader(param, tensor)
         else:
@@ -93,5 +93,6 @@ def load_weights(model: nn.Module, folder: str) -> None:
         raise ValueError(f"checkpoint in {folder!r} lacks weights for: {', '.join(missing[:8])}"
                          + (" ..." if len(missing) > 8 else ""))
     for module in model.modules():
-        if getattr(module, "quant_method", None) is not None:
-            module.quant_method.process_after_loading(module)
+        quant_method = getattr(module, "quant_method", None)  # a linear layer's; None: float weights
+        if quant_method is not None:
+            quant_method.process_after_loading(module)

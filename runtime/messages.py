@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from shardserve.runtime.outputs import SampleTimes
 from shardserve.runtime.sampling_params import SamplingParams
+from shardserve.runtime.structured_output import GrammarBitmask
 
 
 @dataclass(slots=True, frozen=True)
@@ -42,6 +43,7 @@ class SchedulerOutput:
     cached_requests: tuple[CachedRequestData, ...]
     num_scheduled_tokens: dict[str, int]  # request id -> tokens computed this step
     finished_request_ids: frozenset[str]  # the worker drops these (finished, aborted, preempted)
+    grammar_bitmask: GrammarBitmask | None = None  # the engine's, for the requests under a grammar
 
     @property
     def total_num_scheduled_tokens(self) -> int:

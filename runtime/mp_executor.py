@@ -42,8 +42,9 @@ class ProcessHandle(WorkerHandle):
 
 
 def stop_process(process: subprocess.Popen, grace: float) -> None:
-    """Wait up to `grace` seconds for an exit, then SIGTERM, then SIGKILL (signals go to its pid)."""
-    for stop, wait in ((None, grace), (process.terminate, KILL_WAIT_SECONDS), (process.kill, KILL_WAIT_SECONDS)):
+    """Wait up to `grace` seconds for an exit, then SIGKILL it (its pid alone). NOTE: ranks and replicas
+    ignore SIGTERM, which a service manager sends the whole process group: the server drains them."""
+    for stop, wait in ((None, grace), (process.kill, KILL_WAIT_SECONDS)):
         if stop is not None:
             stop()
         try:
@@ -75,7 +76,7 @@ class MultiprocExecutor(DistributedExecutor):
 
     def start_workers(self, rendezvous: Rendezvous) -> list[WorkerHandle]:
         num_threads = max(1, (os.cpu_count() or 1) // len(self.states))
-        handles = []
+        handles: list[WorkerHandle] = []
         for state in self.states:
             handle = start_rank(RankStartup(self.config, state, rendezvous, num_threads))
             handles.append(handle)

@@ -200,7 +200,8 @@ def attention_call(shape: AttentionShape, dtype: torch.dtype, kv_dtype: torch.dt
     for i, (num_cached, num_new) in enumerate(shape.requests):
         total = num_cached + num_new
         blocks = [free.pop() for _ in range(-(-total // BLOCK_SIZE))]
-        states.append(RequestState(f"r{i}", [1] * total, total, SamplingParams(), 0, frozenset(), blocks, num_cached))
+        states.append(RequestState(f"r{i}", [1] * total, total, SamplingParams(), 0, frozenset(),
+                                   np.asarray(blocks, dtype=np.int32), num_cached))
         scheduled[f"r{i}"] = num_new
     meta = prepare_inputs(states, scheduled, BLOCK_SIZE, device).attn_metadata
     cache = _random_cache((2, shape.num_blocks, BLOCK_SIZE, shape.num_kv_heads, shape.head_dim), kv_dtype, device)

@@ -33,7 +33,7 @@ class OutputProcessor:
     """NOTE: nothing here keeps a sample's text or tokens so far: each step costs the same at the
     end of a long generation as at its start (the caller accumulates deltas if it wants them)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self._prompts: dict[str, _Prompt] = {}
         self._samples: dict[str, _Sample] = {}  # scheduler request id -> sample

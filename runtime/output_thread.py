@@ -64,6 +64,7 @@ class OutputThread:
 
     def _run(self) -> None:
         while (updates := self._todo.get()) is not None:
+            result: tuple[list[PromptDelta], list[str]] | BaseException
             try:
                 with self.lock:
                     result = self.output_processor.process(updates)

@@ -91,6 +91,7 @@ class RequestOutputBuilder:
         for sample in delta.samples:
             completion = self.output.outputs[sample.sample_index]
             if sample.new_prompt_logprobs and sample.sample_index == 0:  # every sample scores the same prompt
+                assert self.output.prompt_logprobs is not None  # made a list: the params ask for them
                 self.output.prompt_logprobs.extend(sample.new_prompt_logprobs)
             completion.token_ids.extend(sample.new_token_ids)
             self._texts[sample.sample_index].append(sample.new_text)

@@ -15,7 +15,7 @@ from shardserve.runtime.layers.quantization.config import check_quantized_layout
 def planner_spec(model: ModelConfig) -> ModelSpec:
     """The planner's view of the model being loaded (its config and the quantization it loads with)."""
     try:
-        spec = ModelSpec.from_config(model.model, model.hf_config.to_dict())
+        spec = ModelSpec.from_config(model.architecture, model.hf_config.to_dict())  # messages name the architecture
     except PlanError as e:
         raise ValueError(str(e)) from None
     return replace(spec, quantization=model.quantization.spec) if model.quantization else spec

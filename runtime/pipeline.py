@@ -100,4 +100,5 @@ def recv_intermediate_into(buffers: IntermediateTensors, num_tokens: int) -> Non
                            f"stage's step expects [{num_tokens}, {buffers.hidden_states.shape[1]}]")
     torch.distributed.recv(buffers.hidden_states[:num_tokens], src)  # leading rows: contiguous
     if has_residual:
+        assert buffers.residual is not None  # a graph's buffers always have one (above)
         torch.distributed.recv(buffers.residual[:num_tokens], src)

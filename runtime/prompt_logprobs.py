@@ -22,7 +22,10 @@ def score_prompts(model, host: HostInputs, batch: list[RequestState], hidden: to
                   is_output_rank: bool) -> dict[str, tuple[int, tuple[TokenLogprobs, ...]]]:
     """request id -> (first prompt token scored, entries); every TP rank of the last stage calls it
     (the logits gather is a collective), the output rank alone gets the entries."""
-    rows, targets, wanted, spans = [], [], [], []
+    rows: list[int] = []  # the hidden rows scored
+    targets: list[int] = []  # the prompt token each row scores
+    wanted: list[int] = []  # top tokens to report per row
+    spans: list[tuple[str, int, int]] = []  # (request id, first prompt position scored, count)
     starts = host.query_start_loc
     for row, state in enumerate(batch):
         k = state.sampling_params.prompt_logprobs

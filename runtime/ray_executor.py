@@ -139,7 +139,7 @@ class RayExecutor(DistributedExecutor):
                   for _ in range(self.config.parallel.pipeline_parallel_size)]
         ray.get([g.ready() for g in groups], timeout=PLACEMENT_TIMEOUT_SECONDS)
         actor_class = ray.remote(RankActor)
-        handles = []
+        handles: list[WorkerHandle] = []
         for state in self.states:
             strategy = PlacementGroupSchedulingStrategy(groups[state.pp_rank], state.tp_rank)
             actor = actor_class.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),

@@ -34,7 +34,7 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling_params", "seed",
                  "eos_token_ids", "stop_token_ids", "status", "stop_reason", "num_computed_tokens",
                  "num_pending_tokens", "num_synced_tokens", "num_synced_blocks", "block_hashes", "num_preemptions",
-                 "arrival_time", "first_scheduled_time", "num_prompt_logprobs_sent")
+                 "arrival_time", "first_scheduled_time", "num_prompt_logprobs_sent", "grammar_matcher")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  seed: int, eos_token_ids: frozenset[int] = frozenset()) -> None:
@@ -59,6 +59,7 @@ class Request:
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None  # set when first admitted to a batch
         self.num_prompt_logprobs_sent = 1  # prompt tokens scored and handed on (token 0 has no score)
+        self.grammar_matcher = None  # xgrammar's, under a grammar: made when first scheduled (structured_output.py)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -7,6 +7,8 @@ device->host copy of the sampled ids."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 import torch
 
@@ -99,6 +101,7 @@ def _sample_random(logits: torch.Tensor, params: SamplingTensors) -> torch.Tenso
     if params.top_p is not None:
         logits = _top_k_top_p(logits, params.top_k, params.top_p)
     elif params.top_k is not None:
+        assert params.max_top_k is not None  # known whenever top_k is
         logits = _top_k(logits, params.top_k, params.max_top_k)
     probs = torch.softmax(logits, dim=-1)
     if params.min_p is not None:
@@ -146,7 +149,8 @@ def sampled_logprobs(raw: torch.Tensor, states: list[RequestState], tokens: torc
     if not rows:
         return {}
     index = host_to_device(np.array(rows, dtype=np.int64), raw.device)
-    entries = token_logprobs(raw[index], tokens[index], [states[row].sampling_params.logprobs for row in rows])
+    wanted = cast("list[int]", [states[row].sampling_params.logprobs for row in rows])  # rows that ask: no None
+    entries = token_logprobs(raw[index], tokens[index], wanted)
     return {states[row].request_id: entry for row, entry in zip(rows, entries)}
 
 

@@ -45,7 +45,7 @@ class StagingBuffer:
         pinned = self.device.type == "cuda"
         self._host = [torch.empty(num_bytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)]
         self._host_views = [buffer.numpy() for buffer in self._host]
-        self._copied = [None, None]  # the event after each slot's last copy (CUDA only)
+        self._copied: list[torch.cuda.Event | None] = [None, None]  # the event after each slot's last copy (CUDA only)
         self._device = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
 
     @property
@@ -61,8 +61,9 @@ class StagingBuffer:
             self._wait_all()
             self._allocate(max(end, 2 * self.num_bytes))  # (views handed out before keep the old buffer)
         slot, self._slot = self._slot, 1 - self._slot
-        if self._copied[slot] is not None and not self._copied[slot].query():
-            self._copied[slot].synchronize()  # (two steps back: done already but on a busy queue)
+        copied = self._copied[slot]
+        if copied is not None and not copied.query():
+            copied.synchronize()  # (two steps back: done already but on a busy queue)
         host = self._host_views[slot]
         for array, offset in zip(arrays, offsets):
             host[offset: offset + array.nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)

@@ -1,4 +1,5 @@
-"""Loading the tokenizer that ships with a model folder, and the model's end-of-sequence ids."""
+"""Loading the tokenizer that ships with a model folder, the model's end-of-sequence ids, and how many
+characters one token can cover."""
 
 from __future__ import annotations
 
@@ -53,3 +54,32 @@ def eos_token_ids(model_config: ModelConfig, tokenizer) -> frozenset[int]:
         return frozenset()
     ids = value if isinstance(value, (list, tuple)) else [value]
     return frozenset(int(i) for i in ids if 0 <= int(i) < model_config.vocab_size)
+
+
+_KEEPS_TEXT = {"ByteLevel", "Metaspace", "Digits", "Sequence", "Split"}  # pre-tokenizers that drop nothing
+
+
+def longest_token_chars(tokenizer) -> int | None:
+    """The most characters one token covers, or None where no sound bound is known. NOTE: a BPE
+    tokenizer that normalizes nothing and drops nothing (byte-level BPE: a vocabulary string holds one
+    character per byte) turns N characters into at least N / this many tokens."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not _drops_no_text(json.loads(backend.to_str())):
+        return None
+    return max(len(token) for token in tokenizer.get_vocab())
+
+
+def _drops_no_text(spec: dict) -> bool:
+    """A tokenizer.json whose text reaches the tokens whole: no normalizer, no pre-tokenizer that removes
+    text, no unknown token fused over a span, no added token that swallows spaces."""
+    model = spec.get("model") or {}
+    pre_tokenizers, stack = [], [spec.get("pre_tokenizer")]
+    while stack:
+        pre = stack.pop()
+        if pre is not None:
+            pre_tokenizers.append(pre)
+            stack.extend(pre.get("pretokenizers") or ())
+    return (spec.get("normalizer") is None and model.get("type") == "BPE"
+            and bool(model.get("byte_fallback") or not model.get("fuse_unk"))
+            and all(p.get("type") in _KEEPS_TEXT and p.get("behavior") != "Removed" for p in pre_tokenizers)
+            and not any(t.get("lstrip") or t.get("rstrip") for t in spec.get("added_tokens") or ()))

@@ -27,7 +27,7 @@ from shardserve.runtime.prompt_logprobs import score_prompts, wants_prompt_logpr
 from shardserve.runtime.sampler import sample_on_device, sampled_logprobs
 from shardserve.runtime.sampling_batch import SamplingCache
 from shardserve.runtime.staging import SampledTokenBuffers, StagingBuffer, StepOutput
-from shardserve.runtime.structured_output import GrammarMatchers, sync_matchers
+from shardserve.runtime.structured_output import GrammarBitmask, sampling_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,6 @@ class Worker:
         self.states: dict[str, RequestState] = {}
         self.kv_cache: torch.Tensor | None = None
         self.cuda_graphs: DecodeGraphRunner | None = None  # built with the KV cache
-        self.matchers: GrammarMatchers | None = None  # the sampling rank's, made at the first grammar
         self.staging = StagingBuffer(self.device)  # every step's inputs go to the device through it
         self.token_buffers = SampledTokenBuffers(config.scheduler.max_num_seqs, self.device)
         self.last_sampled: torch.Tensor | None = None  # [num_sampled] the last step's ids, on the device
@@ -135,7 +134,8 @@ class Worker:
             hidden = self.model(input_ids, positions, intermediate)
             if state.is_last_stage:
                 num_rows = min(self.config.scheduler.max_num_seqs, num_tokens)
-                self.model.compute_logits(hidden[:num_rows]).float().softmax(dim=-1)
+                # compute_logits: every model family's method, which nn.Module's type does not declare
+                self.model.compute_logits(hidden[:num_rows]).float().softmax(dim=-1)  # type: ignore[operator]
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
@@ -181,7 +181,9 @@ class Worker:
             attention.kv_cache = None
         self.attention_layers = []
         self.states.clear()
-        self.kv_cache = self.cuda_graphs = self.model = self.last_sampled = None
+        self.kv_cache = self.cuda_graphs = None
+        self.model = None  # type: ignore[assignment]  # released: no step runs after this
+        self.last_sampled = None
         self.sampling_cache = SamplingCache()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -202,23 +204,24 @@ class Worker:
 
     def _step(self, output: SchedulerOutput) -> StepOutput | None:
         batch = apply_scheduler_output(self.states, output)
-        if self.parallel_state.is_output_rank:
-            self._sync_matchers(output)
         if not batch:
             return StepOutput() if self.parallel_state.is_output_rank else None
         host = build_host_inputs(batch, output.num_scheduled_tokens, self.config.cache.block_size)
-        result = self._run(host, batch)
+        result = self._run(host, batch, output.grammar_bitmask)
         count_samples(host)
         return result
 
-    def _run(self, host: HostInputs, batch: list[RequestState]) -> StepOutput | None:
+    def _run(self, host: HostInputs, batch: list[RequestState], grammar: GrammarBitmask | None) -> StepOutput | None:
         state = self.parallel_state
-        # NOTE: filled on the host before the forward is queued, so it overlaps the device's work
-        bitmask = self.matchers.bitmask([s.request_id for s in host.sampled_states]) if self.matchers else None
+        # NOTE: laid out on the host before the forward is queued, so it overlaps the device's work
+        sampled_ids = [s.request_id for s in host.sampled_states]
+        bitmask = sampling_bitmask(grammar, sampled_ids, self.config.model.vocab_size) if state.is_output_rank else None
         hidden, logits_indices = self._forward(host)  # [num_tokens, hidden_size]
         if not state.is_last_stage:
+            assert isinstance(hidden, IntermediateTensors)  # the hand-off to the next stage
             send_intermediate(hidden)
             return None
+        assert isinstance(hidden, torch.Tensor)  # the last stage's final hidden states
         prompt_logprobs = (score_prompts(self.model, host, batch, hidden, state.is_output_rank)
                            if wants_prompt_logprobs(batch) else {})
         if not host.sampled_states:
@@ -226,24 +229,13 @@ class Worker:
         if not host.samples_every_token:
             hidden = hidden[logits_indices]
         # every TP rank of the last stage joins the logits gather; the output rank alone samples
-        logits = self.model.compute_logits(hidden).float()  # [num_sampled, vocab]
+        logits = self.model.compute_logits(hidden).float()  # type: ignore[operator]  # [num_sampled, vocab]
         if not state.is_output_rank:
             return None
         tokens = sample_on_device(logits, host.sampled_states, bitmask, self.sampling_cache)  # [num_sampled]
         self.last_sampled = tokens  # the next step's pending input ids
-        request_ids = [s.request_id for s in host.sampled_states]
-        result = StepOutput(request_ids, self.token_buffers.start_copy(tokens),
-                            sampled_logprobs(logits, host.sampled_states, tokens, self.sampling_cache),
-                            prompt_logprobs)
-        if self.matchers is not None:  # (never with async scheduling: the grammar needs the ids now)
-            self.matchers.accept(request_ids, result.tokens.tolist())
-        return result
-
-    def _sync_matchers(self, output: SchedulerOutput) -> None:
-        if self.matchers is None and any(d.sampling_params.structured_outputs for d in output.new_requests):
-            self.matchers = GrammarMatchers(self.config.model)
-        if self.matchers is not None:
-            sync_matchers(self.matchers, output, self.states)
+        return StepOutput(sampled_ids, self.token_buffers.start_copy(tokens),
+                          sampled_logprobs(logits, host.sampled_states, tokens, self.sampling_cache), prompt_logprobs)
 
     def _forward(self, host: HostInputs) -> tuple[torch.Tensor | IntermediateTensors, torch.Tensor | None]:
         """A captured graph for a decode step that has one (every row samples), the model run eagerly
@@ -253,12 +245,15 @@ class Worker:
         if self.cuda_graphs is not None and self.cuda_graphs.can_replay(host):  # the same on every rank
             size, pending = self.cuda_graphs.load(host, self.staging)
             if pending is not None:
+                assert self.last_sampled is not None  # pending ids are the last step's samples
                 pending.fill(self.cuda_graphs.inputs.input_ids, self.last_sampled)
             if not state.is_first_stage:
+                assert self.cuda_graphs.intermediate is not None  # made for every stage after the first
                 recv_intermediate_into(self.cuda_graphs.intermediate, host.num_requests)
             return self.cuda_graphs.replay(size, host.num_requests), None
         inputs = to_device(host, self.staging)
         if inputs.pending is not None:
+            assert self.last_sampled is not None  # pending ids are the last step's samples
             inputs.pending.fill(inputs.input_ids, self.last_sampled)
         intermediate = None if state.is_first_stage else recv_intermediate(self.config.model.dtype, self.device)
         with forward_context(ForwardContext(inputs.attn_metadata, self.backend)):

@@ -56,7 +56,10 @@ def serve(startup: RankStartup, conn: Connection) -> None:
 
 
 def main() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the engine, which stops us
+    # Ctrl-C, and a SIGTERM to the whole process group (systemd's stop), belong to the engine, which drains
+    # and then stops us (a stop that cannot wait escalates to SIGKILL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     fd, parent_pid = (int(arg) for arg in sys.argv[1:3])
     watch_parent(parent_pid)
     conn = Connection(fd)

@@ -17,8 +17,8 @@ from shardserve.launch.demo import DEMO_MODEL_DIR
 from shardserve.launch.demo.corpus import load_corpus
 from shardserve.launch.demo.model_card import model_card
 from shardserve.launch.demo.tokenizer import train_tokenizer
-from shardserve.launch.demo.training import (TrainingConfig, model_config, new_model, token_stream,
-                                             train)
+from shardserve.launch.demo.training import (TrainingConfig, chat_token_ids, model_config, new_model,
+                                             token_stream, train)
 
 VOCAB_SIZE = 4096
 MAX_MODEL_LEN = 2048
@@ -32,15 +32,16 @@ DEFAULT_OUT = Path("demo-model")  # never the shipped checkpoint unless --out na
 def greedy(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast,
            input_ids: list[int]) -> str:
     with torch.no_grad():
-        out = model.generate(torch.tensor([input_ids]), max_new_tokens=NUM_SAMPLE_TOKENS,
+        # generate's self is typed as transformers' own protocol, which LlamaForCausalLM does not spell out
+        out = model.generate(torch.tensor([input_ids]), max_new_tokens=NUM_SAMPLE_TOKENS,  # type: ignore[misc]
                              do_sample=False)
-    return tokenizer.decode(out[0, len(input_ids):], skip_special_tokens=True)
+    text = tokenizer.decode(out[0, len(input_ids):], skip_special_tokens=True)
+    assert isinstance(text, str)  # one sequence decodes to one string
+    return text
 
 
 def samples(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast) -> dict[str, str]:
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": SAMPLE_QUESTION}],
-                                         add_generation_prompt=True, tokenize=True,
-                                         return_dict=True)["input_ids"]
+    chat = chat_token_ids(tokenizer, [{"role": "user", "content": SAMPLE_QUESTION}], add_generation_prompt=True)
     return {SAMPLE_PROMPT: greedy(model, tokenizer, tokenizer(SAMPLE_PROMPT).input_ids),
             f"(chat) {SAMPLE_QUESTION}": greedy(model, tokenizer, chat)}
 
@@ -55,7 +56,7 @@ def build(out: Path, minutes: float) -> None:
     model = new_model(model_config(tokenizer, MAX_MODEL_LEN), cfg.seed)
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     result = train(model, stream, cfg, log=lambda line: print(line, flush=True))
-    model = model.to(torch.bfloat16).eval()
+    model = model.to(torch.bfloat16).eval()  # type: ignore[arg-type]  # transformers' wrapper types `to` wrongly
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id)

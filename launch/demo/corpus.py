@@ -53,7 +53,8 @@ def stdlib_docstrings() -> list[tuple[str, str]]:
     return out
 
 
-def _docstrings(node: ast.AST, prefix: str) -> list[tuple[str, str]]:
+def _docstrings(node: ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef,
+                prefix: str) -> list[tuple[str, str]]:
     out = []
     doc = ast.get_docstring(node, clean=True)
     if doc and len(doc) >= MIN_DOCSTRING_CHARS:

@@ -14,6 +14,7 @@ REBUILD_COMMAND = ".venv/bin/python -m shardserve.launch.demo.build --out launch
 
 def model_card(model: LlamaForCausalLM, result: TrainingResult, outputs: dict[str, str]) -> str:
     c = model.config
+    assert c.rope_parameters is not None  # training.model_config sets rope_theta
     num_params = sum(p.numel() for p in model.parameters())
     samples = "\n".join(f"- `{prompt}` -> `{text!r}`" for prompt, text in outputs.items())
     return f"""# {DEMO_MODEL_NAME}

@@ -7,6 +7,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -43,17 +44,26 @@ def model_config(tokenizer: PreTrainedTokenizerFast, max_model_len: int) -> Llam
     return LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512,
         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        max_position_embeddings=max_model_len, rope_theta=10000.0, rms_norm_eps=1e-5,
+        # rope_theta: transformers 5 still takes it (into rope_parameters), though its signature does not say so
+        max_position_embeddings=max_model_len, rope_theta=10000.0, rms_norm_eps=1e-5,  # type: ignore[call-arg]
         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+
+
+def chat_token_ids(tokenizer: PreTrainedTokenizerFast, messages: list[dict],
+                   add_generation_prompt: bool = False) -> list[int]:
+    """A chat through the tokenizer's template, as token ids."""
+    # a mapping with return_dict=True, which transformers' return type does not tell apart
+    encoded: Any = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                 return_dict=True)
+    return encoded["input_ids"]
 
 
 def token_stream(tokenizer: PreTrainedTokenizerFast, corpus: Corpus, seed: int) -> torch.Tensor:
     """Every document and chat, each <|begin_of_text|> ... <|end_of_text|>, shuffled, end to end."""
     eos = [tokenizer.eos_token_id]
     pieces = [tokenizer(doc, verbose=False).input_ids + eos for doc in corpus.documents]
-    pieces += [tokenizer.apply_chat_template(list(chat), return_dict=True)["input_ids"]
-               for chat in corpus.conversations]
+    pieces += [chat_token_ids(tokenizer, list(chat)) for chat in corpus.conversations]
     random.Random(seed).shuffle(pieces)
     return torch.tensor([t for piece in pieces for t in piece], dtype=torch.long)  # [num_tokens]
 

@@ -17,6 +17,9 @@ class Attention(nn.Module):
     An fp8 pool stores k / k_scale and v / v_scale; k_scale and v_scale are 1.0 unless the checkpoint
     ships them (read as optional buffers, fixed as floats once loaded)."""
 
+    k_scale: torch.Tensor  # [] float32 buffers
+    v_scale: torch.Tensor
+
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
                  sliding_window: int | None = None, logits_soft_cap: float | None = None):
         super().__init__()
@@ -47,10 +50,12 @@ class Attention(nn.Module):
         if context.attn_metadata is None:  # profiling run without a cache: plain causal attention (no window)
             out = _causal_attention(q, k, v, self.scale, self.logits_soft_cap)
         elif fused:
+            assert self.kv_cache is not None  # bound before any step with metadata
             out = context.backend.forward(q, k, v, self.kv_cache, context.attn_metadata, self.scale,
                                           self.sliding_window, self.kv_scales, positions=positions,
                                           rotary_emb=rotary_emb, logits_soft_cap=self.logits_soft_cap)
         else:
+            assert self.kv_cache is not None
             out = context.backend.forward(q, k, v, self.kv_cache, context.attn_metadata, self.scale,
                                           self.sliding_window, self.kv_scales, logits_soft_cap=self.logits_soft_cap)
         return out.reshape(-1, self.num_heads * self.head_dim)

@@ -6,6 +6,8 @@ the kernel that writes the cache (fuses_rotary)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from shardserve.runtime.attention.triton_decode import paged_decode
@@ -28,9 +30,11 @@ class TritonAttentionBackend:
         if rotary_emb is None:
             store_kv(k, v, kv_cache, meta.slot_mapping, kv_scales)
         else:
+            assert positions is not None  # given with rotary_emb
             q = rotary_store_kv(q, k, v, positions, rotary_emb.cos, rotary_emb.sin, kv_cache, meta.slot_mapping,
                                 kv_scales)
-        options = dict(sliding_window=sliding_window, kv_scales=kv_scales, logits_soft_cap=logits_soft_cap)
+        options: dict[str, Any] = dict(sliding_window=sliding_window, kv_scales=kv_scales,
+                                       logits_soft_cap=logits_soft_cap)
         if meta.is_decode_only:
             return paged_decode(q, kv_cache, meta, scale, **options)
         return paged_prefill(q, kv_cache, meta, scale, **options)

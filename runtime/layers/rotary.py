@@ -139,6 +139,9 @@ class RotaryEmbedding(nn.Module):
     """Rotates the first rotary_dim features of each head by position.
     q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]."""
 
+    cos: torch.Tensor  # [max_position, rotary_dim // 2] buffers, the attention factor folded in
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, max_position: int, params: dict, rotary_dim: int | None = None):
         super().__init__()
         self.head_dim = head_dim

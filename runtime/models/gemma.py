@@ -167,9 +167,10 @@ class GemmaForCausalLM(nn.Module):
 
     def checkpoint_target(self, name: str) -> WeightTarget | None:
         if self.has_text_config:  # Gemma 3 4b+: the language model of a multimodal checkpoint
-            name = language_model_name(name)
-            if name is None:
+            text_name = language_model_name(name)
+            if text_name is None:
                 return WeightTarget("", skip=True)  # the vision tower and its projector
+            name = text_name
         if self.tie_word_embeddings:
             return tied_head_target(name, "model.embed_tokens.weight", self.model.is_first_stage) or fold_packed(
                 name, self.packed_modules)

@@ -77,6 +77,7 @@ class GPT2Model(nn.Module):
         if self.is_first_stage:
             hidden = self.wte(input_ids) + self.wpe(positions)  # [num_tokens, n_embd]
         else:
+            assert intermediate is not None  # a later stage receives the previous one's hand-off
             hidden = intermediate.hidden_states
         for block in self.h[self.start_layer:self.end_layer]:
             hidden = block(hidden)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
@@ -71,8 +71,8 @@ class LlamaAttention(nn.Module):
         self.head_dim = head_dim
         self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         if variant.qk_norm:
-            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
+            self.q_norm: nn.Module = RMSNorm(head_dim, config.rms_norm_eps)  # Gemma's are GemmaRMSNorm
+            self.k_norm: nn.Module = RMSNorm(head_dim, config.rms_norm_eps)
         self.has_qk_norm = variant.qk_norm
         self.rotary_emb = rotary_emb  # shared by every layer
         self.attn = Attention(self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads, sliding_window)
@@ -122,14 +122,33 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-def run_stage(model: nn.Module, embedded: torch.Tensor | None, positions: torch.Tensor,
+class DecoderStage(Protocol):
+    """What run_stage reads of a decoder (LlamaModel, GemmaModel); norm only on the last stage."""
+
+    @property
+    def is_first_stage(self) -> bool: ...
+    @property
+    def is_last_stage(self) -> bool: ...
+    @property
+    def layers(self) -> nn.ModuleList: ...
+    @property
+    def start_layer(self) -> int: ...
+    @property
+    def end_layer(self) -> int: ...
+    @property
+    def norm(self) -> nn.Module: ...
+
+
+def run_stage(model: DecoderStage, embedded: torch.Tensor | None, positions: torch.Tensor,
               intermediate: IntermediateTensors | None):
-    """A decoder stage (`model`: is_first_stage, is_last_stage, layers[start_layer:end_layer], norm)
-    over the embedded tokens on the first stage or the previous stage's hand-off after it: the hand-off
-    for the next stage, or the final norm's output on the last."""
+    """A decoder stage over the embedded tokens on the first stage or the previous stage's hand-off
+    after it: the hand-off for the next stage, or the final norm's output on the last."""
+    residual: torch.Tensor | None = None
     if model.is_first_stage:
-        hidden, residual = embedded, None
+        assert embedded is not None  # the first stage embeds the tokens
+        hidden = embedded
     else:
+        assert intermediate is not None  # a later stage receives the previous one's hand-off
         hidden, residual = intermediate.hidden_states, intermediate.residual
     for layer in model.layers[model.start_layer:model.end_layer]:
         hidden, residual = layer(positions, hidden, residual)

@@ -87,6 +87,7 @@ class OPTDecoder(nn.Module):
                 hidden = self.project_in(hidden)
             hidden = hidden + self.embed_positions(positions + POSITION_OFFSET)
         else:
+            assert intermediate is not None  # a later stage receives the previous one's hand-off
             hidden = intermediate.hidden_states
         for layer in self.layers[self.start_layer:self.end_layer]:
             hidden = layer(hidden)

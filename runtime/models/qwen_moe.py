@@ -27,7 +27,8 @@ class QwenSparseMoeBlock(nn.Module):
         self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
                                 config.moe_intermediate_size,
                                 renormalize=bool(getattr(config, "norm_topk_prob", False)))
-        self.shared_expert = self.shared_expert_gate = None
+        self.shared_expert: LlamaMLP | None = None
+        self.shared_expert_gate: ReplicatedLinear | None = None
         if has_shared_expert:
             self.shared_expert = LlamaMLP(config, config.shared_expert_intermediate_size)
             self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1, bias=False)
@@ -36,6 +37,7 @@ class QwenSparseMoeBlock(nn.Module):
         out = self.experts(hidden, self.gate(hidden))
         if self.shared_expert is None:
             return out
+        assert self.shared_expert_gate is not None  # made with the shared expert
         return out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
 
 

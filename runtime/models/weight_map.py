@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -13,7 +14,7 @@ class WeightTarget:
     skip: bool = False  # a tensor this model (or stage) does not use
 
 
-def fold_packed(name: str, packed: dict[str, tuple[str, object]]) -> WeightTarget:
+def fold_packed(name: str, packed: Mapping[str, tuple[str, object]]) -> WeightTarget:
     """Rename `...q_proj.weight` to `...qkv_proj.weight` with shard "q", etc.; an fp8 KV cache scale
     `...self_attn.k_scale` goes to the attention layer's buffer `...self_attn.attn.k_scale`."""
     if name.endswith((".self_attn.k_scale", ".self_attn.v_scale")):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -50,11 +51,13 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> No
     raise RuntimeError("server did not become healthy in time")
 
 
-def start_server(*args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+def start_server(*args: str, env: dict | None = None, own_group: bool = False) -> tuple[subprocess.Popen, str]:
+    """`own_group`: the server and its children in a process group of their own (as a service manager
+    starts them), which a test may signal as a whole."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "shardserve.launch", "launch", *args, "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=own_group,
         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc)
@@ -71,6 +74,16 @@ def stop_server(proc: subprocess.Popen, stop_signal: int = signal.SIGTERM) -> tu
     return proc.returncode, out
 
 
+def open_request(url: str, path: str, body: dict) -> socket.socket:
+    """A POST sent on a raw socket and left unread: close the socket to disconnect the client."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
 def kill_if_running(proc: subprocess.Popen) -> None:
     """After a test that expected the server to exit by itself: make sure it did."""
     if proc.poll() is None:
@@ -78,18 +91,29 @@ def kill_if_running(proc: subprocess.Popen) -> None:
         proc.communicate()
 
 
-@pytest.fixture(scope="module")
-def server():
-    proc, url = start_server("--profile", "demo", "--api-key", API_KEY)
+def serving(*args: str):
+    """A module fixture's server: yields its URL, then stops it and checks that it exited cleanly."""
+    proc, url = start_server(*args)
     yield url
     code, out = stop_server(proc)
     assert code == 0, out
 
 
 @pytest.fixture(scope="module")
+def server():
+    yield from serving("--profile", "demo", "--api-key", API_KEY)
+
+
+@pytest.fixture(scope="module")
 def client(server):
     import openai
     return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
+
+
+def metric(server: str, name: str) -> float:
+    """The sum of a Prometheus metric's samples (every label set) on /metrics."""
+    text = http(f"{server}/metrics")[1]
+    return sum(float(m) for m in re.findall(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M))
 
 
 def post(server: str, path: str, body: dict, headers: dict | None = AUTH) -> tuple[int, dict | None]:

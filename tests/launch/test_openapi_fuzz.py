@@ -9,21 +9,22 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.launch.conftest import http, start_server, stop_server
+from tests.launch.conftest import http, serving
 
 MODEL = "shardserve-demo"
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
 # fields whose size sets the cost of a request: drawn values are capped so a run stays short
 CAPS = {"n": 2, "max_tokens": 8, "max_completion_tokens": 8, "min_tokens": 8, "logprobs": 3, "top_logprobs": 3,
         "prompt_logprobs": 3}
+# values JSON can carry that no schema allows, drawn among the others: Python's json writes NaN and Infinity
+# as such, and a lone surrogate as its "\ud800" escape
+ODD_NUMBERS = st.sampled_from([float("nan"), float("inf"), float("-inf")])
+ODD_TEXT = st.sampled_from(["ab\ud800cd", "\udfff", "x\ud83d"])
 
 
 @pytest.fixture(scope="module")
 def server():
-    proc, url = start_server("--profile", "demo")
-    yield url
-    code, out = stop_server(proc)
-    assert code == 0, out
+    yield from serving("--profile", "demo")
 
 
 def from_schema(schema: dict, components: dict, depth: int = 0) -> st.SearchStrategy:
@@ -32,8 +33,9 @@ def from_schema(schema: dict, components: dict, depth: int = 0) -> st.SearchStra
     hypothesis, so this is the small part of it the server's document needs."""
     if "$ref" in schema:
         return from_schema(components[schema["$ref"].rsplit("/", 1)[-1]], components, depth)
-    if "anyOf" in schema:
-        return st.one_of([from_schema(option, components, depth) for option in schema["anyOf"]])
+    if "anyOf" in schema or "oneOf" in schema:
+        options = schema.get("anyOf") or schema["oneOf"]
+        return st.one_of([from_schema(option, components, depth) for option in options])
     if "enum" in schema or "const" in schema:
         return st.sampled_from(schema.get("enum") or [schema.get("const")])
     kind = schema.get("type")
@@ -43,8 +45,9 @@ def from_schema(schema: dict, components: dict, depth: int = 0) -> st.SearchStra
         items = from_schema(schema.get("items", {}), components, depth + 1) if depth < 3 else st.just(1)
         return st.lists(items, min_size=schema.get("minItems", 0), max_size=min(schema.get("maxItems", 3), 3))
     bounds = {"min_value": schema.get("minimum"), "max_value": schema.get("maximum")}
-    scalars = {"string": st.text(max_size=12), "boolean": st.booleans(), "null": st.none(),
-               "integer": st.integers(**bounds), "number": st.floats(allow_nan=False, allow_infinity=False, **bounds)}
+    finite = st.floats(allow_nan=False, allow_infinity=False, **bounds)
+    scalars = {"string": st.text(max_size=12) | st.text(max_size=12) | ODD_TEXT, "boolean": st.booleans(),
+               "null": st.none(), "integer": st.integers(**bounds), "number": finite | finite | ODD_NUMBERS}
     return scalars.get(kind, st.one_of(st.none(), st.integers(), st.text(max_size=8)))
 
 
@@ -53,7 +56,7 @@ def _object(schema: dict, components: dict, depth: int) -> st.SearchStrategy:
     required = {name: from_schema(properties[name], components, depth + 1) for name in schema.get("required", [])}
     optional = {name: from_schema(p, components, depth + 1) for name, p in properties.items() if name not in required}
     if not properties:  # a free mapping
-        return st.dictionaries(st.text(max_size=6), st.integers(), max_size=2)
+        return st.dictionaries(st.text(max_size=6) | ODD_TEXT, st.integers(), max_size=2)
     return st.fixed_dictionaries(required, optional=optional)
 
 

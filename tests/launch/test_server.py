@@ -2,19 +2,12 @@
 
 import asyncio
 import json
-import re
 import time
 
 import openai
 import pytest
 
-from tests.launch.conftest import API_KEY, AUTH, MODEL, http, post
-
-
-def metric(server, name: str) -> float:
-    text = http(f"{server}/metrics")[1]
-    values = [float(m) for m in re.findall(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M)]
-    return sum(values)
+from tests.launch.conftest import API_KEY, AUTH, MODEL, http, metric, post
 
 
 def test_health_version_models(server, client):
@@ -134,7 +127,7 @@ def test_min_tokens_and_ignore_eos(client):
     ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404, "model"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages"),
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages.0.content.0"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user",
                                                             "content": "hi"}],
                               "max_completion_tokens": 2000}, 400, "max_tokens"),
@@ -142,8 +135,8 @@ def test_min_tokens_and_ignore_eos(client):
                                                             "content": "hi " * 3000}]},
      400, "messages"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "min_tokens": 5},
-     400, None),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "stop": [""]}, 400, None),
+     400, "min_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "stop": [""]}, 400, "stop"),
 ])
 def test_bad_input_is_openai_shaped_and_server_stays_healthy(server, path, body, status,
                                                              param):

@@ -32,6 +32,8 @@ VALUES = {
     "enforce_eager": True, "async_scheduling": True, "seed": 7, "chat_template": "{{ messages[0].content }}", "generation_config": "vllm",
     "skip_tokenizer_init": True, "target_concurrency": 3, "host": "127.0.0.2",
     "port": 8123, "served_model_name": "tiny", "max_queued_requests": 5, "allowed_origins": ["https://app.example"],
+    "shutdown_timeout": 2.5, "max_request_body_bytes": 4096, "grammar_compile_timeout": 0.5,
+    "trust_request_chat_template": True,
     "tool_call_parser": "hermes", "enable_auto_tool_choice": True, "env": {"SHARDSERVE_T": "1"},
     "description": "a note",
     # the traffic and targets a plan is for (the demo on CPU meets these loose targets)

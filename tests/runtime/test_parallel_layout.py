@@ -35,7 +35,7 @@ def test_refusals_name_the_rule(kwargs, tp, pp, devices, message):
 
 
 @pytest.mark.parametrize("experts, tp, message", [
-    (None, 2, "enable_expert_parallel: m has no routed experts"),
+    (None, 2, "enable_expert_parallel: LlamaForCausalLM has no routed experts"),
     (6, 4, "enable_expert_parallel: 6 experts do not divide evenly over tensor_parallel_size 4"),
 ])
 def test_expert_parallel_refusals_name_the_setting(experts, tp, message):

@@ -23,6 +23,8 @@ def llm(checkpoint_factory):
     ({"text": "hi"}, SamplingParams(), "prompt", "a prompt is"),
     ([5] * 30, SamplingParams(max_tokens=3), "max_tokens", "max_model_len=32"),
     ([5] * 32, SamplingParams(max_tokens=None), "prompt", "no room to generate"),
+    ([5] * 3, SamplingParams(stop_token_ids=[320]), "stop_token_ids", r"\[0, 320\)"),
+    ([5] * 3, SamplingParams(max_tokens=None, min_tokens=40), "min_tokens", "max_model_len=32"),
 ])
 def test_the_input_processor_names_what_to_change(llm, prompt, params, field, message):
     with pytest.raises(InvalidPromptError, match=message) as caught:

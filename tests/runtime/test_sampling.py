@@ -218,9 +218,15 @@ def test_logprobs_have_ranks_and_top_k(llm):
 
 def test_invalid_parameters_are_refused_with_the_field_name():
     for kwargs, field in [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": -5}, "top_k"),
-                          ({"n": 0}, "n"), ({"min_tokens": 5, "max_tokens": 2}, "min_tokens")]:
-        with pytest.raises(ValueError, match=field):
+                          ({"n": 0}, "n"), ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+                          ({"temperature": float("inf")}, "temperature"),
+                          ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+                          ({"repetition_penalty": float("nan")}, "repetition_penalty"),
+                          ({"logit_bias": {5: float("nan")}}, "logit_bias"),
+                          ({"stop_token_ids": [-1]}, "stop_token_ids")]:
+        with pytest.raises(ValueError, match=field) as caught:
             SamplingParams(**kwargs)
+        assert caught.value.field == field  # the server's 400 names it
     assert SamplingParams(top_k=-1).top_k is None  # vLLM's "disabled" spelling is accepted
 
 

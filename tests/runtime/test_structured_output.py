@@ -1,5 +1,5 @@
 """Structured outputs (xgrammar): every sample obeys its grammar at temperature 1, also when batched
-with free samples, preempted and recomputed, or sampled on a tensor-parallel engine."""
+with free samples, preempted and recomputed, or sampled on a tensor- or pipeline-parallel engine."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def test_each_kind_of_grammar_is_obeyed_beside_free_samples():
 
 def test_a_preempted_sample_resumes_inside_its_grammar():
     """A pool of 5 blocks of 16 for 6 samples of ~30 tokens each forces preemption and recompute:
-    the sampling rank rebuilds each matcher from the sample's outputs so far."""
+    each matcher lives with its request in the engine, so a recomputed sample resumes where it was."""
     per_block = LLM(DEMO, kv_cache_memory_bytes=1 << 22, max_model_len=80).kv_cache_info.bytes_per_block
     llm = LLM(DEMO, kv_cache_memory_bytes=5 * per_block, block_size=16, max_model_len=80)
     outputs = llm.generate([f"Pet {i}" for i in range(6)], [constrained("json", PET, seed=i) for i in range(6)])
@@ -46,8 +46,10 @@ def test_a_preempted_sample_resumes_inside_its_grammar():
 
 
 @pytest.mark.slow
-def test_tensor_parallel_engine_samples_inside_the_grammar():
-    with LLM(DEMO, tensor_parallel_size=2, kv_cache_memory_bytes=1 << 24) as llm:
-        outputs = llm.generate(["A", "B"], [constrained("json", PET, seed=i) for i in range(2)])
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_a_parallel_engine_samples_inside_the_grammar(layout):
+    """The engine's bitmask reaches the sampling rank; with pipeline stages, two batches are in flight."""
+    with LLM(DEMO, **layout, kv_cache_memory_bytes=1 << 24) as llm:
+        outputs = llm.generate(["A", "B", "C"], [constrained("json", PET, seed=i) for i in range(3)])
     for output in outputs:
         jsonschema.validate(json.loads(output.outputs[0].text), PET)

@@ -32,6 +32,7 @@ class QuantConfig:
         """`quantization` (the --quantization setting) overrides the detected quant_method."""
         if quantization is None and not qc:
             return None
+        qc = qc or {}  # --quantization on a checkpoint without quantization_config
         if not qc and quantization == "fp8":
             return QuantConfig("fp8", QuantSpec("fp8", 8, None), fp8_strategy="channel", is_online=True)
         fmt = (quantization or str(qc.get("quant_method", ""))).lower()

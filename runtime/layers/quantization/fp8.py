@@ -12,12 +12,26 @@ GPUs) the weight is dequantized then multiplied in the model dtype."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from shardserve.runtime.layers.quantization.config import QuantConfig
 from shardserve.runtime.layers.weights import FLOAT_WEIGHT, PackedDims
+
+
+class Fp8Layer(Protocol):
+    """A linear layer (layers/linear.py) with the parameters create_weights gives it (layouts above); its
+    scale is named scale_name."""
+
+    weight: torch.Tensor
+    input_scale: torch.Tensor  # compressed-tensors static activation scales
+    packed_dims: dict[str, PackedDims]
+
+    def register_parameter(self, name: str, param: nn.Parameter | None) -> None: ...
+    def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None: ...
 
 
 class Fp8LinearMethod:
@@ -29,7 +43,7 @@ class Fp8LinearMethod:
     def scale_name(self) -> str:
         return "weight_scale_inv" if self.config.format == "fp8" and self.block_shape else "weight_scale"
 
-    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, full_input_size: int) -> None:
+    def create_weights(self, layer: Fp8Layer, input_size: int, output_size: int, full_input_size: int) -> None:
         stored = torch.get_default_dtype() if self.config.is_online else torch.float8_e4m3fn
         layer.weight = nn.Parameter(torch.zeros(output_size, input_size, dtype=stored), requires_grad=False)
         layer.packed_dims["weight"] = FLOAT_WEIGHT
@@ -48,7 +62,7 @@ class Fp8LinearMethod:
             layer.input_scale = nn.Parameter(torch.zeros(output_size, 1), requires_grad=False)
             layer.packed_dims["input_scale"] = PackedDims(0, None, is_broadcast=True)
 
-    def process_after_loading(self, layer: nn.Module) -> None:
+    def process_after_loading(self, layer: Fp8Layer) -> None:
         """Online quantization: the float weight becomes fp8 with one scale per output row."""
         if not self.config.is_online:
             return
@@ -57,7 +71,7 @@ class Fp8LinearMethod:
         layer.weight = nn.Parameter((weight / scale).to(torch.float8_e4m3fn), requires_grad=False)
         getattr(layer, self.scale_name).copy_(scale)
 
-    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+    def dequantize(self, layer: Fp8Layer) -> torch.Tensor:
         scale = getattr(layer, self.scale_name).float()
         weight = layer.weight.float()  # [out, in]
         if self.block_shape:
@@ -65,18 +79,18 @@ class Fp8LinearMethod:
             scale = scale.repeat_interleave(bo, 0)[: weight.shape[0]].repeat_interleave(bi, 1)[:, : weight.shape[1]]
         return weight * scale
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: Fp8Layer, x: torch.Tensor) -> torch.Tensor:
         if self._has_fp8_gemm(layer, x):
             return self._scaled_mm(layer, x)
         return F.linear(x, self.dequantize(layer).to(x.dtype))
 
-    def _has_fp8_gemm(self, layer: nn.Module, x: torch.Tensor) -> bool:
+    def _has_fp8_gemm(self, layer: Fp8Layer, x: torch.Tensor) -> bool:
         """NOTE: row-wise scaled _scaled_mm wants bf16 output, sm_90, and both GEMM sizes of 16s."""
         num_out, num_in = layer.weight.shape
         return (x.is_cuda and x.dtype == torch.bfloat16 and not self.block_shape and num_in % 16 == 0
                 and num_out % 16 == 0 and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
-    def _scaled_mm(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def _scaled_mm(self, layer: Fp8Layer, x: torch.Tensor) -> torch.Tensor:
         largest = torch.finfo(torch.float8_e4m3fn).max
         x2 = x.reshape(-1, x.shape[-1])  # [tokens, in]
         x_scale = (x2.abs().amax(-1, keepdim=True).float() / largest).clamp(min=1e-12)  # [tokens, 1]

@@ -14,6 +14,8 @@ W[out, in] = (q[in, out] - zero[group(in), out]) * scale[group(in), out], transp
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -44,6 +46,21 @@ def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(inverse)
 
 
+class PackedIntLayer(Protocol):
+    """A linear layer (layers/linear.py) with the parameters create_weights gives it (layouts above) and
+    the buffer process_after_loading adds."""
+
+    qweight: torch.Tensor
+    qzeros: torch.Tensor
+    scales: torch.Tensor
+    g_idx: torch.Tensor  # GPTQ
+    group_index: torch.Tensor  # [in] int32
+    packed_dims: dict[str, PackedDims]
+
+    def register_parameter(self, name: str, param: nn.Parameter | None) -> None: ...
+    def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None: ...
+
+
 class PackedIntLinearMethod:
     """Parameters and matmul of an AWQ or GPTQ linear layer."""
 
@@ -52,7 +69,7 @@ class PackedIntLinearMethod:
         self.bits = config.spec.bits
         self.pack = 32 // self.bits
 
-    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, full_input_size: int) -> None:
+    def create_weights(self, layer: PackedIntLayer, input_size: int, output_size: int, full_input_size: int) -> None:
         group = self.config.spec.group_size or full_input_size
         is_split = input_size != full_input_size
         # act-order groups are scattered over the input rows: every rank keeps all of them
@@ -73,7 +90,7 @@ class PackedIntLinearMethod:
                                     requires_grad=False)
         layer.packed_dims["scales"] = PackedDims(1, group_dims[0], 1, group_dims[1])
 
-    def process_after_loading(self, layer: nn.Module) -> None:
+    def process_after_loading(self, layer: PackedIntLayer) -> None:
         """group_index [in]: the scale group of each input row of this rank (act-order: g_idx)."""
         num_in = layer.qweight.shape[0] * (1 if self.is_awq else self.pack)
         if self.config.format == "gptq" and self.config.desc_act:
@@ -87,7 +104,7 @@ class PackedIntLinearMethod:
     def is_awq(self) -> bool:
         return self.config.format == "awq"
 
-    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+    def dequantize(self, layer: PackedIntLayer) -> torch.Tensor:
         """The float weight [out, in] of this rank."""
         order = AWQ_ORDER if self.is_awq else None
         q = unpack_int32(layer.qweight, self.bits, 1 if self.is_awq else 0, order)  # [in, out]
@@ -96,7 +113,7 @@ class PackedIntLinearMethod:
         weight = (q - zeros[groups]).to(layer.scales.dtype) * layer.scales[groups]
         return weight.t()
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: PackedIntLayer, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             from shardserve.runtime.layers.quantization.triton_packed_int import packed_int_matmul
             return packed_int_matmul(x, layer.qweight, layer.qzeros, layer.scales, layer.group_index, self.bits,

@@ -1,0 +1,204 @@
+"""No request can stall others: grammar sizes, the grammar compile budget, the body size and request chat
+templates each have a limit that answers a 4xx naming it, and large grammars compile off the engine's loop."""
+
+import json
+import random
+import string
+import threading
+import time
+from http.client import HTTPConnection
+
+import openai
+import pytest
+
+from shardserve.runtime.structured_output import (MAX_CHOICE_CHARS, MAX_CHOICES, MAX_GRAMMAR_CHARS, MAX_REGEX_CHARS,
+                                                  MAX_SCHEMA_CHARS, MAX_SCHEMA_DEPTH)
+from tests.launch.conftest import MODEL, http, serving
+
+STRICT_BODY_BYTES = 65536
+MESSAGES = [{"role": "user", "content": "hello world"}]
+MAX_GAP_SECONDS = 0.5  # a stream's longest wait for a token while grammars compile (a few ms without)
+
+
+@pytest.fixture(scope="module")
+def server():
+    """The demo's defaults, and request chat templates allowed."""
+    yield from serving("--profile", "demo", "--trust-request-chat-template")
+
+
+@pytest.fixture(scope="module")
+def strict_server():
+    """Small limits; request chat templates refused (the default)."""
+    yield from serving("--profile", "demo", "--max-request-body-bytes", str(STRICT_BODY_BYTES),
+                       "--grammar-compile-timeout", "0.001")
+
+
+def post(url: str, path: str, body: dict, timeout: float = 120.0) -> tuple[int, dict]:
+    status, text = http(f"{url}{path}", body, timeout=timeout)
+    return status, json.loads(text) if text else {}
+
+
+def nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth - 1):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def random_choices(seed: int, count: int, length: int) -> list[str]:
+    rng = random.Random(seed)
+    return ["".join(rng.choice(string.ascii_lowercase) for _ in range(length)) for _ in range(count)]
+
+
+def named_tool(parameters: dict) -> dict:
+    """A named tool call (the demo's template renders no tools: the request brings one that reads them)."""
+    return {"tools": [{"type": "function", "function": {"name": "f", "parameters": parameters}}],
+            "tool_choice": {"type": "function", "function": {"name": "f"}},
+            "chat_template": "{% if tools %}{% endif %}{{ messages[0].content }}"}
+
+
+OVER_A_LIMIT = {  # field: (what the request adds, the limit the answer names)
+    "choices": ("guided_choice", {"guided_choice": [f"c{i}" for i in range(MAX_CHOICES + 1)]}, MAX_CHOICES),
+    "choice characters": ("guided_choice", {"guided_choice": ["x" * 1000] * (MAX_CHOICE_CHARS // 1000 + 1)},
+                          MAX_CHOICE_CHARS),
+    "regex": ("guided_regex", {"guided_regex": "a" * (MAX_REGEX_CHARS + 1)}, MAX_REGEX_CHARS),
+    "grammar": ("guided_grammar", {"guided_grammar": 'root ::= "' + "a" * MAX_GRAMMAR_CHARS + '"'},
+                MAX_GRAMMAR_CHARS),
+    "schema characters": ("guided_json", {"guided_json": {"type": "string", "description": "x" * MAX_SCHEMA_CHARS}},
+                          MAX_SCHEMA_CHARS),
+    "schema depth": ("guided_json", {"guided_json": nested_schema(MAX_SCHEMA_DEPTH + 1)}, MAX_SCHEMA_DEPTH),
+    "response_format": ("response_format", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "deep", "schema": nested_schema(MAX_SCHEMA_DEPTH + 1)}}}, MAX_SCHEMA_DEPTH),
+    "tool_choice": ("tool_choice", named_tool({"type": "object", "description": "x" * MAX_SCHEMA_CHARS}),
+                    MAX_SCHEMA_CHARS),
+}
+
+
+@pytest.mark.parametrize("case", OVER_A_LIMIT)
+def test_a_grammar_over_a_size_limit_is_a_400_naming_the_field_and_the_limit(server, case):
+    field, extra, limit = OVER_A_LIMIT[case]
+    status, body = post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4, **extra})
+    assert status == 400, body
+    assert body["error"]["param"] == field
+    assert f"at most {limit} " in body["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_over_the_compile_budget_is_a_400_naming_the_field_and_the_flag(strict_server, stream):
+    """The budget is 1 ms here: a grammar of 300 choices takes tens of ms. Streamed or not, the 400 comes
+    as the status, before any event."""
+    choices = random_choices(seed=int(stream), count=300, length=32)
+    status, body = http(f"{strict_server}/v1/completions", {"prompt": "The", "max_tokens": 4, "stream": stream,
+                                                            "guided_choice": choices})
+    assert status == 400, body
+    error = json.loads(body)["error"]
+    assert error["param"] == "guided_choice" and "--grammar-compile-timeout" in error["message"]
+
+
+def large_schema(seed: int) -> dict:
+    """A JSON schema just under MAX_SCHEMA_CHARS: 1,400 fields, each one of three strings (~0.5 s to compile
+    on an idle core)."""
+    fields = {f"field_{seed}_{i}": {"type": "string", "enum": [f"v{i}_{j}" for j in range(3)]} for i in range(1400)}
+    schema = {"type": "object", "properties": fields, "required": sorted(fields)}
+    assert MAX_SCHEMA_CHARS * 0.9 < len(json.dumps(schema)) <= MAX_SCHEMA_CHARS
+    return schema
+
+
+def stream_gaps(url: str, done: threading.Event) -> list[float]:
+    """Streams one after another until `done`: each wait for a token (the first one's from the request)."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    gaps: list[float] = []
+    while not done.is_set():
+        last = time.monotonic()
+        for _ in client.completions.create(model=MODEL, prompt="The function", max_tokens=200, stream=True,
+                                           extra_body={"ignore_eos": True}):
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+    return gaps
+
+
+def test_other_streams_keep_their_pace_while_large_grammars_compile(server):
+    """Four grammars just under the size limit arrive while streams run: they compile off the engine's
+    loop, so no stream waits for them (compiled in a step, they held every stream for seconds)."""
+    done, gaps = threading.Event(), []
+    streaming = threading.Thread(target=lambda: gaps.extend(stream_gaps(server, done)))
+    streaming.start()
+    time.sleep(0.5)  # under way
+    answers: list[tuple[int, dict]] = []
+    requests = [threading.Thread(target=lambda k=k: answers.append(post(server, "/v1/chat/completions", {
+        "messages": MESSAGES, "max_tokens": 8, "guided_json": large_schema(k)}))) for k in range(4)]
+    for thread in requests:
+        thread.start()
+    for thread in requests:
+        thread.join()
+    done.set()
+    streaming.join()
+    assert [status for status, _ in answers] == [200] * 4, answers
+    assert all(body["choices"][0]["message"]["content"].startswith('{"field_') for _, body in answers), answers
+    assert max(gaps) < MAX_GAP_SECONDS, f"a stream waited {max(gaps):.2f} s for a token while grammars compiled"
+
+
+def test_a_body_over_the_limit_is_a_413_before_it_is_parsed(server):
+    """The default limit is 16 MiB; a 17 MB body is refused unparsed (today's 10 MB one took seconds)."""
+    began = time.monotonic()
+    status, body = post(server, "/v1/completions", {"prompt": "x" * 17_000_000, "max_tokens": 4})
+    assert status == 413, body
+    assert body["error"]["code"] == 413 and "--max-request-body-bytes" in body["error"]["message"]
+    assert str(16 << 20) in body["error"]["message"]
+    assert time.monotonic() - began < 5
+
+
+def send_chunked(url: str, payload: bytes) -> tuple[int, dict]:
+    """A POST whose body comes in chunks, with no Content-Length."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    connection = HTTPConnection(host, int(port), timeout=60)
+    pieces = (payload[i:i + 4096] for i in range(0, len(payload), 4096))
+    connection.request("POST", "/v1/completions", body=pieces, headers={"content-type": "application/json"},
+                       encode_chunked=True)
+    response = connection.getresponse()
+    return response.status, json.loads(response.read())
+
+
+def test_a_chunked_body_is_held_to_the_limit_too(strict_server):
+    small = json.dumps({"prompt": "The", "max_tokens": 2}).encode()
+    assert send_chunked(strict_server, small)[0] == 200
+    status, body = send_chunked(strict_server, json.dumps({"prompt": "x" * STRICT_BODY_BYTES}).encode())
+    assert status == 413 and f"larger than {STRICT_BODY_BYTES} bytes" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_prompt_too_long_for_max_model_len_is_refused_untokenized(server, path):
+    """10 MB of text cannot fit the demo's 1,024 tokens: refused by its length, in well under the seconds
+    tokenizing it takes."""
+    text = "x" * 10_000_000
+    request = {"prompt": text} if path == "/v1/completions" else {"messages": [{"role": "user", "content": text}]}
+    began = time.monotonic()
+    status, body = post(server, path, {**request, "max_tokens": 4})
+    assert status == 400, body
+    assert body["error"]["param"] == ("prompt" if path == "/v1/completions" else "messages")
+    assert "characters, so more than max_model_len=1024 tokens" in body["error"]["message"]
+    assert time.monotonic() - began < 2.5
+
+
+@pytest.mark.parametrize("field", ["chat_template_kwargs.chat_template", "chat_template"])
+def test_a_request_chat_template_needs_the_operators_flag(strict_server, field):
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    extra = {"chat_template": template} if field == "chat_template" else {"chat_template_kwargs": {
+        "chat_template": template}}
+    status, body = post(strict_server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4, **extra})
+    assert status == 400, body
+    assert body["error"]["param"] == field and "--trust-request-chat-template" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("field", ["chat_template_kwargs", "chat_template"])
+def test_with_the_flag_a_request_chat_template_is_used(server, field):
+    """The bare content as the prompt: as many tokens as the text alone, fewer than the model's template."""
+    template = "{{ messages[0].content }}"
+    extra = {"chat_template": template} if field == "chat_template" else {"chat_template_kwargs": {
+        "chat_template": template}}
+    status, own = post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2, **extra})
+    assert status == 200, own
+    _, plain = post(server, "/tokenize", {"prompt": "hello world", "add_special_tokens": False})
+    _, templated = post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2})
+    assert own["usage"]["prompt_tokens"] == plain["count"] < templated["usage"]["prompt_tokens"]
