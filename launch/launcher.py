@@ -286,11 +286,8 @@ def serve_once(config: DeployConfig, plan: PlanFile, listener: socket.socket, ap
 
 
 def start_engines(path: str, kwargs: dict, num_replicas: int) -> list:
-    """One replica: its AsyncEngine in this process. More: each in a process of its own (its own
-    GIL, its own GPUs), talked to over a socket (replica_client.py)."""
-    if num_replicas == 1:
-        from shardserve.runtime import AsyncEngine
-        return [AsyncEngine(path, **kwargs)]
+    """Every replica, one or many, in a process of its own (its own GIL, its own GPUs), talked to over
+    a socket (replica_client.py): the API process never steps an engine."""
     from shardserve.launch.replica_client import start_replicas
     return start_replicas(path, kwargs, num_replicas)
 

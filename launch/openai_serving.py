@@ -175,7 +175,7 @@ class OpenAIServing:
 
     async def compile_grammar(self, request: PreparedRequest) -> None:
         """The request's grammar compiled before any engine sees it: off the event loop (other streams go
-        on), within grammar_compile_timeout; the engine in this process then finds it compiled."""
+        on), within grammar_compile_timeout; the replica's process compiles it again from its own cache."""
         if request.params.structured_outputs is None:
             return
         try:

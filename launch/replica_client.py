@@ -1,4 +1,5 @@
-"""A data-parallel replica in a process of its own, seen from the API server as an engine.
+"""A replica in a process of its own (every replica the server runs, one or many), seen from the API
+server as an engine.
 
 ReplicaClient starts `python -m shardserve.launch.replica_process`, hands it the engine's settings and
 its devices (a CUDA_VISIBLE_DEVICES slice on GPUs), then relays prompts and deltas over the socket

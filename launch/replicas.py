@@ -29,8 +29,8 @@ def public_message(text: str) -> str:
 
 
 class Replica:
-    """engine: an in-process AsyncEngine (data_parallel_size 1) or a ReplicaClient (a replica in a
-    process of its own); both answer generate, abort, get_stats, error, start and shutdown alike."""
+    """engine: a ReplicaClient (the server's replicas, one or many, each in a process of its own) or an
+    AsyncEngine in this process; both answer generate, abort, get_stats, error, start and shutdown alike."""
 
     def __init__(self, index: int, engine):
         self.index, self.engine = index, engine

@@ -114,10 +114,15 @@ def test_only_rank_0_shows_loading_progress():
     assert not [line for line in progress if "(rank 1)" in line]
 
 
-def _ranks(pid: int) -> list[int]:
-    """The rank processes of a server (children running the rank module)."""
+def _descendants(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()
+    children = [int(p) for p in out.split()]
+    return children + [d for c in children for d in _descendants(c)]
+
+
+def _ranks(pid: int) -> list[int]:
+    """The rank processes of a server (its replica's children running the rank module)."""
+    return [p for p in _descendants(pid)
             if b"shardserve.runtime.worker_process" in Path(f"/proc/{p}/cmdline").read_bytes()]
 
 

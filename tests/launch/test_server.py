@@ -284,11 +284,16 @@ def test_metrics_time_the_queue_and_prefill_and_count_prefix_cache_hits(server, 
     prompt = "The function returns a list of the values it was given, " * 4  # several full blocks
     for _ in range(2):  # the second finds the first's blocks in the prefix cache
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, n=2, temperature=0)
-    after = {name: metric(server, name) for name in counts}
+    deadline = time.monotonic() + 5  # the replica's stats (prefix cache counts) arrive twice a second
+    while True:
+        after = {name: metric(server, name) for name in counts}
+        hit = after["shardserve_prefix_cache_hit_tokens_total"] - counts["shardserve_prefix_cache_hit_tokens_total"]
+        if hit > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert after["shardserve_request_queue_time_seconds_count"] == counts[
         "shardserve_request_queue_time_seconds_count"] + 4  # one per sample
     assert after["shardserve_request_prefill_time_seconds_count"] == counts[
         "shardserve_request_prefill_time_seconds_count"] + 4
     queried = after["shardserve_prefix_cache_query_tokens_total"] - counts["shardserve_prefix_cache_query_tokens_total"]
-    hit = after["shardserve_prefix_cache_hit_tokens_total"] - counts["shardserve_prefix_cache_hit_tokens_total"]
     assert queried > 0 and 0 < hit < queried
