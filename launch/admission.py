@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 
 from fastapi.responses import JSONResponse
 
 from shardserve.launch.metrics import ServerMetrics
-from shardserve.launch.protocol import APIError
-
-DRAIN_POLL_SECONDS = 0.05
+from shardserve.launch.protocol import APIError, shutting_down
 
 
 class Admission:
@@ -25,20 +22,11 @@ class Admission:
 
     def refusal(self) -> APIError | None:
         if self.is_draining:
-            return APIError(503, "the server is shutting down; send the request to another server",
-                            error_type="service_unavailable")
+            return shutting_down()
         if self.num_in_flight >= self.limit:
             return APIError(503, f"server overloaded: {self.num_in_flight} requests in flight; retry later",
                             error_type="service_unavailable")
         return None
-
-    async def wait_idle(self, timeout: float) -> bool:
-        """Wait up to `timeout` seconds for every admitted request to be answered (or its client gone);
-        whether none is left."""
-        deadline = time.monotonic() + timeout
-        while self.num_in_flight and time.monotonic() < deadline:
-            await asyncio.sleep(min(DRAIN_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
-        return self.num_in_flight == 0
 
 
 class InFlightLimit:

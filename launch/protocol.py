@@ -32,6 +32,12 @@ class APIError(Exception):
                           "param": self.param, "code": self.status}}
 
 
+def shutting_down() -> APIError:
+    """The 503 of a server that is draining (SIGTERM): for new requests, and those its drain ended."""
+    return APIError(503, "the server is shutting down; send the request to another server",
+                    error_type="service_unavailable")
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")  # an unknown option is refused by name (_refuse_unknown)
     include_usage: bool = False

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 from shardserve.launch.metrics import ServerMetrics
 from shardserve.launch.plan_check import FinishedRequest, PlanCheck
-from shardserve.launch.protocol import APIError
+from shardserve.launch.protocol import shutting_down
 from shardserve.runtime.input_processor import InputProcessor, ProcessedPrompt
 from shardserve.runtime.outputs import PromptDelta
 from shardserve.runtime.sampling_params import SamplingParams
@@ -89,7 +89,7 @@ class ReplicaSet:
         """The prompt's deltas from the least-loaded replica, timed for metrics. A prompt that stop()
         ended raises a 503."""
         if self.is_stopping:
-            raise _shutting_down()
+            raise shutting_down()
         replica = self.pick()
         replica.num_active += 1
         self.prompts[prompt_id] = replica
@@ -113,15 +113,15 @@ class ReplicaSet:
                     first = now if is_first else first
                 yield delta
             if not is_finished and self.is_stopping:
-                raise _shutting_down()
+                raise shutting_down()
             if metrics is not None:
                 self._observe_finish(metrics, labels, prompt.num_prompt_tokens, num_tokens / params.n, start, first)
         finally:
             self.prompts.pop(prompt_id, None)
             replica.num_active -= 1
 
-    def _observe_finish(self, metrics: ServerMetrics, labels: tuple[str, str], num_prompt_tokens: int, num_output_tokens: float,
-                        start: float, first: float) -> None:
+    def _observe_finish(self, metrics: ServerMetrics, labels: tuple[str, str], num_prompt_tokens: int,
+                        num_output_tokens: float, start: float, first: float) -> None:
         """A finished prompt: e2e; TPOT = (e2e - TTFT) / (output tokens - 1) with 2 tokens or more
         (output tokens per sample when n > 1); the plan check's record."""
         e2e, ttft = time.monotonic() - start, first - start
@@ -157,8 +157,3 @@ class ReplicaSet:
     async def shutdown(self) -> None:
         for r in self.replicas:
             await r.engine.shutdown()
-
-
-def _shutting_down() -> APIError:
-    return APIError(503, "the server is shutting down; send the request again to another server",
-                    error_type="service_unavailable")

@@ -15,7 +15,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from shardserve.runtime.structured_output import StructuredOutputs
+from shardserve.runtime.structured_output import StructuredOutputs, schema_text
 
 PARSERS = ("hermes", "llama3_json")
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -39,11 +39,6 @@ class ToolPlan:
     structured: StructuredOutputs | None = None  # for required and named
 
 
-def _schema_text(schema: dict) -> str:
-    """A JSON schema as StructuredOutputs keeps it."""
-    return json.dumps(schema, sort_keys=True)
-
-
 def plan_tools(tools: list[dict], choice, parser: str | None, auto_enabled: bool,
                parallel: bool = True) -> ToolPlan | None:
     """None when the tools play no part (no tools, or tool_choice none). parallel False: one call at most."""
@@ -54,12 +49,12 @@ def plan_tools(tools: list[dict], choice, parser: str | None, auto_enabled: bool
         name = (choice.get("function") or {}).get("name")
         if name not in functions:
             raise ToolCallError(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
-        return ToolPlan("named", (str(name),), structured=StructuredOutputs("json", _schema_text(functions[name])))
+        return ToolPlan("named", (str(name),), structured=StructuredOutputs("json", schema_text(functions[name])))
     if choice == "required":
         calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
                   "properties": {"name": {"const": name}, "parameters": params}} for name, params in functions.items()]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}} | ({} if parallel else {"maxItems": 1})
-        return ToolPlan("required", tuple(functions), structured=StructuredOutputs("json", _schema_text(schema)))
+        return ToolPlan("required", tuple(functions), structured=StructuredOutputs("json", schema_text(schema)))
     if choice not in (None, "auto"):
         raise ToolCallError(f"tool_choice {choice!r}: use none, auto, required or a named function", "tool_choice")
     if not (auto_enabled and parser):

@@ -225,15 +225,15 @@ def rank_key(c: Candidate, hardware: Hardware):
             -c.memory.kv_cache_tokens, c.layout)
 
 
-def departures(c: Candidate, base: RuntimeSettings | None) -> int:
+def departures(c: Candidate, base: RuntimeSettings) -> int:
     """How many of max_num_seqs and max_num_batched_tokens the candidate changes from `base`."""
-    if base is None or c.settings is None:
+    if c.settings is None:
         return 0
     return sum(getattr(c.settings, name) != getattr(base, name) for name in ("max_num_seqs", "max_num_batched_tokens"))
 
 
 def choose(candidates: list[Candidate], hardware: Hardware, targets: Targets,
-           base: RuntimeSettings | None = None) -> Candidate | None:
+           base: RuntimeSettings) -> Candidate | None:
     """With targets: the fewest GPUs that meet them, then the most output tokens/s per GPU (the
     batching of `base`, the settings asked for, unless another is clearly faster), then the most headroom.
     Without: one GPU per replica when the model fits one (rule 1), else every GPU busy (rule 4)

@@ -141,7 +141,8 @@ class LLMEngine:
         """The scheduler's batch, with what its requests under a grammar may sample next."""
         output = self.scheduler.schedule(max_num_requests=max_num_requests)
         requests = self.scheduler.requests
-        bitmask = grammar_bitmask([requests[r] for r in output.num_scheduled_tokens], self.config.model)
+        bitmask = grammar_bitmask([requests[r] for r in output.num_scheduled_tokens], self.config.model,
+                                  self.tokenizer)
         return output if bitmask is None else dataclasses.replace(output, grammar_bitmask=bitmask)
 
     def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[PromptDelta]:

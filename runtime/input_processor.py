@@ -98,10 +98,10 @@ class InputProcessor:
             raise InvalidPromptError(str(error), "response_format") from None
 
     async def compile_grammar(self, outputs: StructuredOutputs) -> None:
-        """Compile a checked grammar off the event loop, so that the engine's matchers in this process
-        find it compiled instead of compiling it in a step that every running request waits for."""
+        """Compile a checked grammar off the event loop, so that an engine's matchers in this process find
+        it compiled instead of compiling it in a step that every running request waits for."""
         if self.tokenizer is not None:
-            await compile_in_background(self.model_config, outputs)
+            await compile_in_background(self.model_config, self.tokenizer, outputs)
 
     @cached_property
     def longest_token_chars(self) -> int | None:

@@ -35,6 +35,11 @@ MAX_GRAMMAR_CHARS = 65_536  # an EBNF grammar
 _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 
 
+def schema_text(schema: dict) -> str:
+    """A JSON schema as StructuredOutputs keeps it (one text per schema: the compile cache's key)."""
+    return json.dumps(schema, sort_keys=True)
+
+
 @dataclass(frozen=True)
 class StructuredOutputs:
     kind: str
@@ -44,7 +49,7 @@ class StructuredOutputs:
         if self.kind not in KINDS:
             raise ValueError(f"structured output kind {self.kind!r}: one of {', '.join(KINDS)}")
         if isinstance(self.spec, dict):  # a JSON schema given as a mapping
-            object.__setattr__(self, "spec", json.dumps(self.spec, sort_keys=True))
+            object.__setattr__(self, "spec", schema_text(self.spec))
         if isinstance(self.spec, list):
             object.__setattr__(self, "spec", tuple(self.spec))
 
@@ -111,18 +116,17 @@ _COMPILE_THREADS = max(1, min(8, _NUM_CORES // 4))
 COMPILE_CACHE_BYTES = 512 << 20  # compiled grammars kept for reuse, per process
 
 
-def shared_compiler(model_config):
-    """This process's xgrammar compiler for a model's tokenizer. NOTE: one per process, so a grammar
+def shared_compiler(model_config, tokenizer):
+    """This process's xgrammar compiler for a model's tokenizer (the caller's). NOTE: one per process, so a grammar
     compiled before its request reaches the engine (compile_in_background) is a cache hit for the
     engine's matchers (xgrammar caches compiled grammars by their text)."""
     import xgrammar as xgr
 
-    from shardserve.runtime.tokenizer import eos_token_ids, load_tokenizer
+    from shardserve.runtime.tokenizer import eos_token_ids
 
     key = (model_config.model, model_config.vocab_size)
     with _COMPILERS_LOCK:
         if key not in _COMPILERS:
-            tokenizer = load_tokenizer(model_config)
             stop_ids = sorted(eos_token_ids(model_config, tokenizer)) or None
             info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=model_config.vocab_size,
                                                       stop_token_ids=stop_ids)
@@ -131,12 +135,13 @@ def shared_compiler(model_config):
         return _COMPILERS[key]
 
 
-async def compile_in_background(model_config, outputs: StructuredOutputs) -> None:
+async def compile_in_background(model_config, tokenizer, outputs: StructuredOutputs) -> None:
     """Compile a grammar in a worker thread (xgrammar releases the GIL while it compiles), so the event
     loop and the engine's steps go on meanwhile. Cancelling the wait leaves a started compile to finish
     (its result stays cached); one not yet started is dropped."""
     loop = asyncio.get_running_loop()
-    await loop.run_in_executor(_COMPILE_POOL, lambda: shared_compiler(model_config).compile_grammar(outputs.grammar()))
+    await loop.run_in_executor(_COMPILE_POOL,
+                               lambda: shared_compiler(model_config, tokenizer).compile_grammar(outputs.grammar()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +153,7 @@ class GrammarBitmask:
     rows: Any  # a CPU torch.Tensor
 
 
-def grammar_bitmask(requests: list, model_config) -> GrammarBitmask | None:
+def grammar_bitmask(requests: list, model_config, tokenizer) -> GrammarBitmask | None:
     """The engine's side: a row for each of the step's requests under a grammar (its matcher is made the
     first time it is scheduled and lives with the Request, so preemption keeps its place). NOTE: the
     matchers live with the scheduler, as in vLLM v1, so a grammar compiles in the engine's process,
@@ -161,7 +166,8 @@ def grammar_bitmask(requests: list, model_config) -> GrammarBitmask | None:
     rows = xgr.allocate_token_bitmask(len(constrained), model_config.vocab_size)
     for row, request in enumerate(constrained):
         if request.grammar_matcher is None:
-            compiled = shared_compiler(model_config).compile_grammar(request.sampling_params.structured_outputs.grammar())
+            compiled = shared_compiler(model_config, tokenizer).compile_grammar(
+                request.sampling_params.structured_outputs.grammar())
             request.grammar_matcher = xgr.GrammarMatcher(compiled)
         request.grammar_matcher.fill_next_token_bitmask(rows, row)
     return GrammarBitmask(tuple(r.request_id for r in constrained), rows)
