@@ -19,6 +19,7 @@ from shardserve.launch.openai_serving import OpenAIServing, PreparedRequest
 from shardserve.launch.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         TokenizeRequest)
 from shardserve.launch.replicas import ReplicaSet
+from shardserve.launch.response_format import ErrorEvent
 
 
 class ApiKeyAuth:
@@ -87,11 +88,11 @@ def build_app(replicas: ReplicaSet, serving: OpenAIServing, metrics: ServerMetri
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        return await respond(serving.prepare_completion(body), body, request)
+        return await respond(await off_loop(serving.prepare_completion, body), body, request)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
-        return await respond(serving.prepare_chat(body), body, request)
+        return await respond(await off_loop(serving.prepare_chat, body), body, request)
 
     return app
 
@@ -101,8 +102,7 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError):
-        if e.status < 500 or e.error_type == "service_unavailable":
-            metrics.outcome("rejected" if e.status < 500 else "unavailable")
+        metrics.outcome(e.outcome)
         return JSONResponse(e.body(), status_code=e.status)
 
     @app.exception_handler(StarletteHTTPException)
@@ -123,16 +123,23 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
                                      fields[0] if fields and fields[0] else None).body(), 400)
 
 
+async def off_loop(prepare, body):
+    """NOTE: a request's text is rendered (chat template) and tokenized in a worker thread: a text near the
+    body limit takes seconds to tokenize, and on the event loop every stream would wait that long. A fast
+    tokenizer lets go of the GIL while it encodes, so the loop goes on meanwhile."""
+    return await asyncio.to_thread(prepare, body)
+
+
 def _add_token_routes(app: FastAPI, serving: OpenAIServing) -> None:
     """vLLM's /tokenize and /detokenize, through the same input processor as generation."""
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
-        return serving.tokenize(body)
+    async def tokenize(body: TokenizeRequest):  # the answer's JSON (millions of ids) is written off the loop too
+        return await off_loop(lambda b: JSONResponse(serving.tokenize(b)), body)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        return serving.detokenize(body)
+        return await off_loop(serving.detokenize, body)
 
 
 class _EventStream(StreamingResponse):
@@ -149,11 +156,13 @@ class _EventStream(StreamingResponse):
 
 def _streaming(events, metrics: ServerMetrics) -> StreamingResponse:
     async def counted():
-        outcome = "aborted"
+        outcome, ended_by = "aborted", None
         try:
             async for event in events:
+                if isinstance(event, ErrorEvent):  # ended by an error event (a drain, a dead engine)
+                    ended_by = event.outcome
                 yield event
-            outcome = "success"
+            outcome = ended_by or "success"
         finally:
             metrics.outcome(outcome)
             await events.aclose()

@@ -9,9 +9,10 @@ import logging
 import os
 import socket
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from shardserve.launch.deploy_config import DeployConfig, merge, validate
 from shardserve.launch.plan_view import build_plan, resolve_hardware
@@ -23,6 +24,9 @@ from shardserve.planner.model_source import DEMO_MODEL_NAME, is_demo_model
 from shardserve.planner.plan_file import PlanFile
 from shardserve.planner.settings import BY_NAME, ENGINE, for_layer
 from shardserve.planner.yaml_file import read_yaml
+
+if TYPE_CHECKING:
+    from shardserve.launch.engine_client import EngineClient
 
 logger = logging.getLogger("shardserve.launch")
 
@@ -268,7 +272,7 @@ def serve_once(config: DeployConfig, plan: PlanFile, listener: socket.socket, ap
     compare_kv(plan, info)
 
     replicas = ReplicaSet(engines, plan_check=PlanCheck(Prediction.from_plan(plan), for_traffic=expected))
-    metrics = ServerMetrics(name, replicas.stats)
+    metrics = ServerMetrics(name, replicas.stats, replicas.max_model_len)
     replicas.metrics = metrics
     limit = config.max_queued_requests or 4 * setting(config, "max_num_seqs") * len(engines)
     serving = OpenAIServing(replicas, name, config.tool_call_parser, bool(config.enable_auto_tool_choice),
@@ -285,9 +289,9 @@ def serve_once(config: DeployConfig, plan: PlanFile, listener: socket.socket, ap
     return asyncio.run(run(server, replicas, listener))
 
 
-def start_engines(path: str, kwargs: dict, num_replicas: int) -> list:
+def start_engines(path: str, kwargs: dict, num_replicas: int) -> Sequence[EngineClient]:
     """Every replica, one or many, in a process of its own (its own GIL, its own GPUs), talked to over
-    a socket (replica_client.py): the API process never steps an engine."""
+    a socket (replica_client.py, the one EngineClient): the API process never steps an engine."""
     from shardserve.launch.replica_client import start_replicas
     return start_replicas(path, kwargs, num_replicas)
 

@@ -15,8 +15,8 @@ from shardserve.launch.protocol import (APIError, ChatCompletionRequest, Complet
                                         TokenizeRequest)
 from shardserve.launch.replicas import ReplicaSet, public_message
 from shardserve.launch.tool_calls import ToolCallError, ToolPlan, extract_calls, plan_tools, template_messages
-from shardserve.launch.response_format import (chat_logprobs, completion_logprobs, prompt_logprobs_json, sse,
-                                               usage)
+from shardserve.launch.response_format import (chat_logprobs, completion_logprobs, error_event, prompt_logprobs_json,
+                                               sse, usage)
 from shardserve.planner.settings import BY_NAME
 from shardserve.runtime.input_processor import InvalidPromptError, ProcessedPrompt
 from shardserve.runtime.outputs import PromptDelta, RequestOutputBuilder, SampleDelta
@@ -282,7 +282,7 @@ class OpenAIServing:
                     if choice is not None:
                         yield sse({**head, "choices": [choice]})
         except APIError as e:
-            yield sse(e.body())
+            yield error_event(e.body(), e.outcome)
         else:
             if include_usage:
                 num_prompt_tokens = sum(p.num_prompt_tokens for p in request.prompts)
@@ -297,7 +297,7 @@ async def _stream_tool_calls(serving, request: PreparedRequest, head: dict, incl
     try:
         full = await serving.full_response(request)
     except APIError as e:
-        yield sse(e.body())
+        yield error_event(e.body(), e.outcome)
         yield "data: [DONE]\n\n"
         return
     for choice in full["choices"]:

@@ -31,6 +31,13 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.error_type,
                           "param": self.param, "code": self.status}}
 
+    @property
+    def outcome(self) -> str:
+        """The request's outcome label in shardserve_requests_total."""
+        if self.status < 500:
+            return "rejected"
+        return "unavailable" if self.error_type == "service_unavailable" else "error"
+
 
 def shutting_down() -> APIError:
     """The 503 of a server that is draining (SIGTERM): for new requests, and those its drain ended."""

@@ -3,9 +3,10 @@ server as an engine.
 
 ReplicaClient starts `python -m shardserve.launch.replica_process`, hands it the engine's settings and
 its devices (a CUDA_VISIBLE_DEVICES slice on GPUs), then relays prompts and deltas over the socket
-(replica_protocol.py). It answers what ReplicaSet asks of an in-process AsyncEngine: generate, abort,
-get_stats, error, input_processor, start, shutdown. The replica's death (its engine failing, or its
-process gone) sets `error`, as a dead rank does for an engine."""
+(replica_protocol.py): the one implementation of engine_client.EngineClient. It holds no tokenizer:
+the server processes every prompt once, with its one InputProcessor (ReplicaSet.input_processor), and
+the replica takes it as it is. The replica's death (its engine failing, or its process gone) sets
+`error`, as a dead rank does for an engine."""
 
 from __future__ import annotations
 
@@ -18,16 +19,12 @@ import sys
 import time
 import weakref
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
-from shardserve.launch.replica_protocol import (AbortPrompt, AddPrompt, DeltaMessage, EngineFailed, PromptFailed,
+from shardserve.launch.replica_protocol import (AbortPrompt, AddPrompt, DeltaBatch, EngineFailed, PromptFailed,
                                                 ReplicaFailed, ReplicaReady, ReplicaStartup, StatsMessage,
                                                 StopReplica, frame, read_message, recv_blocking, send_blocking)
 from shardserve.runtime.config import resolve_device
 from shardserve.runtime.errors import EngineDeadError
-
-if TYPE_CHECKING:
-    from shardserve.runtime.input_processor import InputProcessor
 
 logger = logging.getLogger("shardserve.launch")
 
@@ -69,7 +66,6 @@ class ReplicaClient:
         send_blocking(self.sock, ReplicaStartup(index, model, kwargs))
         self._error: BaseException | None = None
         self._last_heard = time.monotonic()
-        self.input_processor: InputProcessor | None = None  # with the replica's ReplicaReady
         self._streams: dict[str, asyncio.Queue] = {}
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task | None = None
@@ -80,9 +76,6 @@ class ReplicaClient:
 
     def wait_ready(self) -> None:
         """Block until the replica's engine is up; its start-up error (or death) is raised here."""
-        from shardserve.runtime.input_processor import InputProcessor
-        from shardserve.runtime.tokenizer import load_tokenizer
-
         try:
             message = recv_blocking(self.sock)
         except (EOFError, OSError):
@@ -94,7 +87,6 @@ class ReplicaClient:
         if not isinstance(message, ReplicaReady):
             raise RuntimeError(f"replica {self.index} answered {type(message).__name__} to its start-up")
         self.ready = message
-        self.input_processor = InputProcessor(message.model_config, load_tokenizer(message.model_config))
         self._stats = message.stats
         logger.info("replica %d up in process %d", self.index, self.pid)
 
@@ -116,8 +108,8 @@ class ReplicaClient:
         return self.ready.sampling_defaults
 
     @property
-    def max_model_len(self) -> int:
-        return self.ready.model_config.max_model_len
+    def model_config(self):
+        return self.ready.model_config
 
     def get_stats(self):
         """The replica's latest StatsMessage (sent every replica_process.STATS_SECONDS)."""
@@ -142,8 +134,9 @@ class ReplicaClient:
                 self._fail(EngineDeadError(f"replica {self.index}'s process (pid {self.pid}) exited with code {code}"))
                 return
             self._last_heard = time.monotonic()
-            if isinstance(message, DeltaMessage):
-                self._put(message.delta.prompt_id, message.delta)
+            if isinstance(message, DeltaBatch):
+                for delta in message.deltas:
+                    self._put(delta.prompt_id, delta)
             elif isinstance(message, PromptFailed):
                 self._put(message.prompt_id, message.error)
             elif isinstance(message, StatsMessage):

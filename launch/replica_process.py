@@ -2,7 +2,7 @@
 
 FD is the replica's end of a socketpair with the API server: a ReplicaStartup arrives, the replica
 builds its AsyncEngine (and with it its ranks, started as children of this process), answers
-ReplicaReady, then serves AddPrompt / AbortPrompt with DeltaMessages until StopReplica, the socket
+ReplicaReady, then serves AddPrompt / AbortPrompt with DeltaBatches until StopReplica, the socket
 closing, its engine dying (EngineFailed, then exit 1) or the server's process disappearing."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import socket
 import sys
 import traceback
 
-from shardserve.launch.replica_protocol import (AbortPrompt, AddPrompt, DeltaMessage, EngineFailed, PromptFailed,
+from shardserve.launch.replica_protocol import (AbortPrompt, AddPrompt, DeltaBatch, EngineFailed, PromptFailed,
                                                 ReplicaFailed, ReplicaReady, ReplicaStartup, StatsMessage,
                                                 StopReplica, frame, portable_error, read_message,
                                                 recv_blocking, send_blocking)
@@ -31,9 +31,23 @@ class ReplicaServer:
     def __init__(self, engine, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self.engine, self.reader, self.writer = engine, reader, writer
         self.prompts: dict[str, asyncio.Task] = {}
+        self._deltas: list = []  # this loop turn's deltas, sent together by _flush
 
     def send(self, message: object) -> None:
+        self._flush()  # nothing overtakes a delta
         self.writer.write(frame(message))
+
+    def _send_delta(self, delta) -> None:
+        """NOTE: a step's deltas wake every prompt's task in the same loop turn; the first one schedules a
+        flush after them, so one step's deltas cross the socket as one DeltaBatch."""
+        if not self._deltas:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._deltas.append(delta)
+
+    def _flush(self) -> None:
+        if self._deltas:
+            deltas, self._deltas = self._deltas, []
+            self.writer.write(frame(DeltaBatch(deltas)))
 
     async def serve(self) -> int:
         """Until StopReplica or the server goes; the process's exit code."""
@@ -73,7 +87,7 @@ class ReplicaServer:
     async def _run(self, add: AddPrompt) -> None:
         try:
             async for delta in self.engine.generate(add.prompt, add.params, add.prompt_id):
-                self.send(DeltaMessage(delta))
+                self._send_delta(delta)
         except asyncio.CancelledError:
             pass
         except Exception as error:

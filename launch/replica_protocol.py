@@ -3,7 +3,7 @@
 One stream socket (a socketpair made at start; no port, no name) carries length-prefixed pickles:
 
     server -> replica:  ReplicaStartup, then AddPrompt | AbortPrompt | StopReplica
-    replica -> server:  ReplicaReady | ReplicaFailed, then DeltaMessage | PromptFailed | StatsMessage
+    replica -> server:  ReplicaReady | ReplicaFailed, then DeltaBatch | PromptFailed | StatsMessage
                         | EngineFailed (the replica's engine died; its process exits after)
 
     frame: | length: 8 bytes, big endian | pickle of one message |"""
@@ -72,8 +72,10 @@ class StopReplica:
 
 
 @dataclass(frozen=True, slots=True)
-class DeltaMessage:
-    delta: PromptDelta
+class DeltaBatch:
+    """The deltas of every prompt that advanced in one engine step (one write, one pickle)."""
+
+    deltas: list[PromptDelta]
 
 
 @dataclass(frozen=True, slots=True)

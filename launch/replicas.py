@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import re
-import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from functools import cached_property
+from typing import TYPE_CHECKING
 
-from shardserve.launch.metrics import ServerMetrics
+from shardserve.launch.engine_client import EngineClient
+from shardserve.launch.metrics import PromptTimer, ServerMetrics
 from shardserve.launch.plan_check import FinishedRequest, PlanCheck
 from shardserve.launch.protocol import shutting_down
 from shardserve.runtime.input_processor import InputProcessor, ProcessedPrompt
 from shardserve.runtime.outputs import PromptDelta
 from shardserve.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from shardserve.runtime.engine import EngineStats
 
 
 _PATH = re.compile(r"(?:[A-Za-z]:)?(?:/[\w.\-]+){2,}/?")
@@ -29,15 +33,11 @@ def public_message(text: str) -> str:
 
 
 class Replica:
-    """engine: a ReplicaClient (the server's replicas, one or many, each in a process of its own) or an
-    AsyncEngine in this process; both answer generate, abort, get_stats, error, start and shutdown alike."""
+    """engine: the replica's EngineClient (a ReplicaClient: the replica runs in a process of its own)."""
 
-    def __init__(self, index: int, engine):
+    def __init__(self, index: int, engine: EngineClient):
         self.index, self.engine = index, engine
         self.num_active = 0  # prompts this server has given the replica and not seen end
-
-    def stats(self) -> dict:
-        return dataclasses.asdict(self.engine.get_stats())
 
     @property
     def error(self) -> BaseException | None:
@@ -45,17 +45,21 @@ class Replica:
 
 
 class ReplicaSet:
-    def __init__(self, engines: list, metrics: ServerMetrics | None = None, plan_check: PlanCheck | None = None):
+    def __init__(self, engines: Sequence[EngineClient], metrics: ServerMetrics | None = None, plan_check: PlanCheck | None = None):
         self.replicas = [Replica(i, e) for i, e in enumerate(engines)]
         self.metrics = metrics
         self.plan_check = plan_check  # fed each finished prompt's times (with metrics)
         self.prompts: dict[str, Replica] = {}  # prompt id -> its replica, while its deltas flow
         self.is_stopping = False  # shutting down: running prompts are aborted, new ones refused
 
-    @property
+    @cached_property
     def input_processor(self) -> InputProcessor:
-        """Every replica serves the same model, so the first one's processor serves them all."""
-        return self.replicas[0].engine.input_processor
+        """The server's one input processor, with the process's one tokenizer: every prompt is processed
+        here, once, and every replica (they serve the same model) takes it as it is."""
+        from shardserve.runtime.tokenizer import load_tokenizer
+
+        config = self.replicas[0].engine.model_config
+        return InputProcessor(config, load_tokenizer(config))
 
     @property
     def sampling_defaults(self) -> dict:
@@ -64,10 +68,10 @@ class ReplicaSet:
 
     @property
     def max_model_len(self) -> int:
-        return self.replicas[0].engine.max_model_len
+        return self.replicas[0].engine.model_config.max_model_len
 
-    def stats(self) -> list[dict]:
-        return [r.stats() for r in self.replicas]
+    def stats(self) -> list[EngineStats]:
+        return [r.engine.get_stats() for r in self.replicas]
 
     def dead_reason(self) -> str | None:
         """Why serving stopped (a rank or the engine loop died), in full for the log, or None."""
@@ -93,52 +97,28 @@ class ReplicaSet:
         replica = self.pick()
         replica.num_active += 1
         self.prompts[prompt_id] = replica
-        metrics = self.metrics
-        labels = (metrics.model, str(replica.index)) if metrics is not None else ("", "")
-        start = last = first = time.monotonic()
-        num_tokens, is_finished = 0, False
+        timer = self.metrics.prompt_timer(replica.index, prompt.num_prompt_tokens, params) if self.metrics else None
+        is_finished = False
         try:
             async for delta in replica.engine.generate(prompt, params, prompt_id):
                 is_finished = delta.finished
-                now = time.monotonic()
-                num_new = sum(len(sample.new_token_ids) for sample in delta.samples)
-                if metrics is not None:
-                    self._observe_times(metrics, delta, labels)
-                if metrics is not None and num_new:
-                    is_first = num_tokens == 0
-                    (metrics.ttft if is_first else metrics.itl).labels(*labels).observe(
-                        now - (start if is_first else last))
-                    metrics.generation_tokens.labels(*labels).inc(num_new)
-                    num_tokens, last = num_tokens + num_new, now
-                    first = now if is_first else first
+                if timer is not None:
+                    timer.delta(delta)
                 yield delta
             if not is_finished and self.is_stopping:
                 raise shutting_down()
-            if metrics is not None:
-                self._observe_finish(metrics, labels, prompt.num_prompt_tokens, num_tokens / params.n, start, first)
+            if timer is not None:
+                self._finished(timer)
         finally:
             self.prompts.pop(prompt_id, None)
             replica.num_active -= 1
 
-    def _observe_finish(self, metrics: ServerMetrics, labels: tuple[str, str], num_prompt_tokens: int,
-                        num_output_tokens: float, start: float, first: float) -> None:
-        """A finished prompt: e2e; TPOT = (e2e - TTFT) / (output tokens - 1) with 2 tokens or more
-        (output tokens per sample when n > 1); the plan check's record."""
-        e2e, ttft = time.monotonic() - start, first - start
-        metrics.prompt_tokens.labels(*labels).inc(num_prompt_tokens)
-        metrics.e2e.labels(*labels).observe(e2e)
-        tpot = (e2e - ttft) / (num_output_tokens - 1) if num_output_tokens >= 2 else None
-        if tpot is not None:
-            metrics.tpot.labels(*labels).observe(tpot)
+    def _finished(self, timer: PromptTimer) -> None:
+        """A finished prompt's metrics, and the plan check's record."""
+        ttft, tpot, e2e, num_output_tokens = timer.finish()
         if self.plan_check is not None and num_output_tokens >= 1:
-            self.plan_check.record(FinishedRequest(ttft, tpot, e2e, num_prompt_tokens, round(num_output_tokens)))
-
-    @staticmethod
-    def _observe_times(metrics: ServerMetrics, delta: PromptDelta, labels: tuple[str, str]) -> None:
-        for sample in delta.samples:
-            if sample.times is not None:
-                metrics.queue_time.labels(*labels).observe(sample.times.queue_s)
-                metrics.prefill_time.labels(*labels).observe(sample.times.prefill_s)
+            self.plan_check.record(FinishedRequest(ttft, tpot, e2e, timer.num_prompt_tokens,
+                                                   round(num_output_tokens)))
 
     def start(self) -> None:
         """Every engine watches its ranks from now on, busy or not."""

@@ -11,6 +11,18 @@ def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
+class ErrorEvent(str):
+    """An SSE event that ends a stream with an error; the server counts the request by its outcome."""
+
+    outcome: str
+
+
+def error_event(body: dict, outcome: str) -> ErrorEvent:
+    event = ErrorEvent(sse(body))
+    event.outcome = outcome
+    return event
+
+
 def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
             "total_tokens": num_prompt_tokens + num_completion_tokens}

@@ -8,10 +8,9 @@ from dataclasses import dataclass
 
 from shardserve.runtime.engine import LLMEngine
 from shardserve.runtime.engine_args import EngineArgs
-from shardserve.runtime.input_processor import InputProcessor, ProcessedPrompt, PromptType
+from shardserve.runtime.input_processor import ProcessedPrompt, PromptType
 from shardserve.runtime.outputs import PromptDelta
 from shardserve.runtime.sampling_params import SamplingParams
-from shardserve.runtime.tokenizer import load_tokenizer
 
 _END = object()  # ends a stream whose prompt was aborted
 HEALTH_CHECK_SECONDS = 0.5  # while idle, how often the workers are checked for life
@@ -27,16 +26,15 @@ class _PendingAdd:
 class AsyncEngine:
     """NOTE: engine.step() runs in a worker thread so the event loop stays responsive, and every
     other engine call (add, abort) runs on the loop between steps: the engine itself is never
-    touched by two threads at once. Prompts are processed on the loop at once, while a step may be
-    detokenizing, so the input processor has a tokenizer of its own (fast tokenizers are not safe
-    to share between threads)."""
+    touched by two threads at once. A prompt not yet processed is processed on the loop at once, with
+    the engine's own input processor and tokenizer (one per process), while a step may be detokenizing:
+    encoding without truncation or padding and decoding both only read a fast tokenizer, so the two
+    threads may share it (tests/runtime/test_async_engine.py runs them side by side)."""
 
     def __init__(self, model: str, **engine_kwargs):
         self.engine_args = EngineArgs.from_kwargs(model, engine_kwargs, "AsyncEngine(...)")
         self.engine = LLMEngine(self.engine_args.create_engine_config())
-        config = self.engine.config
-        self.input_processor = InputProcessor(config.model, load_tokenizer(config.model),
-                                              config.scheduler.async_scheduling)
+        self.input_processor = self.engine.input_processor
         self._streams: dict[str, asyncio.Queue] = {}
         self._pending_adds: list[_PendingAdd] = []
         self._pending_aborts: list[tuple[str, asyncio.Future]] = []

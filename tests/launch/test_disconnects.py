@@ -10,7 +10,7 @@ from tests.launch.conftest import MODEL, http, metric, open_request, serving
 
 LIMIT = 4  # --max-queued-requests: API requests in flight before a 503
 LONG = {"model": MODEL, "prompt": "Once", "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
-RUNNING, KV = "shardserve_num_requests_running", "shardserve_kv_cache_usage_ratio"
+RUNNING, KV = "vllm:num_requests_running", "vllm:kv_cache_usage_perc"
 
 
 @pytest.fixture(scope="module")

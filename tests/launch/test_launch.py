@@ -8,7 +8,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 import yaml
@@ -17,6 +16,7 @@ from shardserve.launch.launcher import check_plan_fits, read_plan_file, warn_exp
 from shardserve.planner import PlanError, parse_declared
 
 from tests.launch.conftest import http, kill_if_running, start_server, stop_server
+from tests.processes import children, wait_gone
 from tests.planner.factories import plan_for
 
 
@@ -114,31 +114,9 @@ def test_only_rank_0_shows_loading_progress():
     assert not [line for line in progress if "(rank 1)" in line]
 
 
-def _descendants(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    children = [int(p) for p in out.split()]
-    return children + [d for c in children for d in _descendants(c)]
-
-
-def _ranks(pid: int) -> list[int]:
-    """The rank processes of a server (its replica's children running the rank module)."""
-    return [p for p in _descendants(pid)
-            if b"shardserve.runtime.worker_process" in Path(f"/proc/{p}/cmdline").read_bytes()]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    state = Path(f"/proc/{pid}/stat").read_text().split()[2] if Path(f"/proc/{pid}").exists() \
-        else "X"
-    return state != "Z"
-
-
 def test_tensor_parallel_server_and_a_dead_rank():
     proc, url = start_server("--profile", "cpu-tp2")
-    ranks = _ranks(proc.pid)
+    ranks = children(proc.pid, "shardserve.runtime.worker_process", recursive=True)
     try:
         code, body = http(f"{url}/v1/completions", {"model": "shardserve-demo",
                                                     "prompt": "The function returns",
@@ -160,10 +138,7 @@ def test_tensor_parallel_server_and_a_dead_rank():
     # nothing inside reaches a client: no traceback, no file path (the log has them)
     assert not any("Traceback" in b or 'File "' in b or ".py" in b for b in bodies), bodies
     assert "engine died" in out
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(_alive(p) for p in ranks):
-        time.sleep(0.2)
-    assert not any(_alive(p) for p in ranks), "a rank outlived the server"
+    assert wait_gone(ranks, 10) == [], "a rank outlived the server"
 
 
 def _text(body: str) -> str:
@@ -175,12 +150,12 @@ def test_restart_brings_the_gang_back_then_gives_up():
     request = {"model": "shardserve-demo", "prompt": "The function returns", "max_tokens": 8,
                "temperature": 0}
     try:
-        old = _ranks(proc.pid)
+        old = children(proc.pid, "shardserve.runtime.worker_process", recursive=True)
         os.kill(old[0], signal.SIGKILL)  # before any request: an idle engine watches its ranks
         deadline, statuses = time.monotonic() + 120, []
         while time.monotonic() < deadline:
             statuses.append(http(f"{url}/health", timeout=2)[0])
-            new = [p for p in _ranks(proc.pid) if p not in old]
+            new = [p for p in children(proc.pid, "shardserve.runtime.worker_process", recursive=True) if p not in old]
             if statuses[-1] == 200 and len(new) == 2:
                 break
             time.sleep(0.25)

@@ -127,11 +127,11 @@ def test_metrics_have_the_tpot_histogram_after_a_request(server, client):
     client.completions.create(model=MODEL, prompt="The function returns", max_tokens=6, temperature=0,
                               extra_body={"ignore_eos": True})
     text = http(f"{server}/metrics")[1]
-    assert "shardserve_time_per_output_token_seconds_bucket" in text
+    assert "vllm:request_time_per_output_token_seconds_bucket" in text
     counts = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith("shardserve_time_per_output_token_seconds_count")]
+              if line.startswith("vllm:request_time_per_output_token_seconds_count")]
     sums = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line.startswith("shardserve_time_per_output_token_seconds_sum")]
+            if line.startswith("vllm:request_time_per_output_token_seconds_sum")]
     assert sum(counts) >= 1 and sum(sums) > 0
 
 

@@ -5,34 +5,23 @@ marks it dead, and shutdown leaves no process behind."""
 import asyncio
 import os
 import signal
-import subprocess
 import time
-from pathlib import Path
 
 from shardserve.launch.demo import DEMO_MODEL_DIR
 from shardserve.launch.replica_client import start_replicas
+from shardserve.launch.replicas import ReplicaSet
 from shardserve.runtime import AsyncEngine, SamplingParams
 from shardserve.runtime.errors import EngineDeadError
+
+from tests.processes import children, wait_gone
 
 KWARGS = {"device": "cpu", "kv_cache_memory_bytes": 32 << 20, "max_model_len": 512}
 PROMPTS = ["The function returns", "Once upon a time", "def main():"]
 
 
-def _children(pid: int, module: str) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split() if module.encode() in Path(f"/proc/{p}/cmdline").read_bytes()]
-
-
-def _gone(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
-    except FileNotFoundError:
-        return True
-
-
-async def _tokens(engine, prompt_id: str, prompt: str, max_tokens: int) -> list[int]:
+async def _tokens(engine, processor, prompt_id: str, prompt: str, max_tokens: int) -> list[int]:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    processed = engine.input_processor.process(prompt, params)
+    processed = processor.process(prompt, params)
     tokens = []
     async for delta in engine.generate(processed, params, prompt_id):
         tokens += delta.samples[0].new_token_ids
@@ -41,9 +30,10 @@ async def _tokens(engine, prompt_id: str, prompt: str, max_tokens: int) -> list[
 
 async def _serve_and_abort(replica) -> tuple[list[list[int]], int]:
     replica.start()
-    outputs = await asyncio.gather(*(_tokens(replica, f"p{i}", p, 12) for i, p in enumerate(PROMPTS)))
+    processor = ReplicaSet([replica]).input_processor  # the server's one, as the server uses it
+    outputs = await asyncio.gather(*(_tokens(replica, processor, f"p{i}", p, 12) for i, p in enumerate(PROMPTS)))
     params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
-    stream = replica.generate(replica.input_processor.process("Long", params), params, "long")
+    stream = replica.generate(processor.process("Long", params), params, "long")
     await stream.__anext__()
     await stream.aclose()  # the consumer goes away
     deadline = time.monotonic() + 10
@@ -57,7 +47,8 @@ async def _serve_and_abort(replica) -> tuple[list[list[int]], int]:
 async def _in_process() -> list[list[int]]:
     engine = AsyncEngine(str(DEMO_MODEL_DIR), **KWARGS)
     try:
-        return await asyncio.gather(*(_tokens(engine, f"p{i}", p, 12) for i, p in enumerate(PROMPTS)))
+        return await asyncio.gather(*(_tokens(engine, engine.input_processor, f"p{i}", p, 12)
+                                      for i, p in enumerate(PROMPTS)))
     finally:
         await engine.shutdown()
 
@@ -83,12 +74,9 @@ async def _until_dead(replica, seconds: float) -> BaseException | None:
 def test_a_rank_dying_inside_a_replica_marks_it_dead():
     kwargs = KWARGS | {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
     (replica,) = start_replicas(str(DEMO_MODEL_DIR), kwargs, 1)
-    ranks = _children(replica.pid, "shardserve.runtime.worker_process")
+    ranks = children(replica.pid, "shardserve.runtime.worker_process")
     assert len(ranks) == 2, ranks
     os.kill(ranks[1], signal.SIGKILL)
     error = asyncio.run(_until_dead(replica, 30))
     assert isinstance(error, EngineDeadError) and str(error).startswith("replica 0: "), error
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and not all(_gone(p) for p in [replica.pid, *ranks]):
-        time.sleep(0.2)
-    assert all(_gone(p) for p in [replica.pid, *ranks]), "a process outlived its replica"
+    assert wait_gone([replica.pid, *ranks], 15) == [], "a process outlived its replica"

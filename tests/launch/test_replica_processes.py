@@ -5,43 +5,15 @@ import concurrent.futures
 import json
 import os
 import signal
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
 from tests.launch.conftest import http, kill_if_running, start_server, stop_server
+from tests.processes import children, wait_gone
 
 DP2 = ("--profile", "demo", "--set", "hardware=2xcpu", "--set", "data_parallel_size=2",
        "--set", "kv_cache_memory_bytes=33554432")
-
-
-def _children(pid: int, module: str) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    found = []
-    for child in out.split():
-        try:
-            if module.encode() in Path(f"/proc/{child}/cmdline").read_bytes():
-                found.append(int(child))
-        except FileNotFoundError:
-            pass
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
-
-
-def _wait_gone(pids: list[int], seconds: float = 15.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.2)
-    return not any(_alive(p) for p in pids)
 
 
 def _burst(url: str, num_requests: int) -> list:
@@ -61,7 +33,7 @@ def _burst(url: str, num_requests: int) -> list:
 def _running(url: str) -> list[float]:
     metrics = http(f"{url}/metrics")[1]
     return [float(line.split()[-1]) for line in metrics.splitlines()
-            if line.startswith("shardserve_num_requests_running{")]
+            if line.startswith("vllm:num_requests_running{")]
 
 
 def _wait_running(url: str, done) -> list[float]:
@@ -76,7 +48,7 @@ def _check_the_load_is_shared(url: str) -> None:
     assert all(r.usage.completion_tokens == 8 for r in results)
     metrics = http(f"{url}/metrics")[1]
     served = [line for line in metrics.splitlines()
-              if line.startswith("shardserve_e2e_request_latency_seconds_count")]
+              if line.startswith("vllm:e2e_request_latency_seconds_count")]
     assert len(served) == 2 and all(float(line.split()[-1]) > 0 for line in served), served
     assert _wait_running(url, lambda running: running == [0.0, 0.0]) == [0.0, 0.0]
 
@@ -105,11 +77,11 @@ def _check_a_dropped_stream_is_aborted(url: str) -> None:
 
 def test_replicas_in_their_own_processes_serve_and_stop_cleanly():
     proc, url = start_server(*DP2)
-    replicas = _children(proc.pid, "shardserve.launch.replica_process")
+    replicas = children(proc.pid, "shardserve.launch.replica_process")
     try:
         assert len(replicas) == 2, replicas
         # each replica's engine runs in its own process: no rank and no engine in the server's
-        assert not _children(proc.pid, "shardserve.runtime.worker_process")
+        assert not children(proc.pid, "shardserve.runtime.worker_process")
         _check_the_load_is_shared(url)
         _check_greedy_text_is_the_same_from_either_replica(url)
         _check_a_dropped_stream_is_aborted(url)
@@ -118,12 +90,12 @@ def test_replicas_in_their_own_processes_serve_and_stop_cleanly():
     assert code == 0, out
     assert "data_parallel_size=2" in out and "replica 1 up in process" in out
     assert "shut down cleanly" in out
-    assert _wait_gone(replicas), "a replica outlived the server"
+    assert wait_gone(replicas, 15) == [], "a replica outlived the server"
 
 
 def test_a_killed_replica_is_reported_and_the_server_stops():
     proc, url = start_server(*DP2)
-    replicas = _children(proc.pid, "shardserve.launch.replica_process")
+    replicas = children(proc.pid, "shardserve.launch.replica_process")
     try:
         assert len(replicas) == 2, replicas
         os.kill(replicas[1], signal.SIGKILL)
@@ -140,7 +112,7 @@ def test_a_killed_replica_is_reported_and_the_server_stops():
     assert 503 in statuses, statuses
     assert any("replica 1" in body and "exited with code -9" in body for body in bodies), bodies
     assert "engine died" in out
-    assert _wait_gone(replicas), "a replica outlived the server"
+    assert wait_gone(replicas, 15) == [], "a replica outlived the server"
 
 
 def test_a_replica_that_cannot_start_fails_the_launch(tmp_path):

@@ -139,6 +139,21 @@ def test_other_streams_keep_their_pace_while_large_grammars_compile(server):
     assert max(gaps) < MAX_GAP_SECONDS, f"a stream waited {max(gaps):.2f} s for a token while grammars compiled"
 
 
+def test_other_streams_keep_their_pace_while_a_large_text_is_tokenized(server):
+    """/tokenize counts any text under the body limit; 10 MB takes seconds to tokenize, off the event loop
+    (on it, every stream waited that long for its next token)."""
+    done, gaps = threading.Event(), []
+    streaming = threading.Thread(target=lambda: gaps.extend(stream_gaps(server, done)))
+    streaming.start()
+    time.sleep(0.5)  # under way
+    text = "The function returns a value. " * 350_000
+    status, body = post(server, "/tokenize", {"prompt": text, "add_special_tokens": False})
+    done.set()
+    streaming.join()
+    assert status == 200 and body["count"] > len(text) // 10, body.get("error")
+    assert max(gaps) < MAX_GAP_SECONDS, f"a stream waited {max(gaps):.2f} s for a token while a text was tokenized"
+
+
 def test_a_body_over_the_limit_is_a_413_before_it_is_parsed(server):
     """The default limit is 16 MiB; a 17 MB body is refused unparsed (today's 10 MB one took seconds)."""
     began = time.monotonic()

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import re
 import time
 
 import openai
@@ -254,46 +255,73 @@ def test_disconnect_frees_blocks(server):
     asyncio.run(main())
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        if (metric(server, "shardserve_num_requests_running") == 0
-                and metric(server, "shardserve_kv_cache_usage_ratio") == 0):
+        if (metric(server, "vllm:num_requests_running") == 0
+                and metric(server, "vllm:kv_cache_usage_perc") == 0):
             break
         time.sleep(0.2)
-    assert metric(server, "shardserve_num_requests_running") == 0
-    assert metric(server, "shardserve_kv_cache_usage_ratio") == 0
+    assert metric(server, "vllm:num_requests_running") == 0
+    assert metric(server, "vllm:kv_cache_usage_perc") == 0
 
 
 def test_metrics_count_requests_and_tokens(server, client):
-    before = metric(server, "shardserve_generation_tokens_total")
+    before = metric(server, "vllm:generation_tokens_total")
     client.completions.create(model=MODEL, prompt="hi", max_tokens=5, temperature=0,
                               extra_body={"ignore_eos": True})
-    assert metric(server, "shardserve_generation_tokens_total") == before + 5
+    assert metric(server, "vllm:generation_tokens_total") == before + 5
     text = http(f"{server}/metrics")[1]
-    for name in ("shardserve_requests_total", "shardserve_prompt_tokens_total",
-                 "shardserve_time_to_first_token_seconds_bucket",
-                 "shardserve_inter_token_latency_seconds_bucket",
-                 "shardserve_e2e_request_latency_seconds_bucket",
-                 "shardserve_num_requests_waiting", "shardserve_num_preemptions_total"):
+    for name in ("shardserve_requests_total", "vllm:prompt_tokens_total",
+                 "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:inter_token_latency_seconds_bucket",
+                 "vllm:e2e_request_latency_seconds_bucket",
+                 "vllm:num_requests_waiting", "vllm:num_preemptions_total"):
         assert name in text, name
     assert 'outcome="rejected"' in text
 
 
+def test_metrics_carry_vllms_names_types_labels_and_buckets(server, client):
+    """What vLLM's dashboards and routers read: the same series, label names and bucket edges."""
+    series = (("vllm:request_success_total", '[^}]*finished_reason="length"[^}]*'),
+              ("vllm:request_params_n_count", "[^}]*"), ("vllm:inter_token_latency_seconds_count", "[^}]*"),
+              ("vllm:time_per_output_token_seconds_count", "[^}]*"))
+
+    def counts() -> list[float]:
+        text = http(f"{server}/metrics")[1]
+        return [sum(float(v) for v in re.findall(rf"^{name}{{{labels}}} (\S+)$", text, re.M))
+                for name, labels in series]
+
+    before = counts()
+    client.completions.create(model=MODEL, prompt="hi", max_tokens=4, n=2, temperature=0.5,
+                              extra_body={"ignore_eos": True})
+    assert [a - b for a, b in zip(counts(), before)] == [2, 1, 3, 3]  # both samples, 4 steps: 3 gaps
+    text = http(f"{server}/metrics")[1]
+    for name, kind in (("vllm:num_requests_running", "gauge"), ("vllm:kv_cache_usage_perc", "gauge"),
+                       ("vllm:prompt_tokens", "counter"), ("vllm:request_success", "counter"),
+                       ("vllm:prefix_cache_hits", "counter"), ("vllm:time_to_first_token_seconds", "histogram"),
+                       ("vllm:request_decode_time_seconds", "histogram"),
+                       ("vllm:request_generation_tokens", "histogram")):
+        assert re.search(rf"^# TYPE {name}(_total)? {kind}$", text, re.M), name
+    assert re.search(r'^vllm:num_requests_running\{engine="0",model_name="[^"]+"\} ', text, re.M), text
+    edges = re.findall(r'^vllm:time_to_first_token_seconds_bucket\{engine="0",le="([^"]+)"', text, re.M)
+    assert edges[:4] == ["0.001", "0.005", "0.01", "0.02"] and edges[-2:] == ["2560.0", "+Inf"], edges
+
+
 def test_metrics_time_the_queue_and_prefill_and_count_prefix_cache_hits(server, client):
     counts = {name: metric(server, name) for name in (
-        "shardserve_request_queue_time_seconds_count", "shardserve_request_prefill_time_seconds_count",
-        "shardserve_prefix_cache_hit_tokens_total", "shardserve_prefix_cache_query_tokens_total")}
+        "vllm:request_queue_time_seconds_count", "vllm:request_prefill_time_seconds_count",
+        "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")}
     prompt = "The function returns a list of the values it was given, " * 4  # several full blocks
     for _ in range(2):  # the second finds the first's blocks in the prefix cache
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, n=2, temperature=0)
     deadline = time.monotonic() + 5  # the replica's stats (prefix cache counts) arrive twice a second
     while True:
         after = {name: metric(server, name) for name in counts}
-        hit = after["shardserve_prefix_cache_hit_tokens_total"] - counts["shardserve_prefix_cache_hit_tokens_total"]
+        hit = after["vllm:prefix_cache_hits_total"] - counts["vllm:prefix_cache_hits_total"]
         if hit > 0 or time.monotonic() > deadline:
             break
         time.sleep(0.1)
-    assert after["shardserve_request_queue_time_seconds_count"] == counts[
-        "shardserve_request_queue_time_seconds_count"] + 4  # one per sample
-    assert after["shardserve_request_prefill_time_seconds_count"] == counts[
-        "shardserve_request_prefill_time_seconds_count"] + 4
-    queried = after["shardserve_prefix_cache_query_tokens_total"] - counts["shardserve_prefix_cache_query_tokens_total"]
+    assert after["vllm:request_queue_time_seconds_count"] == counts[
+        "vllm:request_queue_time_seconds_count"] + 4  # one per sample
+    assert after["vllm:request_prefill_time_seconds_count"] == counts[
+        "vllm:request_prefill_time_seconds_count"] + 4
+    queried = after["vllm:prefix_cache_queries_total"] - counts["vllm:prefix_cache_queries_total"]
     assert queried > 0 and 0 < hit < queried

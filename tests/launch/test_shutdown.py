@@ -1,6 +1,7 @@
 """SIGTERM drains the server: new requests get 503, those in flight get --shutdown-timeout seconds, the
 rest end cleanly (a stream with an error event and [DONE], a non-streaming request with a 503), exit 0."""
 
+import asyncio
 import json
 import os
 import signal
@@ -12,7 +13,7 @@ from tests.launch.conftest import MODEL, http, kill_if_running, metric, start_se
 
 SHORT = {"model": MODEL, "prompt": "Once", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
 LONG = SHORT | {"max_tokens": 1000}  # several seconds on the demo: past a 2 s timeout
-RUNNING = "shardserve_num_requests_running"
+RUNNING = "vllm:num_requests_running"
 
 
 def wait_until(condition, timeout: float = 10.0) -> None:
@@ -95,3 +96,27 @@ def test_a_sigterm_to_the_whole_process_group_drains_too():
         kill_if_running(proc)
     assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == SHORT["max_tokens"], body
     assert proc.returncode == 0 and "Traceback" not in out, out
+
+
+def test_a_stream_ended_by_the_drain_is_counted_unavailable_not_success():
+    from shardserve.launch.api_server import _streaming
+    from shardserve.launch.metrics import ServerMetrics
+    from shardserve.launch.protocol import shutting_down
+    from shardserve.launch.response_format import error_event, sse
+
+    async def events(end_with_error: bool):
+        yield sse({"choices": [{"text": "a"}]})
+        if end_with_error:
+            error = shutting_down()
+            yield error_event(error.body(), error.outcome)
+        yield "data: [DONE]\n\n"
+
+    async def drain(response):
+        return [event async for event in response.body_iterator]
+
+    metrics = ServerMetrics(MODEL, lambda: [], 1024)
+    for end_with_error in (True, False):
+        asyncio.run(drain(_streaming(events(end_with_error), metrics)))
+    counts = {s.labels["outcome"]: s.value for m in metrics.registry.collect() if m.name == "shardserve_requests"
+              for s in m.samples if s.name.endswith("_total")}
+    assert counts == {"unavailable": 1.0, "success": 1.0}, counts

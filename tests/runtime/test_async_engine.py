@@ -48,6 +48,31 @@ def test_concurrent_streams_match_offline_generate(folder):
         assert "".join(s.new_text for s in samples) == expected.outputs[0].text
 
 
+def test_text_prompts_are_processed_while_steps_detokenize_with_one_tokenizer(folder):
+    """One tokenizer per process: prompts are tokenized on the loop while the step thread detokenizes
+    with the same tokenizer, and every text is what offline generate gives."""
+    texts = [f"Once upon a time {i}" for i in range(12)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    offline = LLM(folder, device="cpu", kv_cache_memory_bytes=2**22).generate(texts, params)
+
+    async def main():
+        engine = make_engine(folder)
+        assert engine.input_processor.tokenizer is engine.engine.tokenizer
+        try:
+            long = asyncio.ensure_future(collect(engine, "The function returns", GREEDY, "long"))
+            streams = []
+            for i, text in enumerate(texts):  # each one arrives while the others decode
+                streams.append(asyncio.ensure_future(collect(engine, text, params, f"text-{i}")))
+                await asyncio.sleep(0.01)
+            return await asyncio.gather(*streams), await long
+        finally:
+            await engine.shutdown()
+
+    streams, _ = asyncio.run(main())
+    for stream, expected in zip(streams, offline):
+        assert "".join(d.samples[0].new_text for d in stream) == expected.outputs[0].text
+
+
 def test_abort_frees_every_block_and_ends_the_stream(folder):
     async def main():
         engine = make_engine(folder)

@@ -13,23 +13,9 @@ import pytest
 
 from shardserve.runtime import LLM, EngineDeadError, SamplingParams
 
+from tests.processes import is_running, wait_gone
+
 DEADLINE_SECONDS = 5.0
-
-
-def is_running(pid: int) -> bool:
-    """Alive and not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-
-
-def wait_gone(pids: list[int], seconds: float) -> list[int]:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and any(is_running(p) for p in pids):
-        time.sleep(0.05)
-    return [p for p in pids if is_running(p)]
 
 
 @pytest.mark.slow

@@ -1,0 +1,53 @@
+"""What the server asks of an engine replica: the one interface between HTTP and the engines.
+
+ReplicaClient (replica_client.py) is its one implementation, for one replica or many: each engine runs
+in a process of its own, and the API process only relays. mypy holds ReplicaClient to this Protocol
+where the launcher hands its replicas to ReplicaSet."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from shardserve.runtime.config import KVCacheInfo, ModelConfig
+    from shardserve.runtime.engine import EngineStats
+    from shardserve.runtime.input_processor import ProcessedPrompt
+    from shardserve.runtime.outputs import PromptDelta
+    from shardserve.runtime.sampling_params import SamplingParams
+
+
+class EngineClient(Protocol):
+    index: int  # the replica's number, in logs, errors and metric labels
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The loaded model's config (the server's one input processor is built from it)."""
+
+    @property
+    def sampling_defaults(self) -> dict:
+        """The model's generation_config.json sampling fields, for requests that set none."""
+
+    @property
+    def kv_cache_info(self) -> KVCacheInfo:
+        """What the replica's KV cache holds (launch compares it with the plan's)."""
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the replica is dead (health), or None; once set it stays."""
+
+    def generate(self, prompt: ProcessedPrompt, sampling_params: SamplingParams,
+                 prompt_id: str) -> AsyncIterator[PromptDelta]:
+        """The prompt's deltas, the last one finished; closing the iterator early aborts the prompt."""
+
+    async def abort(self, prompt_id: str) -> None:
+        """End the prompt's stream and free what it holds."""
+
+    def get_stats(self) -> EngineStats:
+        """The replica's latest scheduler numbers."""
+
+    def start(self) -> None:
+        """Watch the replica from now on, busy or not (inside the server's event loop)."""
+
+    async def shutdown(self) -> None:
+        """Stop the replica's engine and every process it started."""

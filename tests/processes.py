@@ -1,0 +1,43 @@
+"""What the tests see of processes through /proc: children by module, liveness, waiting for exits.
+
+A process can exit between being listed and being read; each helper counts it as gone then."""
+
+import subprocess
+import time
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def children(pid: int, module: str, recursive: bool = False) -> list[int]:
+    """The live children (every descendant when recursive) of pid whose command line names module."""
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    found = []
+    for child in (int(p) for p in out.split()):
+        if module.encode() in _cmdline(child):
+            found.append(child)
+        if recursive:
+            found += children(child, module, recursive=True)
+    return found
+
+
+def is_running(pid: int) -> bool:
+    """Alive and not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def wait_gone(pids: list[int], seconds: float) -> list[int]:
+    """Waits up to seconds for every pid to exit; the ones still running."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(is_running(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if is_running(p)]
