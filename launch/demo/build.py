@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from transformers import GenerationConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -32,9 +33,10 @@ DEFAULT_OUT = Path("demo-model")  # never the shipped checkpoint unless --out na
 def greedy(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast,
            input_ids: list[int]) -> str:
     with torch.no_grad():
-        # generate's self is typed as transformers' own protocol, which LlamaForCausalLM does not spell out
-        out = model.generate(torch.tensor([input_ids]), max_new_tokens=NUM_SAMPLE_TOKENS,  # type: ignore[misc]
-                             do_sample=False)
+        # generate's self is typed differently from one transformers release to the next (a protocol that
+        # LlamaForCausalLM does not spell out in 5.23, plain in 5.24): called untyped, both check alike
+        out = cast(Any, model).generate(torch.tensor([input_ids]), max_new_tokens=NUM_SAMPLE_TOKENS,
+                                        do_sample=False)
     text = tokenizer.decode(out[0, len(input_ids):], skip_special_tokens=True)
     assert isinstance(text, str)  # one sequence decodes to one string
     return text
