@@ -47,7 +47,7 @@ class InFlightLimit:
         admission = self.admission
         refusal = admission.refusal()
         if refusal is not None:
-            admission.metrics.outcome("unavailable")
+            admission.metrics.outcome(refusal.outcome)
             return await JSONResponse(refusal.body(), refusal.status)(scope, receive, send)
         admission.num_in_flight += 1
         is_counted = True

@@ -42,11 +42,11 @@ class BodyLimit:
                 return await self.app(scope, _replay(messages, receive), send)
 
     async def _refuse(self, scope, receive, send, has_more: bool) -> None:
-        self.metrics.outcome("rejected")
-        if has_more and dict(scope["headers"]).get(b"expect", b"").lower() != b"100-continue":
-            await _drain(receive)
         error = APIError(413, f"the request body is larger than {self.limit} bytes, the server's limit "
                          "(--max-request-body-bytes)", error_type="invalid_request_error")
+        self.metrics.outcome(error.outcome)
+        if has_more and dict(scope["headers"]).get(b"expect", b"").lower() != b"100-continue":
+            await _drain(receive)
         await JSONResponse(error.body(), 413)(scope, receive, send)
 
 

@@ -282,7 +282,7 @@ class OpenAIServing:
                     if choice is not None:
                         yield sse({**head, "choices": [choice]})
         except APIError as e:
-            yield error_event(e.body(), e.outcome)
+            yield error_event(e)
         else:
             if include_usage:
                 num_prompt_tokens = sum(p.num_prompt_tokens for p in request.prompts)
@@ -297,7 +297,7 @@ async def _stream_tool_calls(serving, request: PreparedRequest, head: dict, incl
     try:
         full = await serving.full_response(request)
     except APIError as e:
-        yield error_event(e.body(), e.outcome)
+        yield error_event(e)
         yield "data: [DONE]\n\n"
         return
     for choice in full["choices"]:

@@ -112,7 +112,7 @@ class ReplicaClient:
         return self.ready.model_config
 
     def get_stats(self):
-        """The replica's latest StatsMessage (sent every replica_process.STATS_SECONDS)."""
+        """The replica's latest EngineStats (a StatsMessage comes every replica_process.STATS_SECONDS)."""
         return self._stats
 
     def start(self) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import AsyncIterator, Sequence
-from functools import cached_property
 from typing import TYPE_CHECKING
 
 from shardserve.launch.engine_client import EngineClient
@@ -15,6 +14,7 @@ from shardserve.launch.protocol import shutting_down
 from shardserve.runtime.input_processor import InputProcessor, ProcessedPrompt
 from shardserve.runtime.outputs import PromptDelta
 from shardserve.runtime.sampling_params import SamplingParams
+from shardserve.runtime.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
     from shardserve.runtime.engine import EngineStats
@@ -51,15 +51,10 @@ class ReplicaSet:
         self.plan_check = plan_check  # fed each finished prompt's times (with metrics)
         self.prompts: dict[str, Replica] = {}  # prompt id -> its replica, while its deltas flow
         self.is_stopping = False  # shutting down: running prompts are aborted, new ones refused
-
-    @cached_property
-    def input_processor(self) -> InputProcessor:
-        """The server's one input processor, with the process's one tokenizer: every prompt is processed
-        here, once, and every replica (they serve the same model) takes it as it is."""
-        from shardserve.runtime.tokenizer import load_tokenizer
-
+        # the server's one input processor, with the process's one tokenizer: every prompt is processed here,
+        # once, and every replica (they serve the same model) takes it as it is
         config = self.replicas[0].engine.model_config
-        return InputProcessor(config, load_tokenizer(config))
+        self.input_processor = InputProcessor(config, load_tokenizer(config))
 
     @property
     def sampling_defaults(self) -> dict:
@@ -68,7 +63,7 @@ class ReplicaSet:
 
     @property
     def max_model_len(self) -> int:
-        return self.replicas[0].engine.model_config.max_model_len
+        return self.input_processor.max_model_len
 
     def stats(self) -> list[EngineStats]:
         return [r.engine.get_stats() for r in self.replicas]

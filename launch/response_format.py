@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from shardserve.launch.protocol import APIError
 from shardserve.runtime.outputs import Logprob
 
 
@@ -17,9 +18,9 @@ class ErrorEvent(str):
     outcome: str
 
 
-def error_event(body: dict, outcome: str) -> ErrorEvent:
-    event = ErrorEvent(sse(body))
-    event.outcome = outcome
+def error_event(error: APIError) -> ErrorEvent:
+    event = ErrorEvent(sse(error.body()))
+    event.outcome = error.outcome
     return event
 
 

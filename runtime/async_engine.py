@@ -51,10 +51,6 @@ class AsyncEngine:
         """The model's generation_config.json sampling fields, for requests that set none."""
         return self.engine.sampling_defaults
 
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.config.model.max_model_len
-
     def get_stats(self):
         return self.engine.get_stats()
 

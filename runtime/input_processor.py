@@ -134,7 +134,7 @@ class InputProcessor:
             self._check_structured_outputs(params.structured_outputs)
         if any(token >= vocab for token, _ in params.logit_bias):
             raise InvalidPromptError(f"logit_bias token ids must lie in [0, {vocab})", "logit_bias")
-        if any(token >= vocab for token in params.stop_token_ids or ()):
+        if any(token >= vocab for token in params.stop_token_ids):
             raise InvalidPromptError(f"stop_token_ids must lie in [0, {vocab})", "stop_token_ids")
         try:
             ids = tuple(operator.index(t) for t in token_ids)

@@ -80,7 +80,7 @@ class SamplingParams:
             (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
              f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}"),
             (all(self.stop), "stop", "stop strings must not be empty"),
-            (all(t >= 0 for t in self.stop_token_ids or ()), "stop_token_ids", "stop_token_ids must be >= 0"),
+            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "stop_token_ids must be >= 0"),
             (all(t >= 0 for t, _ in self.logit_bias), "logit_bias", "logit_bias token ids must be >= 0"),
             (not any(math.isnan(b) for _, b in self.logit_bias), "logit_bias", "logit_bias values must not be NaN"),
         ]

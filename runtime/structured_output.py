@@ -135,13 +135,17 @@ def shared_compiler(model_config, tokenizer):
         return _COMPILERS[key]
 
 
+def compiled_grammar(model_config, tokenizer, outputs: StructuredOutputs):
+    """The request's grammar compiled with this process's compiler (a cache hit after the first time)."""
+    return shared_compiler(model_config, tokenizer).compile_grammar(outputs.grammar())
+
+
 async def compile_in_background(model_config, tokenizer, outputs: StructuredOutputs) -> None:
     """Compile a grammar in a worker thread (xgrammar releases the GIL while it compiles), so the event
     loop and the engine's steps go on meanwhile. Cancelling the wait leaves a started compile to finish
     (its result stays cached); one not yet started is dropped."""
     loop = asyncio.get_running_loop()
-    await loop.run_in_executor(_COMPILE_POOL,
-                               lambda: shared_compiler(model_config, tokenizer).compile_grammar(outputs.grammar()))
+    await loop.run_in_executor(_COMPILE_POOL, compiled_grammar, model_config, tokenizer, outputs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,8 +170,7 @@ def grammar_bitmask(requests: list, model_config, tokenizer) -> GrammarBitmask |
     rows = xgr.allocate_token_bitmask(len(constrained), model_config.vocab_size)
     for row, request in enumerate(constrained):
         if request.grammar_matcher is None:
-            compiled = shared_compiler(model_config, tokenizer).compile_grammar(
-                request.sampling_params.structured_outputs.grammar())
+            compiled = compiled_grammar(model_config, tokenizer, request.sampling_params.structured_outputs)
             request.grammar_matcher = xgr.GrammarMatcher(compiled)
         request.grammar_matcher.fill_next_token_bitmask(rows, row)
     return GrammarBitmask(tuple(r.request_id for r in constrained), rows)

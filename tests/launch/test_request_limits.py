@@ -1,6 +1,7 @@
 """No request can stall others: grammar sizes, the grammar compile budget, the body size and request chat
 templates each have a limit that answers a 4xx naming it, and large grammars compile off the engine's loop."""
 
+import contextlib
 import json
 import random
 import string
@@ -118,22 +119,32 @@ def stream_gaps(url: str, done: threading.Event) -> list[float]:
     return gaps
 
 
+@contextlib.contextmanager
+def streams_alongside(url: str):
+    """Streams run (stream_gaps) while the body of the with-block does its work; the list it yields holds
+    their waits for a token once the block has ended."""
+    done, gaps = threading.Event(), []
+    streaming = threading.Thread(target=lambda: gaps.extend(stream_gaps(url, done)))
+    streaming.start()
+    time.sleep(0.5)  # under way
+    try:
+        yield gaps
+    finally:
+        done.set()
+        streaming.join()
+
+
 def test_other_streams_keep_their_pace_while_large_grammars_compile(server):
     """Four grammars just under the size limit arrive while streams run: they compile off the engine's
     loop, so no stream waits for them (compiled in a step, they held every stream for seconds)."""
-    done, gaps = threading.Event(), []
-    streaming = threading.Thread(target=lambda: gaps.extend(stream_gaps(server, done)))
-    streaming.start()
-    time.sleep(0.5)  # under way
     answers: list[tuple[int, dict]] = []
     requests = [threading.Thread(target=lambda k=k: answers.append(post(server, "/v1/chat/completions", {
         "messages": MESSAGES, "max_tokens": 8, "guided_json": large_schema(k)}))) for k in range(4)]
-    for thread in requests:
-        thread.start()
-    for thread in requests:
-        thread.join()
-    done.set()
-    streaming.join()
+    with streams_alongside(server) as gaps:
+        for thread in requests:
+            thread.start()
+        for thread in requests:
+            thread.join()
     assert [status for status, _ in answers] == [200] * 4, answers
     assert all(body["choices"][0]["message"]["content"].startswith('{"field_') for _, body in answers), answers
     assert max(gaps) < MAX_GAP_SECONDS, f"a stream waited {max(gaps):.2f} s for a token while grammars compiled"
@@ -142,14 +153,9 @@ def test_other_streams_keep_their_pace_while_large_grammars_compile(server):
 def test_other_streams_keep_their_pace_while_a_large_text_is_tokenized(server):
     """/tokenize counts any text under the body limit; 10 MB takes seconds to tokenize, off the event loop
     (on it, every stream waited that long for its next token)."""
-    done, gaps = threading.Event(), []
-    streaming = threading.Thread(target=lambda: gaps.extend(stream_gaps(server, done)))
-    streaming.start()
-    time.sleep(0.5)  # under way
     text = "The function returns a value. " * 350_000
-    status, body = post(server, "/tokenize", {"prompt": text, "add_special_tokens": False})
-    done.set()
-    streaming.join()
+    with streams_alongside(server) as gaps:
+        status, body = post(server, "/tokenize", {"prompt": text, "add_special_tokens": False})
     assert status == 200 and body["count"] > len(text) // 10, body.get("error")
     assert max(gaps) < MAX_GAP_SECONDS, f"a stream waited {max(gaps):.2f} s for a token while a text was tokenized"
 
@@ -196,11 +202,16 @@ def test_a_prompt_too_long_for_max_model_len_is_refused_untokenized(server, path
     assert time.monotonic() - began < 2.5
 
 
+def request_template(field: str, template: str) -> dict:
+    """A request's own chat template, given in `field` (vLLM takes both)."""
+    return {"chat_template": template} if field == "chat_template" else {"chat_template_kwargs": {
+        "chat_template": template}}
+
+
 @pytest.mark.parametrize("field", ["chat_template_kwargs.chat_template", "chat_template"])
 def test_a_request_chat_template_needs_the_operators_flag(strict_server, field):
     template = "{% for m in messages %}{{ m.content }}{% endfor %}"
-    extra = {"chat_template": template} if field == "chat_template" else {"chat_template_kwargs": {
-        "chat_template": template}}
+    extra = request_template(field, template)
     status, body = post(strict_server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4, **extra})
     assert status == 400, body
     assert body["error"]["param"] == field and "--trust-request-chat-template" in body["error"]["message"]
@@ -210,8 +221,7 @@ def test_a_request_chat_template_needs_the_operators_flag(strict_server, field):
 def test_with_the_flag_a_request_chat_template_is_used(server, field):
     """The bare content as the prompt: as many tokens as the text alone, fewer than the model's template."""
     template = "{{ messages[0].content }}"
-    extra = {"chat_template": template} if field == "chat_template" else {"chat_template_kwargs": {
-        "chat_template": template}}
+    extra = request_template(field, template)
     status, own = post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2, **extra})
     assert status == 200, own
     _, plain = post(server, "/tokenize", {"prompt": "hello world", "add_special_tokens": False})

@@ -107,8 +107,7 @@ def test_a_stream_ended_by_the_drain_is_counted_unavailable_not_success():
     async def events(end_with_error: bool):
         yield sse({"choices": [{"text": "a"}]})
         if end_with_error:
-            error = shutting_down()
-            yield error_event(error.body(), error.outcome)
+            yield error_event(shutting_down())
         yield "data: [DONE]\n\n"
 
     async def drain(response):
