@@ -5,10 +5,30 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # The CPU wheel: an unpinned torch would pull gigabytes of CUDA packages.
 TORCH_SPEC ?= torch==2.13.0
+# `make install-gpu`: the same torch from PyTorch's CUDA index. cu130 (CUDA 13.0, torch 2.13's stable
+# build) needs NVIDIA driver 580 or later; TORCH_INDEX=https://download.pytorch.org/whl/cu126 for older.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cu130
+# What a GPU server installs beside torch (the Dockerfile's EXTRAS too).
+SERVER_EXTRAS := runtime,ray
+GPU_STAMP := $(VENV)/.installed-gpu
 
-.PHONY: test test-fast lint demo install clean
+.PHONY: test test-fast lint demo install install-gpu clean
 
 install: $(STAMP)
+
+# The venv of `make install` with the CUDA build of torch (replacing a CPU build of the same version),
+# then `shardserve doctor` says whether CUDA, Triton and NCCL work here. `make test` and `make demo`
+# use it as it is.
+install-gpu: $(GPU_STAMP)
+	$(VENV)/bin/shardserve doctor
+
+$(GPU_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -c 'import torch, sys; sys.exit(torch.version.cuda is None)' 2>/dev/null || $(PY) -m pip uninstall --quiet --yes torch
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" --index-url $(TORCH_INDEX)
+	$(PY) -m pip install --quiet -e '.[$(SERVER_EXTRAS),test]'
+	touch $(STAMP) $(GPU_STAMP)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -9,34 +9,46 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shardserve.launch import __version__
 from shardserve.launch.admission import Admission, InFlightLimit
+from shardserve.launch.anthropic_messages import MESSAGES_PATH, add_messages_routes
 from shardserve.launch.body_limit import BodyLimit
+from shardserve.launch.chat_batch import add_chat_batch_routes
+from shardserve.launch.embeddings import add_embedding_routes
 from shardserve.launch.metrics import ServerMetrics
 from shardserve.launch.openai_serving import OpenAIServing, PreparedRequest
-from shardserve.launch.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                        TokenizeRequest)
+from shardserve.launch.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from shardserve.launch.replicas import ReplicaSet
 from shardserve.launch.response_format import ErrorEvent
+from shardserve.launch.responses import add_responses_routes
+from shardserve.launch.tokenization import DetokenizeRequest, TokenizeRequest, tokenizer_info
 
 
 class ApiKeyAuth:
-    """ASGI middleware: the API routes want 'Authorization: Bearer <key>' (compared in constant time).
+    """ASGI middleware: the API routes want 'Authorization: Bearer <key>' (compared in constant time);
+    /v1/messages takes Anthropic's 'x-api-key: <key>' as well, as the anthropic SDK sends it.
 
     NOTE: plain ASGI, not @app.middleware("http"): Starlette's BaseHTTPMiddleware runs the app in a task
     of its own behind a memory stream, which hides a client's disconnect from the routes."""
 
     def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.app, self.expected, self.key = app, f"Bearer {api_key}".encode(), api_key.encode()
 
     async def __call__(self, scope, receive, send):
+        path, root = scope.get("path", ""), scope.get("root_path", "")
+        path = path[len(root):] if root and path.startswith(root) else path  # a proxy's prefix (--root-path)
         if scope["type"] == "http" and scope["method"] != "OPTIONS" and \
-                scope["path"].startswith(("/v1", "/tokenize", "/detokenize")):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                error = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
+                path.startswith(("/v1", "/tokenize", "/detokenize", "/invocations")):
+            headers, is_messages = dict(scope["headers"]), path == MESSAGES_PATH
+            is_known = hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
+            if is_messages and hmac.compare_digest(headers.get(b"x-api-key", b""), self.key):
+                is_known = True
+            if not is_known:
+                either = " or 'x-api-key: <key>'" if is_messages else ""
+                error = APIError(401, f"missing or wrong API key: send 'Authorization: Bearer <key>'{either}")
                 return await JSONResponse(error.body(), 401)(scope, receive, send)
         await self.app(scope, receive, send)
 
@@ -44,7 +56,7 @@ class ApiKeyAuth:
 def build_app(replicas: ReplicaSet, serving: OpenAIServing, metrics: ServerMetrics,
               api_key: str | None, max_queued_requests: int,
               allowed_origins: list[str] | None = None, *, max_request_body_bytes: int) -> FastAPI:
-    app = FastAPI(title="shardserve", version=__version__)
+    app = FastAPI(title="shardserve", version=__version__, root_path=serving.options.root_path or "")
     admission = app.state.admission = Admission(max_queued_requests, metrics)  # the launcher drains it
     app.add_middleware(InFlightLimit, admission=admission)
     app.add_middleware(BodyLimit, limit=max_request_body_bytes, metrics=metrics)
@@ -53,9 +65,13 @@ def build_app(replicas: ReplicaSet, serving: OpenAIServing, metrics: ServerMetri
                            allow_headers=["*"], allow_credentials="*" not in allowed_origins)
     _install_error_handlers(app, metrics)
     _add_token_routes(app, serving)
+    add_responses_routes(app, serving, metrics)  # POST /v1/responses, over the chat path
+    add_embedding_routes(app, replicas, serving, metrics)  # POST /v1/embeddings (runner pooling)
 
     if api_key:
         app.add_middleware(ApiKeyAuth, api_key=api_key)
+    add_messages_routes(app, serving, metrics)  # POST /v1/messages (Anthropic's); after the key: it reshapes its 401
+    add_chat_batch_routes(app, serving, metrics)  # POST /v1/chat/completions/batch (vLLM's)
 
     @app.get("/health")
     async def health():
@@ -70,20 +86,48 @@ def build_app(replicas: ReplicaSet, serving: OpenAIServing, metrics: ServerMetri
     async def version():
         return {"version": __version__}
 
+    if serving.options.enable_server_load_tracking:
+        @app.get("/load")
+        async def load():  # vLLM's server load metric: API requests in flight, for load-aware routers
+            return {"server_load": admission.num_in_flight}
+
     @app.get("/metrics")
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():  # SageMaker's health check
+        return await health()
+
+    _add_info_routes(app, replicas, serving)
+    _add_generation_routes(app, serving, metrics)
+    return app
+
+
+def _add_info_routes(app: FastAPI, replicas: ReplicaSet, serving: OpenAIServing) -> None:
     @app.get("/v1/models")
     async def models():
+        processor = replicas.input_processor
         return {"object": "list", "data": [{
-            "id": serving.served_model_name, "object": "model", "created": 0,
-            "owned_by": "shardserve", "max_model_len": replicas.max_model_len}]}
+            "id": serving.served_model_name, "object": "model", "created": 0, "owned_by": "shardserve",
+            "root": processor.model_config.model, "parent": None, "max_model_len": replicas.max_model_len,
+            "permission": [{"id": f"modelperm-{serving.served_model_name}", "object": "model_permission",
+                            "created": 0, "allow_create_engine": False, "allow_sampling": True,
+                            "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                            "allow_fine_tuning": False, "organization": "*", "group": None,
+                            "is_blocking": False}]}]}
 
+    if serving.options.enable_tokenizer_info_endpoint:  # as vLLM: it shows the chat template, so off unless asked
+        @app.get("/tokenizer_info")
+        async def tokenizer_information():
+            return tokenizer_info(serving)
+
+
+def _add_generation_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics) -> None:
     async def respond(prepared: PreparedRequest, body, request: Request):
         await serving.compile_grammar(prepared)  # a 400 comes before any stream starts
         if body.stream:
-            return _streaming(serving.stream(prepared, body.include_usage), metrics)
+            return _streaming(serving.stream(prepared), metrics)
         return await _until_disconnect(serving.full_response(prepared), request, metrics)
 
     @app.post("/v1/completions")
@@ -94,7 +138,24 @@ def build_app(replicas: ReplicaSet, serving: OpenAIServing, metrics: ServerMetri
     async def chat(body: ChatCompletionRequest, request: Request):
         return await respond(await off_loop(serving.prepare_chat, body), body, request)
 
-    return app
+    @app.post("/invocations")
+    async def invocations(request: Request):
+        """SageMaker's one route, by the body's shape: messages make a chat completion, a prompt a completion."""
+        try:
+            data = await request.json()
+        except ValueError:
+            raise APIError(400, "the request body is not valid JSON") from None
+        kind = next((k for field, k in (("messages", ChatCompletionRequest), ("prompt", CompletionRequest))
+                     if isinstance(data, dict) and field in data), None)
+        if kind is None:
+            raise APIError(400, "/invocations serves a body with messages (a chat completion) or with a prompt "
+                           "(a completion)", "messages")
+        try:
+            body = kind.model_validate(data)
+        except ValidationError as e:
+            raise RequestValidationError([err | {"loc": ("body", *err["loc"])} for err in e.errors()]) from None
+        prepare = serving.prepare_chat if isinstance(body, ChatCompletionRequest) else serving.prepare_completion
+        return await respond(await off_loop(prepare, body), body, request)
 
 
 def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:

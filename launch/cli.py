@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import json
 import os
@@ -14,17 +13,14 @@ from rich.console import Console
 
 from shardserve.launch import __version__
 from shardserve.launch.cli_options import launch_command_settings, plan_command_settings, setting_options
+from shardserve.launch.cli_cluster import cluster_app
+from shardserve.launch.cli_deploy import deploy
+from shardserve.launch.cli_models import models
+from shardserve.launch.cli_support import Format, err, print_data, user_errors
 
 # NOTE: click's plain help, not typer's rich panels: those cut option names at 80 columns
 app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None,
                   help="Plan and launch multi-GPU LLM serving.")
-err = Console(stderr=True, soft_wrap=True)  # an error line is never broken mid-path
-
-
-class Format(str, enum.Enum):
-    table = "table"
-    json = "json"
-    yaml = "yaml"
 
 
 class PlanFormat(str, enum.Enum):
@@ -56,7 +52,8 @@ def plan(
         help="A profile name (shardserve profiles list) or YAML file; flags override it.")]
     = None,
     ray_address: Annotated[Optional[str], typer.Option(
-        envvar="RAY_ADDRESS", help="Read nodes and GPUs from this Ray cluster.")] = None,
+        envvar="RAY_ADDRESS", help="Read nodes and GPUs from this Ray cluster ('auto': the one this host "
+                                   "joined through `shardserve cluster up/join`).")] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o",
                                                    help="Write the plan YAML here.")] = None,
     format: Annotated[PlanFormat, typer.Option("--format", help="table, json or yaml on stdout; vllm or "
@@ -68,7 +65,7 @@ def plan(
     **settings,
 ) -> None:
     """Choose tensor/pipeline/replica sizes, predict memory, KV cache and speed, and say why."""
-    with _user_errors():
+    with user_errors():
         from shardserve.launch.plan_view import make_plan_from, render_plan, write_plan
         if ray_address:
             from shardserve.launch.cluster import resolve_address, use_cluster_auth
@@ -91,12 +88,13 @@ def plan(
             Console().print(f"plan written to [bold]{output}[/]")
 
 
-@app.command(short_help="Serve a plan, a profile or a model (OpenAI API).")
+@app.command(short_help="Serve a model, a plan or a profile (OpenAI API).")
 @setting_options(launch_command_settings())
 def launch(
-    plan_file: Annotated[Optional[Path], typer.Argument(
-        metavar="PLAN.yaml", help="A plan from `shardserve plan -o`. Without one, plan now; "
-        "with no --model or --profile either, serve the demo (--profile demo).")]
+    target: Annotated[Optional[str], typer.Argument(
+        metavar="MODEL|PLAN.yaml", help="A model, as `vllm serve MODEL` (the same as --model: a folder, a Hub "
+        "id org/name, downloaded when the cache lacks it, or a catalog id); or a plan from `shardserve plan -o`. "
+        "Without either, plan now for --model or --profile; with none of them, serve the demo (--profile demo).")]
     = None,
     profile: Annotated[Optional[str], typer.Option(help="A profile name or YAML file.")] = None,
     set_: Annotated[Optional[list[str]], typer.Option(
@@ -114,29 +112,33 @@ def launch(
                                  "to this many times (default 0: exit 1).")] = 0,
     **settings,
 ) -> None:
-    """Serve a plan, a profile or a model over an OpenAI-compatible API."""
+    """Serve a model, a plan or a profile over an OpenAI-compatible API."""
     import logging
 
     from shardserve.launch.deploy_config import parse_env, parse_set
-    from shardserve.launch.launcher import api_key_from_env, bind_port, exit_now, serve, setting, settle
+    from shardserve.launch.launcher import (api_key_from_env, bind_port, exit_now, fetch_weights, launch_target, serve,
+                                            setting, settle)
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s", datefmt="%H:%M:%S")
+    for client in ("httpx", "httpx2"):  # huggingface_hub's HTTP clients: a line per request at INFO
+        logging.getLogger(client).setLevel(logging.WARNING)
     flags = dict(settings)
-    if ray_address:
-        from shardserve.launch.cluster import resolve_address, use_cluster_auth
-        ray_address = resolve_address(ray_address)
-        os.environ["RAY_ADDRESS"] = ray_address  # the runtime's Ray executor joins it
-        use_cluster_auth()
-    with _user_errors():
+    with user_errors():
+        if ray_address:  # 'auto' refused by name when this host joined no cluster
+            from shardserve.launch.cluster import resolve_address, use_cluster_auth
+            ray_address = resolve_address(ray_address)
+            os.environ["RAY_ADDRESS"] = ray_address  # the runtime's Ray executor joins it
+            use_cluster_auth()
         flags.update(parse_set(set_ or []))
         flags["env"] = parse_env(env or []) or None
-        config, plan = settle(str(plan_file) if plan_file else None, profile, flags,
-                              ray_address)
+        plan_file, flags["model"] = launch_target(target, flags.get("model"))
+        config, plan = settle(plan_file, profile, flags, ray_address)
         key = api_key_from_env(api_key)
         listener = bind_port(setting(config, "host"), setting(config, "port"))  # before anything loads
+        config = fetch_weights(config)  # a Hub id's weights, downloaded once the plan is settled
     try:
-        with _user_errors():
+        with user_errors():
             code = serve(config, plan, listener, key, config.served_model_name, restart)
     except ValueError as e:  # the runtime refusing a setting (max_model_len too long, ...)
         err.print(f"[bold red]error:[/] {e}", highlight=False)
@@ -161,7 +163,7 @@ def doctor(
     from shardserve.launch.doctor import run_checks
     from shardserve.launch.launcher import read_plan_file
 
-    with _user_errors():
+    with user_errors():
         plan = read_plan_file(str(plan_file)) if plan_file else None
         record = read_record(state_dir())
         address = resolve_address(ray_address) or (record.address if record else None)
@@ -169,7 +171,7 @@ def doctor(
             use_cluster_auth()
         checks = run_checks(plan, cluster_address=address)
     if format is not Format.table:
-        _print_data({"checks": [c.to_dict() for c in checks]}, format)
+        print_data({"checks": [c.to_dict() for c in checks]}, format)
     else:
         from rich.table import Table
         colors = {"pass": "green", "warn": "yellow", "fail": "red", "skip": "dim"}
@@ -195,7 +197,7 @@ def profiles_list() -> None:
     table = Table("name")
     table.add_column("description", overflow="fold")  # a broken profile's error names its file
     broken = False
-    with _user_errors():
+    with user_errors():
         profiles = list_profiles()
     for name, path in profiles.items():
         try:
@@ -217,136 +219,19 @@ def profiles_show(name: Annotated[str, typer.Argument(help="Profile name or YAML
     import yaml
 
     from shardserve.launch.profiles import find_profile, load_profile
-    with _user_errors():
+    with user_errors():
         path = find_profile(name)
         values = load_profile(name).set_values()
     print(f"# {path}")
     print(yaml.safe_dump(values, sort_keys=False), end="")
 
 
-cluster_app = typer.Typer(no_args_is_help=True, help="Start, join, inspect and stop the Ray "
-                          "cluster that multi-node launches run on.")
 app.add_typer(cluster_app, name="cluster")
-_StateDir = Annotated[Optional[str], typer.Option(
-    "--state-dir", envvar="SHARDSERVE_CLUSTER_DIR",
-    help="Where this host keeps its node record and token (default ~/.shardserve/cluster).")]
-_NodeIp = Annotated[Optional[str], typer.Option(
-    help="This host's address (default: the interface that routes to the head).")]
-_NumGpus = Annotated[Optional[int], typer.Option(help="GPUs to offer (default: all Ray finds).")]
-_NumCpus = Annotated[Optional[int], typer.Option(help="CPUs to offer (default: all).")]
-_TokenFile = Annotated[Optional[str], typer.Option(
-    help="The cluster's token (default: RAY_AUTH_TOKEN; a new head makes one).")]
+app.command(short_help="List the known models and the GPUs each needs.")(models)
+app.command(short_help="Write Kubernetes, LeaderWorkerSet, KubeRay or Slurm files that run a plan.")(deploy)
 
 
-@cluster_app.command("up")
-def cluster_up(
-    head: Annotated[bool, typer.Option("--head", help="Start the head node (required).")] = False,
-    node_ip: _NodeIp = None,
-    port: Annotated[int, typer.Option(help="The head's port (0: any free port).")] = 6379,
-    num_gpus: _NumGpus = None, num_cpus: _NumCpus = None, token_file: _TokenFile = None,
-    state_dir: _StateDir = None,
-) -> None:
-    """Start this host as the cluster's head; returns once it is registered."""
-    from shardserve.launch import cluster
-    with _user_errors():
-        if not head:
-            raise cluster.ClusterError("`cluster up` starts a head: pass --head (workers use "
-                                       "`shardserve cluster join HEAD_IP:PORT`)")
-        folder = cluster.state_dir(state_dir)
-        address = cluster.choose_node_ip(None, node_ip)
-        record = cluster.start_node(folder, None, address, port, num_gpus, num_cpus, token_file)
-    out = Console()
-    out.print(f"head node up at [bold]{record.address}[/]")
-    _print_node_choice(out, record, address.reason)
-    out.print(f"token: {cluster.token_path(folder)} (copy it to each worker, then run there)\n"
-              f"  shardserve cluster join {record.address} --token-file auth_token")
-    out.print("launch with: shardserve launch --ray-address "
-              f"{record.address} ...   (status: shardserve cluster status)")
-    err.print("[yellow]warning:[/] traffic between the nodes (Ray, NCCL, gloo) is not "
-              "encrypted; token authentication keeps strangers out of Ray but the network "
-              "must stay private (no public IPs, a firewall in front)", highlight=False)
-
-
-@cluster_app.command("join")
-def cluster_join(
-    head_address: Annotated[str, typer.Argument(metavar="HEAD_IP:PORT")],
-    node_ip: _NodeIp = None, num_gpus: _NumGpus = None, num_cpus: _NumCpus = None,
-    token_file: _TokenFile = None, state_dir: _StateDir = None,
-) -> None:
-    """Join this host to the cluster whose head is at HEAD_IP:PORT; returns once registered."""
-    from shardserve.launch import cluster
-    with _user_errors():
-        host, sep, port_text = head_address.rpartition(":")
-        if not sep or not host or not port_text.isdigit():
-            raise cluster.ClusterError(f"{head_address!r} is not HEAD_IP:PORT (e.g. "
-                                       "10.0.0.1:6379, as `cluster up` printed)")
-        folder = cluster.state_dir(state_dir)
-        address = cluster.choose_node_ip(host, node_ip)
-        record = cluster.start_node(folder, (host, int(port_text)), address, 0, num_gpus,
-                                    num_cpus, token_file)
-    out = Console()
-    out.print(f"joined the cluster at [bold]{record.address}[/] as {record.node_ip}")
-    _print_node_choice(out, record, address.reason)
-
-
-def _print_node_choice(out: Console, record, reason: str) -> None:
-    out.print(f"node IP {record.node_ip} on {record.interface} ({reason}); the node's ranks "
-              f"get NCCL_SOCKET_IFNAME={record.interface} GLOO_SOCKET_IFNAME={record.interface}")
-    out.print(f"{len(record.pids)} Ray processes recorded; stop them with `shardserve cluster "
-              "down` (not `ray stop`, which ends every Ray process on the host)")
-
-
-@cluster_app.command("status")
-def cluster_status(
-    address: Annotated[Optional[str], typer.Option(
-        "--ray-address", "--address", envvar="RAY_ADDRESS",
-        help="HEAD_IP:PORT (default: the cluster this host joined).")] = None,
-    format: Annotated[Format, typer.Option("--format", help="table, json or yaml.")]
-    = Format.table,
-    state_dir: _StateDir = None,
-) -> None:
-    """List every node: IP, GPUs, CPUs, liveness, versions, and what differs between nodes."""
-    from shardserve.launch import cluster
-    from shardserve.launch.ray_nodes import list_nodes, node_problems
-    with _user_errors():
-        folder = cluster.state_dir(state_dir)
-        record = cluster.read_record(folder)
-        os.environ.update(cluster.auth_env(folder))
-        nodes = list_nodes(None, address or (record.address if record else None))
-    reference = next((n["facts"] for n in nodes if n["head"] and "facts" in n), None)
-    problems = node_problems(nodes, reference) if reference else {}
-    rows = [{"ip": n["ip"], "alive": n["alive"], "head": n["head"], "gpus": n["gpus"],
-             "cpus": n["cpus"], "versions": n.get("facts", {}).get("versions"),
-             "problems": problems.get(n["ip"], [])} for n in nodes]
-    if format is not Format.table:
-        _print_data({"nodes": rows}, format)
-    else:
-        from rich.table import Table
-        table = Table("ip", "role", "alive", "gpus", "cpus", "versions", "problems")
-        for r in rows:
-            versions = ", ".join(f"{k} {v}" for k, v in (r["versions"] or {}).items())
-            table.add_row(r["ip"], "head" if r["head"] else "worker",
-                          "[green]yes[/]" if r["alive"] else "[red]no[/]", str(r["gpus"]),
-                          str(r["cpus"]), versions, "; ".join(r["problems"]))
-        Console().print(table)
-    if any(not r["alive"] or r["problems"] for r in rows):
-        raise typer.Exit(1)
-
-
-@cluster_app.command("down")
-def cluster_down(state_dir: _StateDir = None) -> None:
-    """Stop the Ray node this host started (only its recorded processes)."""
-    from shardserve.launch import cluster
-    with _user_errors():
-        record = cluster.stop_node(cluster.state_dir(state_dir))
-    if record is None:
-        Console().print("no Ray node started by shardserve on this host; nothing to stop")
-    else:
-        Console().print(f"stopped the {record.role} node {record.node_ip} "
-                        f"(cluster {record.address})")
-
-
-@app.command(short_help="Time this runtime's operators here; `plan` uses them for this GPU.")
+@app.command(short_help="Time this runtime's operators for `plan` on this GPU.")
 def calibrate(
     device: Annotated[str, typer.Option(help="auto, cpu or cuda (auto: cuda when torch sees a GPU).")]
     = "auto",
@@ -367,28 +252,9 @@ def calibrate(
     from shardserve.launch.calibrate import calibrate as run_calibration
     from shardserve.launch.calibrate import settle as settle_calibration
 
-    with _user_errors():
+    with user_errors():
         setup = settle_calibration(device, dtype, sizes, output, tensor_parallel_size)
         run_calibration(setup, Console())
-
-
-def _print_data(data: dict, format: Format) -> None:
-    if format is Format.json:
-        print(json.dumps(data, indent=2))
-    else:
-        import yaml
-        print(yaml.safe_dump(data, sort_keys=False), end="")
-
-
-@contextlib.contextmanager
-def _user_errors():
-    """Bad input becomes one red line on stderr and the planner's exit code, no traceback."""
-    from shardserve.planner import PlanError
-    try:
-        yield
-    except PlanError as e:
-        err.print(f"[bold red]error:[/] {e}", highlight=False)
-        raise typer.Exit(e.exit_code) from None
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from shardserve.planner.settings import BY_NAME, INPUT, PLAN, SETTINGS, Setting
+from shardserve.planner.settings import BY_NAME, INPUT, PLAN, SETTINGS, Setting, SettingError
 
 # Settings that need a shape of their own on the command line (a list, a mapping); --set takes any.
 _NOT_FLAGS = {"layer_split", "env", "description"}
@@ -28,6 +28,8 @@ def _help(setting: Setting) -> str:
         text += f" One of: {', '.join(map(str, setting.choices))}."
     if setting.default is not None and "Default" not in text and "default" not in text:
         text += f" Default: {setting.default}."
+    if setting.human_readable:
+        text += " Also 32k (x1000) or 32K (x1024), as vLLM reads it."
     return text
 
 
@@ -35,24 +37,29 @@ def _parameter(setting: Setting) -> inspect.Parameter:
     decls = [setting.flag] + ([setting.short] if setting.short else [])
     if setting.type is bool:
         decls = [f"{setting.flag}/--no-{setting.flag[2:]}"]
-    parser: dict[str, Any] = {"parser": _word_or_number(setting)} if setting.words else {}
+    is_text = bool(setting.words) or setting.human_readable  # read by the table's own check
+    parser: dict[str, Any] = {"parser": _checked(setting),
+                              "metavar": "<" + "|".join(("int",) + setting.words) + ">"} if is_text else {}
     option = typer.Option(*decls, help=_help(setting), show_default=False, **parser)
     kind = list[str] if setting.type is list else setting.type  # a list: the flag given once per item
-    kind = str if setting.words else kind
+    kind = str if is_text else kind
     annotation = Annotated[Optional[kind], option]  # type: ignore[valid-type]  # a type made at run time
     return inspect.Parameter(setting.name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
 
 
-def _word_or_number(setting: Setting) -> Callable[[str], object]:
-    """A flag that takes a number or one of the setting's words (--max-model-len 4096 or auto)."""
+def _checked(setting: Setting) -> Callable[[str], object]:
+    """A flag that takes a number, one of the setting's words or a human-readable count
+    (--max-model-len 4096, 32k or auto): the settings table reads it, as it reads a profile's."""
     def parse(text: str):
-        if text in setting.words:
-            return text
+        if not setting.human_readable and text not in setting.words:
+            try:
+                text = setting.type(text)
+            except ValueError:
+                pass  # the table's check names what it takes
         try:
-            return setting.type(text)
-        except ValueError:
-            raise typer.BadParameter(f"{text!r} is not {setting.type.__name__}"
-                                     + "".join(f" or {w!r}" for w in setting.words)) from None
+            return setting.check(text)
+        except SettingError as e:
+            raise typer.BadParameter(str(e)) from None
     return parse
 
 

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any, overload
 
 from shardserve.launch.node_facts import IFNAME_VARS, interface_addresses
+from shardserve.launch.ray_ports import head_port_problem, local_ray_instances
 from shardserve.planner import PlanError
 
-DEFAULT_PORT = 6379  # Ray's own default, what users of `ray start` expect
 REGISTER_TIMEOUT_SECONDS = 60.0
 STOP_GRACE_SECONDS = 10.0
 _UNROUTABLE = "192.0.2.1"  # TEST-NET-1: a UDP connect to it only asks the kernel for a route
@@ -29,6 +29,7 @@ _UNROUTABLE = "192.0.2.1"  # TEST-NET-1: a UDP connect to it only asks the kerne
 # leaves /health green for 15 s after a node is lost
 HEAD_ENV = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "1000",
             "RAY_health_check_failure_threshold": "3"}
+
 
 
 class ClusterError(PlanError):
@@ -145,18 +146,37 @@ def use_cluster_auth() -> None:
 
 
 @overload
-def resolve_address(address: str) -> str: ...
+def resolve_address(address: str, folder: Path | None = None) -> str: ...
 @overload
-def resolve_address(address: None) -> None: ...
+def resolve_address(address: None, folder: Path | None = None) -> None: ...
 
 
-def resolve_address(address: str | None) -> str | None:
-    """'auto' means the cluster this host joined (its record); anything else is Ray's to read."""
-    if address == "auto":
-        record = read_record(state_dir())
-        if record is not None:
-            return record.address
-    return address
+def resolve_address(address: str | None, folder: Path | None = None) -> str | None:
+    """'auto' means the cluster this host joined through `cluster up/join` (its record), said on stderr;
+    anything else is Ray's to read. NOTE: never Ray's own 'auto', which attaches to whatever Ray instance
+    runs on the host (another user's, a test's)."""
+    if address != "auto":
+        return address
+    folder = folder or state_dir()
+    record = read_record(folder)
+    if record is not None and _alive(record):
+        print(f"--ray-address auto: the cluster at {record.address}, which this host joined as its "
+              f"{record.role} (read from {folder / 'node.json'}, written by `shardserve cluster "
+              f"{'up' if record.role == 'head' else 'join'}`)", file=sys.stderr)
+        return record.address
+    if record is not None:
+        raise ClusterError(f"--ray-address auto: {folder / 'node.json'} records the cluster at {record.address}, "
+                           "but this host's Ray node of it no longer runs: `shardserve cluster down`, then "
+                           "`cluster up`/`join` again, or pass --ray-address HOST:PORT")
+    found = local_ray_instances()
+    if found:
+        listed = ", ".join(f"{a} (process {pid})" for a, pid in sorted(found.items()))
+        raise ClusterError(f"--ray-address auto: this host joined no cluster through `shardserve cluster "
+                           f"up/join` (no {folder / 'node.json'}), but Ray runs here: {listed}; pass "
+                           f"--ray-address {min(found)} to use it, or start one with `shardserve cluster up --head`")
+    raise ClusterError(f"--ray-address auto: this host joined no cluster through `shardserve cluster up/join` "
+                       f"(no {folder / 'node.json'}) and no Ray runs here: `shardserve cluster up --head` "
+                       "(or `cluster join HEAD_IP:PORT`) first, or pass --ray-address HOST:PORT")
 
 
 def _save_token(folder: Path, token_file: str | None, is_head: bool) -> None:
@@ -203,6 +223,8 @@ def start_node(folder: Path, head: tuple[str, int] | None, address: NodeAddress,
                            "`shardserve cluster down` first")
     if head is not None:
         _check_reachable(*head)
+    elif problem := head_port_problem(port):
+        raise ClusterError(problem)
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     _save_token(folder, token_file, head is None)
     # NOTE: Ray's socket paths must stay under ~107 bytes, so its temp dir is short, not in folder

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model
 
 from shardserve.planner import PlanError
 from shardserve.planner.settings import SETTINGS, Setting
@@ -33,9 +33,9 @@ def _pydantic_field(setting: Setting) -> tuple:
         kind = Literal[setting.choices]
     bounds: dict[str, Any] = {"ge": setting.minimum, "le": setting.maximum, "gt": setting.above}
     bounds = {k: v for k, v in bounds.items() if v is not None}
-    if setting.words:  # the bounds apply to the number, not to the words beside it
-        return Optional[Union[Annotated[kind, Field(**bounds)], Literal[setting.words]]], Field(
-            None, description=setting.help)
+    if setting.words or setting.human_readable or setting.fixed:  # 32k, auto, a fixed flag: the table reads it
+        inner = Union[kind, Literal[setting.words]] if setting.words else kind
+        return Optional[Annotated[inner, BeforeValidator(setting.check)]], Field(None, description=setting.help)
     return Optional[kind], Field(None, description=setting.help, **bounds)
 
 
@@ -77,6 +77,7 @@ def validate(values: dict, source: str, lines: dict[str, int] | None = None) -> 
             field = ".".join(str(p) for p in error["loc"])
             where = f" (line {lines[field]})" if lines and field in lines else ""
             message = ("unknown key" if error["type"] == "extra_forbidden"
+                       else str(error["ctx"]["error"]) if error["type"] == "value_error"
                        else error["msg"].lower())
             problems.append(f"{field}{where}: {message}")
         raise PlanError(f"{source}: " + "; ".join(problems)) from None

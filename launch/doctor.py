@@ -29,8 +29,10 @@ class Check:
 
 def run_checks(plan: PlanFile | None = None, nvml=None, shm_path: str = "/dev/shm",
                cluster_address: str | None = None) -> list[Check]:
+    from shardserve.launch.doctor_gpu import gpu_build_checks
     hardware = detect_local(nvml)
-    checks = [check_gpus(hardware, plan), check_nvlink(hardware, plan), check_shm(shm_path),
+    checks = [check_gpus(hardware, plan), *gpu_build_checks(not hardware.is_cpu, nvml),
+              check_nvlink(hardware, plan), check_shm(shm_path),
               check_interfaces(os.environ, interface_names()), check_versions()]
     checks.append(check_model(plan) if plan else
                   Check("model", "skip", "no plan given: pass --plan to check its model files"))

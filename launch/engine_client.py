@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from shardserve.runtime.engine import EngineStats
     from shardserve.runtime.input_processor import ProcessedPrompt
     from shardserve.runtime.outputs import PromptDelta
+    from shardserve.runtime.pooling_params import PoolingParams
     from shardserve.runtime.sampling_params import SamplingParams
 
 
@@ -36,9 +37,10 @@ class EngineClient(Protocol):
     def error(self) -> BaseException | None:
         """Why the replica is dead (health), or None; once set it stays."""
 
-    def generate(self, prompt: ProcessedPrompt, sampling_params: SamplingParams,
+    def generate(self, prompt: ProcessedPrompt, sampling_params: SamplingParams | PoolingParams,
                  prompt_id: str) -> AsyncIterator[PromptDelta]:
-        """The prompt's deltas, the last one finished; closing the iterator early aborts the prompt."""
+        """The prompt's deltas, the last one finished; closing the iterator early aborts the prompt. With
+        PoolingParams (a replica whose runner is pooling) one delta comes, carrying the prompt's vector."""
 
     async def abort(self, prompt_id: str) -> None:
         """End the prompt's stream and free what it holds."""

@@ -106,11 +106,13 @@ def export_plan(plan: PlanFile, engine: str) -> EngineCommand:
     """The command that serves `plan` on `engine` (vllm or sglang), flag for flag."""
     draft = _Draft()
     if engine == "vllm":
+        _hub_flags(plan, draft)
         _vllm_parallel(plan, draft)
         _vllm_runtime(plan, draft)
         program: tuple[str, ...] = ("vllm", "serve", plan.model_source)
     elif engine == "sglang":
         draft.add("--model-path", plan.model_source)
+        _hub_flags(plan, draft)
         _sglang_parallel(plan, draft)
         _sglang_runtime(plan, draft)
         program = ("python", "-m", "sglang.launch_server")
@@ -118,6 +120,15 @@ def export_plan(plan: PlanFile, engine: str) -> EngineCommand:
         raise ValueError(f"engine {engine!r}: one of {', '.join(ENGINES)}")
     draft.unsupported += _latency_targets(plan, ENGINE_NAMES[engine]) + _unhandled(plan)
     return draft.done(engine, program)
+
+
+def _hub_flags(plan: PlanFile, draft: _Draft) -> None:
+    """Where a Hub id is fetched, as the plan was made: both engines take --revision and --download-dir.
+    Never the token: the engine reads HF_TOKEN itself, and a command line is no place for a secret."""
+    if plan.model.revision is not None:
+        draft.add("--revision", plan.model.revision)
+    if plan.model.download_dir is not None:
+        draft.add("--download-dir", plan.model.download_dir)
 
 
 def _latency_targets(plan: PlanFile, engine: str) -> list[str]:

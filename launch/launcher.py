@@ -18,8 +18,9 @@ from shardserve.launch.deploy_config import DeployConfig, merge, validate
 from shardserve.launch.plan_view import build_plan, resolve_hardware
 from shardserve.launch.profiles import load_profile
 from shardserve.planner import PlanError, load_model
-from shardserve.planner.model_source import model_path
+from shardserve.planner.model_source import local_weights, model_path, no_weights_problem
 from shardserve.planner.hardware import Hardware
+from shardserve.planner.hub import HubOptions
 from shardserve.planner.model_source import DEMO_MODEL_NAME, is_demo_model
 from shardserve.planner.plan_file import PlanFile
 from shardserve.planner.settings import BY_NAME, ENGINE, for_layer
@@ -35,8 +36,10 @@ DEFAULT_PROFILE = "demo"  # bare `shardserve launch`: no plan, no profile, no mo
 
 
 def plan_settings(plan: PlanFile) -> dict:
-    """The settings a plan fixes: its runtime, parallel and service sections are named as settings."""
-    return {"model": plan.model_source, **asdict(plan.runtime), **asdict(plan.parallel), **asdict(plan.service)}
+    """The settings a plan fixes: its runtime, parallel and service sections are named as settings; its
+    model, with the revision and download folder a Hub id was planned with (None: the defaults)."""
+    return {"model": plan.model_source, "revision": plan.model.revision, "download_dir": plan.model.download_dir,
+            **asdict(plan.runtime), **asdict(plan.parallel), **asdict(plan.service)}
 
 
 def read_plan_file(path: str) -> PlanFile:
@@ -79,11 +82,12 @@ def settle(plan_path: str | None, profile: str | None, flags: dict,
             hardware = declared
     if plan is not None:
         check_plan_fits(plan, hardware)
-        _require_weights(load_model(config.model, config.quantization).path, config.model)
+        from shardserve.launch.plan_check import rederived  # a layout edited by hand: its predictions made again
+        plan = rederived(plan, str(plan_path), config.set_values(),
+                         load_model(config.model, config.quantization, HubOptions.of(config)))
         return apply_auto_len(config, plan), plan
     model = config.model or DEFAULT_MODEL
-    info = load_model(model, config.quantization)
-    _require_weights(info.path, model)
+    info = load_model(model, config.quantization, HubOptions.of(config))  # a Hub id: its config, no weights yet
     plan = build_plan(validate(merge(config.set_values(), {"model": model}), "launch settings"), hardware, info).record()
     config = validate(merge(plan_settings(plan), config.set_values(), {"model": model}), "launch settings")
     return apply_auto_len(config, plan), plan
@@ -99,11 +103,36 @@ def apply_auto_len(config: DeployConfig, plan: PlanFile) -> DeployConfig:
     return validate(merge(config.set_values(), {"max_model_len": plan.runtime.max_model_len}), "launch settings")
 
 
-def _require_weights(path: str | None, model: str) -> None:
-    if path is None:
-        raise PlanError(f"{model} is a catalog entry (a config, no weights): launch needs a "
-                        "model folder with safetensors, or an id in the local Hugging Face "
-                        "cache; `shardserve plan` works with catalog ids")
+def launch_target(argument: str | None, model: str | None) -> tuple[str | None, str | None]:
+    """`launch X` as `vllm serve X`: (plan path, model). X is a plan when it names a .yaml/.yml file,
+    else the model (a folder, a Hub id, a catalog id), which --model may not name a second time."""
+    if argument is None:
+        return None, model
+    path = Path(argument).expanduser()
+    if path.suffix in (".yaml", ".yml") and not path.is_dir():
+        if not path.is_file():
+            raise PlanError(f"plan {argument} does not exist: make it with `shardserve plan -o {argument}`")
+        return argument, model
+    if model is not None:
+        raise PlanError(f"two models: {argument} (the argument) and --model {model}: give one of them")
+    return None, argument
+
+
+def fetch_weights(config: DeployConfig) -> DeployConfig:
+    """Once the plan is settled on the model's config and the port is ours: the weights on this machine,
+    before any replica starts. A Hub id is served from its snapshot in the Hugging Face cache (downloaded
+    now when the cache lacks it; load_format dummy: its config and tokenizer only) under its own name: the
+    engines get the folder, the clients see the id. A folder without weights is refused, naming dummy."""
+    load_format = setting(config, "load_format")
+    given = Path(model_path(config.model)).expanduser()
+    if given.is_dir():
+        problem = no_weights_problem(given, load_format)
+        if problem:
+            raise PlanError(problem)
+        return config
+    folder = local_weights(config.model, HubOptions.of(config), load_format)
+    return validate(merge(config.set_values(), {"model": str(folder), "served_model_name": served_name(config)}),
+                    "launch settings")
 
 
 def served_name(config: DeployConfig) -> str:
@@ -129,12 +158,14 @@ def bind_port(host: str, port: int) -> socket.socket:
     return listener
 
 
-def try_it(name: str, host: str, port: int, api_key: str | None) -> str:
-    """A curl for the start-up log, ready to paste."""
+def try_it(name: str, host: str, port: int, api_key: str | None, runner: str = "auto") -> str:
+    """A curl for the start-up log, ready to paste: a completion, or on a pooling server an embedding."""
     where = "localhost" if host in ("0.0.0.0", "::", "127.0.0.1") else host
     auth = ' -H "Authorization: Bearer $SHARDSERVE_API_KEY"' if api_key else ""
-    return (f"curl http://{where}:{port}/v1/completions -H 'Content-Type: application/json'"
-            f"{auth} -d '{{\"model\": \"{name}\", \"prompt\": \"The function\", \"max_tokens\": 32}}'")
+    route, body = (("embeddings", '"input": "The function"') if runner == "pooling" else
+                   ("completions", '"prompt": "The function", "max_tokens": 32'))
+    return (f"curl http://{where}:{port}/v1/{route} -H 'Content-Type: application/json'"
+            f"{auth} -d '{{\"model\": \"{name}\", {body}}}'")
 
 
 def engine_kwargs(config: DeployConfig) -> dict:
@@ -254,6 +285,7 @@ def serve_once(config: DeployConfig, plan: PlanFile, listener: socket.socket, ap
     from shardserve.launch.api_server import build_app
     from shardserve.launch.metrics import ServerMetrics
     from shardserve.launch.openai_serving import OpenAIServing
+    from shardserve.launch.serving_options import ServingOptions
     from shardserve.launch.plan_check import PlanCheck, Prediction
     from shardserve.launch.replicas import ReplicaSet
     from shardserve.launch.server_loop import ENDING_SECONDS, Drain, run, server_class
@@ -275,13 +307,12 @@ def serve_once(config: DeployConfig, plan: PlanFile, listener: socket.socket, ap
     metrics = ServerMetrics(name, replicas.stats, replicas.max_model_len)
     replicas.metrics = metrics
     limit = config.max_queued_requests or 4 * setting(config, "max_num_seqs") * len(engines)
-    serving = OpenAIServing(replicas, name, config.tool_call_parser, bool(config.enable_auto_tool_choice),
-                            setting(config, "grammar_compile_timeout"), setting(config, "trust_request_chat_template"))
+    serving = OpenAIServing(replicas, name, ServingOptions.from_config(config))
     app = build_app(replicas, serving, metrics, api_key, limit, config.allowed_origins,
                     max_request_body_bytes=setting(config, "max_request_body_bytes"))
     warn_exposure(host, api_key)
     logger.info("serving %r at http://%s:%d/v1; try:\n  %s", name, host, port,
-                try_it(name, host, port, api_key))
+                try_it(name, host, port, api_key, setting(config, "runner")))
     # NOTE: uvicorn's own grace only covers what is left after the drain (see server_loop.Drain)
     drain = Drain(app.state.admission, replicas, setting(config, "shutdown_timeout"))
     server = server_class()(uvicorn.Config(app, host=host, port=port, log_level="info",

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
     from shardserve.runtime.engine import EngineStats
@@ -63,10 +64,15 @@ class EngineCollector:
             (CounterMetricFamily("vllm:prefix_cache_hits", "Prefix cache hits, in prompt tokens found cached.",
                                  labels=LABELS), "num_prefix_hit_tokens"),
         ]
+        steps = HistogramMetricFamily("vllm:iteration_tokens_total", "Histogram of number of tokens per engine "
+                                      "step.", labels=LABELS)
         for engine, s in enumerate(self.stats()):
             for family, field in families:
                 family.add_metric([self.model, str(engine)], getattr(s, field))
+            buckets = [(floatToGoString(bound), count) for bound, count in s.iteration_tokens.cumulative()]
+            steps.add_metric([self.model, str(engine)], buckets, s.iteration_tokens.total)
         yield from (family for family, _ in families)
+        yield steps
 
 
 class ServerMetrics:
@@ -109,6 +115,14 @@ class ServerMetrics:
 
     def outcome(self, outcome: str) -> None:
         self.requests.labels(self.model, outcome).inc()
+
+    def pooled(self, engine: int, num_prompt_tokens: int, e2e_s: float) -> None:
+        """A pooled prompt (/v1/embeddings): its prompt tokens and latency, as any request's."""
+        labels = (self.model, str(engine))
+        self.prompt_tokens.labels(*labels).inc(num_prompt_tokens)
+        self.request_prompt_tokens.labels(*labels).observe(num_prompt_tokens)
+        self.phases["e2e"].labels(*labels).observe(e2e_s)
+        self.success.labels(*labels, "stop").inc()
 
     def prompt_timer(self, engine: int, num_prompt_tokens: int, params: SamplingParams) -> PromptTimer:
         return PromptTimer(self, (self.model, str(engine)), num_prompt_tokens, params)

@@ -5,7 +5,9 @@ The request path only appends a FinishedRequest to a deque; `tick()`, called on 
 least MIN_REQUESTS finished requests is "under load": one INFO line gives the measured p50 and p90
 TTFT and TPOT and the workload seen (mean prompt and output tokens, requests/s, mean requests in
 flight by Little's law) beside the plan's estimates and the workload they were made for; a measured
-latency at the plan's percentile more than TOLERANCE away from the estimate adds a WARNING line."""
+latency at the plan's percentile more than TOLERANCE away from the estimate adds a WARNING line.
+`rederived()` makes sure those estimates are the plan's layout's: a plan file edited by hand is planned again
+with its layout pinned."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from shardserve.planner.errors import PlanError
 from shardserve.planner.model_source import ModelInfo
 from shardserve.planner.plan_file import PlanFile
 
@@ -180,6 +183,59 @@ class PlanCheck:
 def _workload(report: WindowReport) -> str:
     return (f"{report.mean_prompt_tokens:.0f} prompt / {report.mean_output_tokens:.0f} output tokens, "
             f"{report.requests_per_s:.2f} req/s, {report.mean_in_flight:.1f} in flight")
+
+
+def rederived(plan: PlanFile, source: str, settings: dict, model: ModelInfo) -> PlanFile:
+    """The plan as launch will run it (`settings`: the plan's, profile and flags merged): the plan itself when
+    its predictions were made for those settings and its hardware (its inputs digest), else planned again
+    with the layout pinned as written (sizes and layer split), said in one log line. NOTE: a layout edited
+    by hand otherwise keeps the memory and speed predicted for another, and the self-check measures
+    against those."""
+    from shardserve.planner import PlanOptions, make_plan
+    from shardserve.planner.plan_file import inputs_digest
+    from shardserve.planner.replay import hardware_of
+    from shardserve.planner.settings import PLAN, for_layer
+
+    if plan.inputs_digest is None:
+        logger.info("%s was written before plans recorded what their predictions were made for: they are "
+                    "used as written (`shardserve plan` again to have them checked)", source)
+        return plan
+    if inputs_digest(settings, plan.hardware, plan.model.id) == plan.inputs_digest:
+        return plan
+    split = settings.get("layer_split")
+    settings = _traffic_within(plan, settings, source)
+    try:
+        fresh = make_plan(model, hardware_of(plan), PlanOptions(**for_layer(settings, PLAN)),
+                          layer_split=tuple(split) if split is not None else None).record()
+    except PlanError as e:
+        raise type(e)(f"{source}: its layout and settings as launch runs them do not plan: {e}") from None
+    fresh = replace(fresh, model=plan.model, hardware=plan.hardware)
+    fresh = replace(fresh, inputs_digest=fresh.digest())
+    old, new = plan.estimates, fresh.estimates
+    logger.info("%s: planned again with the layout as written (%s, layer_split %s), its settings or layout "
+                "differing from those its predictions were made for: TTFT p%d %.1f -> %.1f ms, TPOT %.1f -> "
+                "%.1f ms, KV cache %d -> %d tokens; the self-check uses these", source, _layout(fresh),
+                list(fresh.parallel.layer_split), new.workload.percentile, old.ttft_ms, new.ttft_ms, old.tpot_ms,
+                new.tpot_ms, plan.memory.kv_cache_tokens, fresh.memory.kv_cache_tokens)
+    return fresh
+
+
+def _traffic_within(plan: PlanFile, settings: dict, source: str) -> dict:
+    """The plan's own traffic lengths where they fit the max_model_len launch runs with (a flag may lower it);
+    else the planner's defaults for that length, as `plan --max-model-len N` would choose them, said in one
+    log line. Lengths a flag gives are kept, and refused by the planner when they do not fit."""
+    service, max_model_len = plan.service, settings.get("max_model_len")
+    is_plans = (settings.get("input_len"), settings.get("output_len")) == (service.input_len, service.output_len)
+    if not is_plans or not isinstance(max_model_len, int) or service.input_len + service.output_len <= max_model_len:
+        return settings
+    logger.info("%s: its traffic of %d prompt + %d output tokens is beyond max_model_len %d: planned for the "
+                "default lengths within it", source, service.input_len, service.output_len, max_model_len)
+    return {k: v for k, v in settings.items() if k not in ("input_len", "output_len")}
+
+
+def _layout(plan: PlanFile) -> str:
+    p = plan.parallel
+    return f"tp={p.tensor_parallel_size} pp={p.pipeline_parallel_size} dp={p.data_parallel_size}"
 
 
 def for_traffic(plan: PlanFile, model: ModelInfo) -> ForTraffic:

@@ -29,12 +29,14 @@ def build_plan(config, hardware: Hardware, info=None, recommend: bool = False):
     """The one way `plan` and `launch` make a plan: the settled config's plan-layer settings, its model
     (`info`: the model already read, else read here); `recommend`: on the fewest GPUs of the type."""
     from shardserve.planner import PlanOptions, load_model, make_plan
+    from shardserve.planner.hub import HubOptions
     from shardserve.planner.settings import PLAN, for_layer
 
     if not config.model:
         raise PlanError("no model: pass --model, or a --profile that sets one")
     options = PlanOptions(**for_layer(config.set_values(), PLAN))
-    return make_plan(info or load_model(config.model, options.quantization), hardware, options, recommend)
+    model = info or load_model(config.model, options.quantization, HubOptions.of(config))
+    return make_plan(model, hardware, options, recommend)
 
 
 def make_plan_from(flags: dict, profile: str | None, ray_address: str | None, recommend: bool = False):

@@ -2,67 +2,29 @@
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal, Optional, Union, cast
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
+from shardserve.launch.api_error import APIError, shutting_down as shutting_down
+from shardserve.launch.request_checks import IGNORED_FIELDS as IGNORED_FIELDS, UnicodeBody, is_neutral, refuse_unknown
+from shardserve.launch.structured_request import (GUIDED_FIELDS, StructuredOutputsParams, asked_grammars,
+                                                  structured_outputs)
 from shardserve.runtime.sampling_params import SamplingParams
 from shardserve.runtime.structured_output import StructuredOutputs
 
-MAX_LOGPROBS = 20
 INT64_MAX = 2**63 - 1
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]  # the engine checks it against the vocabulary
-
-
-class APIError(Exception):
-    """An error the client caused (or an overload): becomes an OpenAI-shaped JSON response."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 error_type: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.error_type = error_type or {400: "invalid_request_error",
-                                         401: "authentication_error",
-                                         404: "not_found_error"}.get(status, "server_error")
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.error_type,
-                          "param": self.param, "code": self.status}}
-
-    @property
-    def outcome(self) -> str:
-        """The request's outcome label in shardserve_requests_total."""
-        if self.status < 500:
-            return "rejected"
-        return "unavailable" if self.error_type == "service_unavailable" else "error"
-
-
-def shutting_down() -> APIError:
-    """The 503 of a server that is draining (SIGTERM): for new requests, and those its drain ended."""
-    return APIError(503, "the server is shutting down; send the request to another server",
-                    error_type="service_unavailable")
+NumLogprobs = Optional[Annotated[int, Field(ge=-1)]]  # -1: the whole vocabulary (within --max-logprobs)
+_UnicodeBody, _is_neutral, _refuse_unknown = UnicodeBody, is_neutral, refuse_unknown  # their earlier names
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")  # an unknown option is refused by name (_refuse_unknown)
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk (with include_usage)
     include_obfuscation: Optional[bool] = None  # OpenAI's padding of stream events: not done, changes no text
-
-
-# Fields OpenAI clients send that change nothing in what is generated: accepted and not used.
-IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
-def _is_neutral(name: str, value: Any) -> bool:
-    """An extra field whose value asks for nothing (None, an empty list or mapping)."""
-    return name in IGNORED_FIELDS or value is None or value == [] or value == {}
-
-
-def _refuse_unknown(model: BaseModel, where: str) -> None:
-    """An extra field of `model` (at path `where`) is refused by name unless it asks for nothing."""
-    for name, value in (model.model_extra or {}).items():
-        if not _is_neutral(name, value):
-            raise APIError(400, f"{where}{name} is not supported: this server does not know it", f"{where}{name}")
 
 
 def _string_or(tag: str) -> Discriminator:
@@ -71,58 +33,11 @@ def _string_or(tag: str) -> Discriminator:
     return Discriminator(lambda value: "string" if isinstance(value, str) else tag)
 
 
-def _invalid_unicode_at(data: Any) -> str | None:
-    """The path (messages.0.content) of the first string or key that is not valid Unicode, or None.
-    NOTE: JSON's \\ud800 escapes decode to unpaired surrogates, which no UTF-8 encoder (the tokenizer,
-    the response) takes; a bad key is reported as its mapping, so no message carries the bad text."""
-    stack: list[tuple[tuple[str, ...], Any]] = [((), data)]
-    while stack:  # NOTE: a loop, not recursion: the body may nest as deep as the JSON parser allowed
-        path, value = stack.pop()
-        if isinstance(value, str) and not _is_unicode(value):
-            return ".".join(path) or "body"
-        if isinstance(value, dict):
-            if not all(_is_unicode(str(key)) for key in value):
-                return ".".join(path) or "body"
-            items = list(value.items())
-        elif isinstance(value, list):
-            items = list(enumerate(value))
-        else:
-            continue
-        stack.extend(reversed([(path + (str(key),), item) for key, item in items
-                               if isinstance(item, (str, dict, list))]))  # numbers: nothing to check
-    return None
-
-
-def _is_unicode(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-class _UnicodeBody(BaseModel):
-    """A request body whose every string and key is valid Unicode."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _check_unicode(cls, data: Any) -> Any:
-        # NOTE: an APIError, not a ValueError: pydantic lets it through untouched, so the 400 names the
-        # field (a ValueError here would be reported at the body's root)
-        where = _invalid_unicode_at(data)
-        if where is not None:
-            raise APIError(400, f"{where}: the text is not valid Unicode (UTF-8): it holds an unpaired "
-                           "surrogate", where)
-        return data
-
-
-_GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-           ("guided_grammar", "grammar"))
 # request fields where "not given" (None) lets the model's sampling defaults apply
 _DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
-class _SamplingFields(_UnicodeBody):
+class _SamplingFields(UnicodeBody):
     """Fields both endpoints share. An extra field is accepted only where it asks for nothing
     (IGNORED_FIELDS, or an empty value): anything else is refused by name, never ignored."""
 
@@ -147,49 +62,40 @@ class _SamplingFields(_UnicodeBody):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     logit_bias: Optional[dict[int, FiniteFloat]] = None  # OpenAI sends token ids as JSON strings
-    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extra
+    prompt_logprobs: NumLogprobs = None  # vLLM's extra
     response_format: Optional[dict[str, Any]] = None  # {"type": "text" | "json_object" | "json_schema"}
-    guided_json: Optional[Union[str, dict[str, Any]]] = None  # vLLM's structured-output extras
+    structured_outputs: Optional[StructuredOutputsParams] = None  # vLLM's structured-output extra
+    guided_json: Optional[Union[str, dict[str, Any]]] = None  # vLLM's older structured-output extras
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
+    # vLLM's extras: keep the prompt's last N tokens (-1: max_model_len), or its first N (truncation_side right)
+    truncate_prompt_tokens: Optional[int] = Field(None, ge=-1, le=INT64_MAX)
+    truncation_side: Optional[Literal["left", "right"]] = None
+    use_beam_search: bool = False  # only false: there is no beam search here
+    logprob_token_ids: Optional[list[TokenId]] = None  # vLLM's: logprobs of chosen tokens; refused when given
+    return_token_ids: Optional[bool] = None  # the choices carry token_ids, the response prompt_token_ids
+    return_tokens_as_token_ids: Optional[bool] = None  # logprob tokens as "token_id:N" (None: the server's)
 
     @property
     def structured_field(self) -> str | None:
         """The field that asks for a grammar, to name in an error."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.field
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             return "response_format"
-        return next((name for name, _ in _GUIDED if getattr(self, name) is not None), None)
+        return next((name for name, _ in GUIDED_FIELDS if getattr(self, name) is not None), None)
 
-    def structured_outputs(self) -> StructuredOutputs | None:
-        """The one grammar the request asks for (response_format or a guided_* extra), or None."""
-        asked = [(name, kind, getattr(self, name)) for name, kind in _GUIDED if getattr(self, name) is not None]
-        form = self.response_format or {}
-        if form.get("type") == "json_object":
-            asked.append(("response_format", "json_object", None))
-        elif form.get("type") == "json_schema":
-            schema = (form.get("json_schema") or {}).get("schema")
-            if not isinstance(schema, dict):
-                raise APIError(400, "response_format json_schema needs json_schema.schema", "response_format")
-            asked.append(("response_format", "json", schema))
-        elif form.get("type") not in (None, "text"):
-            raise APIError(400, f"response_format type {form.get('type')!r}: use text, json_object or json_schema",
-                           "response_format")
-        if len(asked) > 1:
-            raise APIError(400, f"ask for one structured output, not {' and '.join(a[0] for a in asked)}", asked[1][0])
-        if not asked:
-            return None
-        name, kind, spec = asked[0]
-        try:
-            return StructuredOutputs(kind, json.loads(spec) if kind == "json" and isinstance(spec, str) else spec)
-        except ValueError as error:
-            raise APIError(400, f"{name}: {error}", name) from None
+    def structured_outputs_asked(self) -> StructuredOutputs | None:
+        """The one grammar the request asks for (structured_outputs, response_format or guided_*), or None."""
+        guided = {name: getattr(self, name) for name, _ in GUIDED_FIELDS}
+        return structured_outputs(asked_grammars(guided, self.response_format, self.structured_outputs))
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None) -> SamplingParams:
         """The request's fields over the model's sampling defaults (generation_config.json); a field
         the request leaves out and the defaults lack takes SamplingParams' own default.
-        max_tokens None: up to max_model_len."""
+        max_tokens None: up to max_model_len; logprobs and prompt_logprobs as counts (-1 resolved)."""
         given = {name: getattr(self, name) for name in _DEFAULTED if getattr(self, name) is not None}
         if max_tokens is None:
             max_tokens = defaults.get("max_tokens")
@@ -200,17 +106,35 @@ class _SamplingFields(_UnicodeBody):
                               min_tokens=self.min_tokens, logprobs=logprobs,
                               skip_special_tokens=self.skip_special_tokens,
                               logit_bias=tuple((self.logit_bias or {}).items()),
-                              prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
-                              structured_outputs=self.structured_outputs())
+                              prompt_logprobs=prompt_logprobs, structured_outputs=self.structured_outputs_asked())
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage_stats(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
     def check_extra_fields(self) -> None:
-        _refuse_unknown(self, "")
+        refuse_unknown(self, "")
         if self.stream_options is not None:
-            _refuse_unknown(self.stream_options, "stream_options.")
+            refuse_unknown(self.stream_options, "stream_options.")
+
+    def check_fields(self) -> None:
+        """Extra fields, and the combinations vLLM refuses."""
+        self.check_extra_fields()
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
+            raise APIError(400, "stream_options needs stream: true", "stream_options")
+        if self.use_beam_search:
+            raise APIError(400, "use_beam_search is not supported: this server samples (leave it false)",
+                           "use_beam_search")
+        if self.logprob_token_ids is not None:
+            raise APIError(400, "logprob_token_ids is not supported: ask for top logprobs, or -1 for the whole "
+                           "vocabulary (within --max-logprobs), and read the tokens' entries", "logprob_token_ids")
+        if self.stream and self.prompt_logprobs not in (None, 0):
+            raise APIError(400, "prompt_logprobs is not supported with stream (0 is: it asks for nothing "
+                           "to be shown)", "prompt_logprobs")
 
 
 PromptInput = Union[str, list[str], list[int], list[list[int]]]
@@ -219,7 +143,7 @@ PromptInput = Union[str, list[str], list[int], list[list[int]]]
 class CompletionRequest(_SamplingFields):
     prompt: PromptInput
     max_tokens: Optional[int] = Field(16, ge=0)  # 0: the prompt alone (echo, prompt logprobs)
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: NumLogprobs = None
     echo: bool = False
     suffix: Optional[str] = None
     best_of: Optional[int] = None
@@ -265,7 +189,7 @@ MessageContent = Annotated[Union[Annotated[str, Tag("string")], Annotated[list[C
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # an unknown field is refused by name (_refuse_unknown)
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    role: Union[Literal["system", "user", "assistant", "tool", "developer"], str]  # or any the template takes
     content: Optional[MessageContent] = None
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None
@@ -286,7 +210,7 @@ class ChatMessage(BaseModel):
 
     def template_message(self, index: int) -> dict:
         """The message as the chat template reads it: text content, tool calls and tool results as mappings."""
-        _refuse_unknown(self, f"messages.{index}.")
+        refuse_unknown(self, f"messages.{index}.")
         message: dict[str, Any] = {"role": self.role, "content": self.text(index)}
         if self.tool_calls:
             message["tool_calls"] = [call.model_dump(exclude_unset=True) for call in self.tool_calls]
@@ -324,8 +248,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: Optional[int] = Field(None, ge=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: NumLogprobs = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the final (assistant) message left open, to continue
+    echo: bool = False  # vLLM's: the reply starts with the last message's content when the roles match
     chat_template_kwargs: Optional[dict[str, Any]] = None
     chat_template: Optional[str] = None  # vLLM's: only with --trust-request-chat-template
     tools: Optional[list[Tool]] = None
@@ -345,29 +271,20 @@ class ChatCompletionRequest(_SamplingFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    @property
+    def response_role(self) -> str:
+        """The reply's role, as vLLM names it: assistant after a generation prompt, else the last message's."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+    def template_flags(self) -> dict[str, bool]:
+        """How the chat template ends the conversation: a generation prompt, or the final message left open."""
+        if self.continue_final_message and self.add_generation_prompt:
+            raise APIError(400, "continue_final_message needs add_generation_prompt: false (the final message "
+                           "is continued, not answered)", "continue_final_message")
+        return {"add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
+
     def num_logprobs(self) -> int | None:
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
-
-
-class TokenizeRequest(_UnicodeBody):
-    """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
-
-    model_config = ConfigDict(extra="forbid")
-    model: Optional[str] = None
-    prompt: Optional[str] = None
-    messages: Optional[list[ChatMessage]] = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-
-    def conversation(self) -> list[dict]:
-        """Each message's role and text, checked as chat checks them."""
-        messages = [m.template_message(i) for i, m in enumerate(self.messages or ())]
-        return [{"role": m["role"], "content": m["content"]} for m in messages]
-
-
-class DetokenizeRequest(_UnicodeBody):
-    model_config = ConfigDict(extra="forbid")
-    model: Optional[str] = None
-    tokens: list[int]

@@ -156,7 +156,8 @@ class ReplicaClient:
             stream.put_nowait(error)
 
     async def generate(self, prompt, sampling_params, prompt_id: str) -> AsyncIterator:
-        """The prompt's deltas from the replica (a ProcessedPrompt: the server processed it)."""
+        """The prompt's deltas from the replica (a ProcessedPrompt: the server processed it); with
+        PoolingParams, the one delta carrying its vector."""
         if self.error is not None:
             raise RuntimeError(f"the engine stopped after an error: {self.error!r}")
         if prompt_id in self._streams:

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from shardserve.runtime.engine import EngineStats
     from shardserve.runtime.input_processor import ProcessedPrompt
     from shardserve.runtime.outputs import PromptDelta
+    from shardserve.runtime.pooling_params import PoolingParams
     from shardserve.runtime.sampling_params import SamplingParams
 
 _LENGTH = struct.Struct(">Q")
@@ -56,9 +57,12 @@ class ReplicaFailed:
 
 @dataclass(frozen=True, slots=True)
 class AddPrompt:
+    """A prompt to generate from (SamplingParams) or to pool (PoolingParams: one DeltaBatch entry comes
+    back, its sample carrying the vector)."""
+
     prompt_id: str
     prompt: ProcessedPrompt
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -12,7 +13,8 @@ from shardserve.launch.metrics import PromptTimer, ServerMetrics
 from shardserve.launch.plan_check import FinishedRequest, PlanCheck
 from shardserve.launch.protocol import shutting_down
 from shardserve.runtime.input_processor import InputProcessor, ProcessedPrompt
-from shardserve.runtime.outputs import PromptDelta
+from shardserve.runtime.outputs import EmbeddingRequestOutput, PromptDelta, embedding_output
+from shardserve.runtime.pooling_params import PoolingParams
 from shardserve.runtime.sampling_params import SamplingParams
 from shardserve.runtime.tokenizer import load_tokenizer
 
@@ -107,6 +109,27 @@ class ReplicaSet:
         finally:
             self.prompts.pop(prompt_id, None)
             replica.num_active -= 1
+
+    async def embed(self, prompt: ProcessedPrompt, params: PoolingParams, prompt_id: str) -> EmbeddingRequestOutput:
+        """The prompt's pooled vector from the least-loaded replica (whose runner is pooling), counted for
+        metrics. A prompt that stop() ended raises a 503."""
+        if self.is_stopping:
+            raise shutting_down()
+        replica = self.pick()
+        replica.num_active += 1
+        self.prompts[prompt_id] = replica
+        start, last = time.monotonic(), None
+        try:
+            async for delta in replica.engine.generate(prompt, params, prompt_id):
+                last = delta
+        finally:
+            self.prompts.pop(prompt_id, None)
+            replica.num_active -= 1
+        if last is None or not last.finished:  # its stream was ended: an abort by stop()
+            raise shutting_down()
+        if self.metrics is not None:
+            self.metrics.pooled(replica.index, prompt.num_prompt_tokens, time.monotonic() - start)
+        return embedding_output(prompt_id, prompt, last)
 
     def _finished(self, timer: PromptTimer) -> None:
         """A finished prompt's metrics, and the plan check's record."""

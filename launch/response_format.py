@@ -24,49 +24,64 @@ def error_event(error: APIError) -> ErrorEvent:
     return event
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
-    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt_tokens + num_completion_tokens}
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage; with num_cached_tokens (--enable-prompt-tokens-details), the prompt tokens the prefix
+    cache served as prompt_tokens_details.cached_tokens."""
+    out: dict = {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+                 "total_tokens": num_prompt_tokens + num_completion_tokens}
+    if num_cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": num_cached_tokens}
+    return out
 
 
-def _token_text(token_id: int, entry: Logprob | None) -> str:
-    """The runtime's text for a token, or its id where the engine runs without a tokenizer."""
+def _token_text(token_id: int, entry: Logprob | None, as_id: bool = False) -> str:
+    """The runtime's text for a token, or "token_id:N" (as_id, vLLM's return_tokens_as_token_ids), or its id
+    where the engine runs without a tokenizer."""
+    if as_id:
+        return f"token_id:{token_id}"
     if entry is not None and entry.decoded_token is not None:
         return entry.decoded_token
     return str(token_id)
 
 
-def _top(entries: dict[int, Logprob], k: int) -> list[tuple[str, float]]:
+def _top(entries: dict[int, Logprob], k: int, as_id: bool) -> list[tuple[str, float]]:
     """The k most likely tokens at a position (the runtime adds the sampled one if outside)."""
     ranked = sorted(((e.rank, tid, e) for tid, e in entries.items() if e.rank <= k))
-    return [(_token_text(tid, e), e.logprob) for _, tid, e in ranked]
+    return [(_token_text(tid, e, as_id), e.logprob) for _, tid, e in ranked]
 
 
-def completion_logprobs(token_ids, logprobs, k: int, text_offset: int, first_text: str | None = None) -> dict:
-    """The legacy completions shape: parallel lists, top_logprobs as {token: logprob}. An entry of
-    None (an echoed prompt's first token, which nothing scores) has null logprobs and first_text."""
+def completion_logprobs(token_ids, logprobs, k: int, text_offset: int, first_text: str | None = None,
+                        as_ids: bool = False) -> tuple[dict, int]:
+    """The legacy completions shape: parallel lists, top_logprobs as {token: logprob}; and the text offset
+    after the last token. An entry of None (an echoed prompt's first token, which nothing scores) has null
+    logprobs and first_text. k 0: top_logprobs holds the sampled token alone, as vLLM. NOTE: offsets count
+    the tokens' text even where as_ids writes them "token_id:N", so they stay offsets into the text."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     offset = text_offset
     for token_id, entries in zip(token_ids, logprobs):
         text = first_text if entries is None else _token_text(token_id, entries[token_id])
-        out["tokens"].append(text)
-        out["token_logprobs"].append(None if entries is None else entries[token_id].logprob)
-        out["top_logprobs"].append(None if entries is None else dict(_top(entries, k)))
-        out["text_offset"].append(offset)
         assert text is not None  # a None entry comes with its first_text
+        shown = f"token_id:{token_id}" if as_ids else text
+        out["tokens"].append(shown)
+        out["token_logprobs"].append(None if entries is None else entries[token_id].logprob)
+        if entries is None:
+            out["top_logprobs"].append(None)
+        else:
+            out["top_logprobs"].append(dict(_top(entries, k, as_ids)) if k else {shown: entries[token_id].logprob})
+        out["text_offset"].append(offset)
         offset += len(text)
-    return out
+    return out, offset
 
 
-def chat_logprobs(token_ids, logprobs, k: int) -> dict:
+def chat_logprobs(token_ids, logprobs, k: int, as_ids: bool = False) -> dict:
     """The chat shape: one entry per token with its bytes and its top alternatives."""
     content = []
     for token_id, entries in zip(token_ids, logprobs):
-        text = _token_text(token_id, entries[token_id])
+        text = _token_text(token_id, entries[token_id], as_ids)
         content.append({"token": text, "logprob": entries[token_id].logprob,
                         "bytes": list(text.encode()),
                         "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())}
-                                         for t, lp in _top(entries, k)]})
+                                         for t, lp in _top(entries, k, as_ids)]})
     return {"content": content}
 
 

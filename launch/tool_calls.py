@@ -41,9 +41,12 @@ class ToolPlan:
 
 def plan_tools(tools: list[dict], choice, parser: str | None, auto_enabled: bool,
                parallel: bool = True) -> ToolPlan | None:
-    """None when the tools play no part (no tools, or tool_choice none). parallel False: one call at most."""
-    if not tools or choice == "none":
+    """None when the tools play no part (tool_choice none, or neither tools nor tool_choice given).
+    parallel False: one call at most."""
+    if choice == "none" or (not tools and choice is None):
         return None
+    if not tools:
+        raise ToolCallError(f"tool_choice {_shown(choice)} needs tools: give the functions it may call", "tool_choice")
     functions = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
     if isinstance(choice, dict):
         name = (choice.get("function") or {}).get("name")
@@ -51,10 +54,8 @@ def plan_tools(tools: list[dict], choice, parser: str | None, auto_enabled: bool
             raise ToolCallError(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
         return ToolPlan("named", (str(name),), structured=StructuredOutputs("json", schema_text(functions[name])))
     if choice == "required":
-        calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-                  "properties": {"name": {"const": name}, "parameters": params}} for name, params in functions.items()]
-        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}} | ({} if parallel else {"maxItems": 1})
-        return ToolPlan("required", tuple(functions), structured=StructuredOutputs("json", schema_text(schema)))
+        return ToolPlan("required", tuple(functions),
+                        structured=StructuredOutputs("json", schema_text(_required_schema(functions, parallel))))
     if choice not in (None, "auto"):
         raise ToolCallError(f"tool_choice {choice!r}: use none, auto, required or a named function", "tool_choice")
     if not (auto_enabled and parser):
@@ -62,6 +63,29 @@ def plan_tools(tools: list[dict], choice, parser: str | None, auto_enabled: bool
                             f"--tool-call-parser ({' or '.join(PARSERS)}); or ask for required or a named function",
                             "tool_choice")
     return ToolPlan("auto", tuple(functions), parser=parser)
+
+
+def _shown(choice) -> str:
+    return repr(choice) if isinstance(choice, str) else "naming a function"
+
+
+def _required_schema(functions: dict[str, dict], parallel: bool) -> dict:
+    """A JSON list of one or more {"name", "parameters"} calls. NOTE: a "$ref": "#/$defs/X" in a function's
+    parameters points at the root of the whole schema, so each function's $defs (and draft-07 definitions)
+    move up to the root, as vLLM does; two functions defining one name differently cannot share it."""
+    roots: dict[str, dict] = {"$defs": {}, "definitions": {}}
+    calls = []
+    for name, params in functions.items():
+        params = dict(params)
+        for key, shared in roots.items():
+            for def_name, definition in (params.pop(key, None) or {}).items():
+                if shared.setdefault(def_name, definition) != definition:
+                    raise ToolCallError(f"tools: {key}.{def_name} is defined differently by two functions; "
+                                        "tool_choice required needs one definition per name", "tools")
+        calls.append({"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+                      "properties": {"name": {"const": name}, "parameters": params}})
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}} | ({} if parallel else {"maxItems": 1})
+    return schema | {key: shared for key, shared in roots.items() if shared}
 
 
 def template_messages(messages: list[dict]) -> list[dict]:
@@ -94,15 +118,16 @@ def _not_an_object(where: str) -> ToolCallError:
 
 
 def extract_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls in OpenAI's shape) of a finished sample."""
+    """(content, tool_calls in OpenAI's shape) of a finished sample. A named or required call has content ""
+    as on vLLM; a named call cut short by max_tokens keeps its arguments as far as they came."""
     if plan.mode == "named":
-        return None, [_call(plan.names[0], text)]
+        return "", [_call(plan.names[0], text)]
     if plan.mode == "required":
         try:
             items = json.loads(text)
         except ValueError:
             return text, []  # cut short by max_tokens: the text as it is
-        return None, [_call(item["name"], json.dumps(item["parameters"])) for item in items]
+        return "", [_call(item["name"], json.dumps(item["parameters"])) for item in items]
     found = _parse_hermes(text) if plan.parser == "hermes" else _parse_llama3_json(text)
     if found is None:
         return text, []
@@ -136,6 +161,14 @@ def _parse_llama3_json(text: str):
         except (ValueError, KeyError, TypeError):
             return None
     return None, calls
+
+
+def finish_reason(plan: ToolPlan, sample_finish: str | None, has_calls: bool) -> str | None:
+    """As vLLM: tool_calls for calls found by auto or a required call that ended; a named call keeps the
+    sample's own reason (stop, or length when max_tokens cut its arguments)."""
+    if has_calls and (plan.mode == "auto" or (plan.mode == "required" and sample_finish == "stop")):
+        return "tool_calls"
+    return sample_finish
 
 
 def _call(name: str, arguments: str) -> dict:

@@ -7,8 +7,8 @@ from dataclasses import replace
 
 from shardserve.planner.errors import PlanError
 from shardserve.planner.hardware import Hardware, Node
-from shardserve.planner.model_source import load_model
 from shardserve.planner.options import resolve_settings
+from shardserve.planner.quantized_releases import quantized_fix
 from shardserve.planner.rules import Layout
 from shardserve.planner.search import Candidate, Search, choose, estimates_of
 
@@ -105,7 +105,7 @@ def _variant_fixes(search: Search, verb: str) -> list[str]:
             out.append(f"--kv-cache-dtype fp8 {verb} (half the KV bytes per token).")
     if spec.quantization is None and hw.gpu.has_fp8:
         try:
-            fp8 = load_model(search.model.path or spec.id, "fp8")
+            fp8 = search.model.with_quantization("fp8")  # the config already read: no Hub request
         except PlanError:
             fp8 = None
         if fp8 is not None and _works(search, replace(search.options, quantization="fp8"), fp8):
@@ -133,6 +133,7 @@ def cannot_fit(search: Search, candidates: list[Candidate]) -> str:
         lines.append(f"--max-model-len {fitting_len} would fit ({best.layout}; --max-model-len auto picks it).")
     no_targets = replace(search, targets=replace(search.targets, ttft_ms=None, tpot_ms=None))
     lines += [f for f in _variant_fixes(no_targets, "would fit") if f.startswith("--kv")]
+    lines += [fix for fix in [quantized_fix(search)] if fix]
     if not hardware.is_cpu:
         lines.append(_gpus_needed(no_targets))
     return " ".join(lines)

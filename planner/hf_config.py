@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import builtins
+import json
+from pathlib import Path
 from typing import Any, overload
 
 from shardserve.planner.errors import PlanError
@@ -234,3 +236,15 @@ def uniform_sliding_window(config: dict) -> int | None:
     if rule == "qwen":
         return window if config.get("max_window_layers", 28) <= 0 else None
     return window if rule == "every" else None
+
+
+def read_config_json(path: Path, name: str) -> dict[str, Any]:
+    """A config.json as a mapping; a PlanError naming `name` (the file, or the model it came from) when it is
+    not valid JSON or not an object."""
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PlanError(f"{name} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise PlanError(f"{name} must hold a JSON object")
+    return config

@@ -1,17 +1,19 @@
-"""Find a model's config: a local folder, the Hugging Face cache, or the bundled catalog."""
+"""Find a model's config: a local folder, the Hugging Face cache, the bundled catalog, or the Hub."""
 
 from __future__ import annotations
 
 import difflib
 import importlib.util
-import json
-import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 
 from shardserve.planner.catalog import find_model, model_catalog
 from shardserve.planner.errors import PlanError
+from shardserve.planner.hf_config import read_config_json
+from shardserve.planner.hub import (HubError, HubOptions, download, download_config, has_weights, hub_errors, is_hub_id,
+                                    is_offline, offline_help, pinned, remote_config, remote_tensors)
+from shardserve.planner.hub import cached_snapshot as cached_snapshot, hf_cache_dir as hf_cache_dir  # the runtime's
 from shardserve.planner.model_spec import ModelSpec, TensorInfo, canonical_dtype
 from shardserve.planner.sharding import (ShardedModel, TensorGroups, layer_split, shard_model,
                                          summarize)
@@ -44,9 +46,11 @@ def is_demo_model(model: str) -> bool:
 class ModelInfo:
     spec: ModelSpec
     tensors: tuple[TensorInfo, ...]
-    source: str              # folder | hf-cache | catalog
+    source: str              # folder | hf-cache | catalog | hub (config and headers read remotely)
     path: str | None         # the folder holding config.json, when there is one
     tensors_from: str        # safetensors (exact sizes) | config (derived)
+    config: dict = field(default_factory=dict, repr=False, compare=False)  # config.json as read
+    hub: HubOptions | None = None  # how a Hub id was looked up (revision, download_dir); None: a folder
 
     @cached_property
     def groups(self) -> TensorGroups:
@@ -69,6 +73,13 @@ class ModelInfo:
         return layer_split(self.spec, self.groups, tensor_parallel_size,
                            pipeline_parallel_size, canonical_dtype(dtype))
 
+    def with_quantization(self, quantization: str) -> ModelInfo:
+        """The same checkpoint with --quantization (fp8 quantized while loading), made from the config
+        already read: nothing is read again, from a folder or from the Hub."""
+        spec = ModelSpec.from_config(self.spec.id, self.config, quantization)
+        tensors = self.tensors if self.tensors_from == "safetensors" else tuple(derive_tensors(spec))
+        return replace(self, spec=spec, tensors=tensors)
+
     @cached_property
     def num_params(self) -> int:
         q = self.spec.quantization
@@ -81,34 +92,10 @@ class ModelInfo:
         return total
 
 
-def hf_cache_dir() -> Path:
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"])
-    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                      "huggingface")
-    return Path(home) / "hub"
-
-
-def cached_snapshot(model_id: str) -> Path | None:
-    """The folder of `org/name` in the local Hugging Face cache (refs/main, else the newest)."""
-    if "/" not in model_id or model_id.startswith(("/", "./", "../", "~")):
-        return None
-    repo = hf_cache_dir() / ("models--" + model_id.replace("/", "--"))
-    snapshots = repo / "snapshots"
-    if not snapshots.is_dir():
-        return None
-    ref = repo / "refs" / "main"
-    if ref.is_file():
-        candidate = snapshots / ref.read_text().strip()
-        if (candidate / "config.json").is_file():
-            return candidate
-    found = sorted((p for p in snapshots.iterdir() if (p / "config.json").is_file()),
-                   key=lambda p: p.stat().st_mtime)
-    return found[-1] if found else None
-
-
-def load_model(model: str, quantization: str | None = None) -> ModelInfo:
-    """`model` is a folder with config.json, an id in the HF cache, or a catalog id."""
+def load_model(model: str, quantization: str | None = None, hub: HubOptions | None = None) -> ModelInfo:
+    """`model` is a folder with config.json, an id in the HF cache, a catalog id, or a Hub id (its
+    config.json and safetensors headers read from the Hub, no weights)."""
+    hub = hub or HubOptions()
     path = Path(model_path(model)).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -116,16 +103,55 @@ def load_model(model: str, quantization: str | None = None) -> ModelInfo:
         return _from_folder(path, model if model == DEMO_MODEL_NAME else str(path), "folder", quantization)
     if model.startswith(("/", "./", "../", "~")):
         raise PlanError(f"model folder {model} does not exist")
-    snapshot = cached_snapshot(model)
-    if snapshot is not None:
-        return _from_folder(snapshot, model, "hf-cache", quantization)
     found = find_model(model)
-    if found is not None:
+    snapshot = cached_snapshot(model, hub) or (cached_snapshot(found[0], hub) if found else None)
+    if snapshot is not None:
+        return replace(_from_folder(snapshot, model, "hf-cache", quantization), hub=hub)
+    if found is not None:  # NOTE: offline by design: a catalog id plans without the network
         model_id, config = found
         spec = ModelSpec.from_config(model_id, config, quantization)
-        return ModelInfo(spec, tuple(derive_tensors(spec)), "catalog", None, "config")
-    raise PlanError(f"model {model!r} is not a folder, not in the Hugging Face cache "
-                    f"({hf_cache_dir()}) and not in the catalog: {_nearest(model)}")
+        return ModelInfo(spec, tuple(derive_tensors(spec)), "catalog", None, "config", config, hub)
+    if not is_hub_id(model) or is_offline():
+        offline = (f"; HF_HUB_OFFLINE forbids asking the Hub (`hf download {model}` where it is reachable)"
+                   if is_hub_id(model) else "")
+        raise PlanError(f"model {model!r} is not a folder, not in the Hugging Face cache "
+                        f"({hub.cache_dir}) and not in the catalog: {_nearest(model)}{offline}")
+    return _from_hub(model, quantization, hub)
+
+
+def local_weights(model: str, hub: HubOptions, load_format: str = "auto") -> Path:
+    """The folder a launch loads: a model folder as given, else the id's snapshot in the Hugging Face cache,
+    downloaded now (safetensors, config and tokenizer files) when the cache lacks its weights; with
+    load_format dummy the weights are never needed nor fetched (config and tokenizer files only). A catalog
+    id is a Hub id: its short form (no org) stands for the catalog's full id."""
+    path = Path(model_path(model)).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise PlanError(f"--model {model}: expected a folder with config.json, got a file")
+    if model.startswith(("/", "./", "../", "~")):
+        raise PlanError(f"model folder {model} does not exist")
+    found = find_model(model)
+    repo = found[0] if found and not is_hub_id(model) else model
+    needs_weights = load_format != "dummy"
+    snapshot = cached_snapshot(repo, hub)
+    if snapshot is not None and (not needs_weights or has_weights(snapshot)):
+        return snapshot
+    if not is_hub_id(repo):
+        raise PlanError(f"model {model!r} is not a folder and not a Hub id (org/name): {_nearest(model)}")
+    if is_offline():
+        raise HubError(offline_help(repo, hub))
+    with hub_errors(repo, hub, _nearest):
+        return download(repo, hub) if needs_weights else download_config(repo, hub)
+
+
+def no_weights_problem(folder: Path, load_format: str) -> str | None:
+    """Why `folder` cannot be loaded as `load_format` says (no safetensors weights), or None."""
+    if load_format == "dummy" or has_weights(folder):
+        return None
+    return (f"{folder} has no safetensors weights (model.safetensors, or every shard that "
+            "model.safetensors.index.json names): add them, or pass --load-format dummy to run on random "
+            "weights of the checkpoint's shapes (for measuring speed and memory; the text is noise)")
 
 
 def _nearest(model: str) -> str:
@@ -144,16 +170,26 @@ def _from_folder(folder: Path, model_id: str, source: str, quantization: str | N
     if not config_path.is_file():
         raise PlanError(f"{folder} has no config.json: point --model at a Hugging Face model "
                         "folder")
-    try:
-        config = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PlanError(f"{config_path} is not valid JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise PlanError(f"{config_path} must hold a JSON object")
+    config = read_config_json(config_path, str(config_path))
     spec = ModelSpec.from_config(model_id, config, quantization)
-    headers = read_safetensors_headers(folder)
-    if headers and ARCHITECTURES[spec.architecture].has_text_config:
+    return _with_tensors(ModelInfo(spec, (), source, str(folder), "config", config), read_safetensors_headers(folder))
+
+
+def _from_hub(model: str, quantization: str | None, hub: HubOptions) -> ModelInfo:
+    """Planned on the Hub's config.json and safetensors headers: no weights fetched, nothing cached."""
+    with hub_errors(model, hub, _nearest):
+        commit = pinned(model, hub)
+        config = remote_config(model, commit)
+    spec = ModelSpec.from_config(model, config, quantization)
+    with hub_errors(model, hub, _nearest):
+        headers = remote_tensors(model, commit)
+    return _with_tensors(ModelInfo(spec, (), "hub", None, "config", config, hub), headers)
+
+
+def _with_tensors(info: ModelInfo, headers: list[TensorInfo] | None) -> ModelInfo:
+    """Exact sizes from the safetensors headers, else derived from the config."""
+    if headers and ARCHITECTURES[info.spec.architecture].has_text_config:
         headers = language_model_tensors(headers)  # the vision tower is not loaded
     if headers:
-        return ModelInfo(spec, tuple(headers), source, str(folder), "safetensors")
-    return ModelInfo(spec, tuple(derive_tensors(spec)), source, str(folder), "config")
+        return replace(info, tensors=tuple(headers), tensors_from="safetensors")
+    return replace(info, tensors=tuple(derive_tensors(info.spec)), tensors_from="config")

@@ -36,6 +36,7 @@ class QuantSpec:
     bits: int
     group_size: int | None  # input features per scale group; None: one scale per channel/tensor
     block_shape: tuple[int, int] | None = None  # fp8 block quantization [out, in]
+    has_act_order: bool = False  # GPTQ desc_act: input rows permuted, groups found through g_idx
 
     @staticmethod
     def from_config(qc: dict, method: str | None = None) -> "QuantSpec":
@@ -50,7 +51,8 @@ class QuantSpec:
         if method in ("gptq", "awq"):
             bits = int(qc.get("bits", qc.get("w_bit", 4)))
             group = int(qc.get("group_size", qc.get("q_group_size", 128)))
-            return QuantSpec(method, bits, group if group > 0 else None)
+            return QuantSpec(method, bits, group if group > 0 else None,
+                             has_act_order=method == "gptq" and bool(qc.get("desc_act", False)))
         if method == "compressed-tensors":
             return _compressed_tensors_spec(qc)
         raise refuse_quantization(method)

@@ -16,6 +16,7 @@ from shardserve.planner.rationale import rationale, warnings
 from shardserve.planner.rules import Layout, nodes_used
 from shardserve.planner.schema import plan_record
 from shardserve.planner.search import Candidate, Search, choose
+from shardserve.planner.settings import SettingError
 from shardserve.planner.served import check_served
 from shardserve.planner.sharding import total_weight_bytes
 
@@ -50,14 +51,19 @@ def make_search(model: ModelInfo, hardware: Hardware, options: PlanOptions) -> S
     return Search(model, hardware, options, settings, workload, targets)
 
 
-def make_plan(model: ModelInfo, hardware: Hardware, options: PlanOptions, recommend: bool = False) -> Plan:
+def make_plan(model: ModelInfo, hardware: Hardware, options: PlanOptions, recommend: bool = False,
+              layer_split: tuple[int, ...] | None = None) -> Plan:
     """`recommend`: plan on the fewest GPUs of hardware's GPU type that meet the targets at the
-    request rate (the hardware given names the type and the GPUs per node)."""
+    request rate (the hardware given names the type and the GPUs per node). `layer_split`: layers per
+    pipeline stage as given (a plan edited by hand), instead of balanced by weight bytes."""
     check_served(model.spec)
     if options.enable_expert_parallel and not model.spec.is_moe:
         raise PlanError(f"enable_expert_parallel: {model.spec.id} has no routed experts (not a "
                         "mixture-of-experts model); leave --enable-expert-parallel off")
-    search = make_search(model, hardware, options)
+    if layer_split is not None and (min(layer_split, default=0) < 1 or sum(layer_split) != model.spec.num_layers):
+        raise PlanError(f"layer_split {list(layer_split)} must give each stage at least one layer and "
+                        f"{model.spec.num_layers} layers in all")
+    search = replace(make_search(model, hardware, options), layer_split=layer_split)
     if recommend:
         hardware = recommend_hardware(search)
         search = replace(search, hardware=hardware)
@@ -70,7 +76,7 @@ def make_plan(model: ModelInfo, hardware: Hardware, options: PlanOptions, recomm
         if any(c.is_feasible for c in candidates) and search.targets.is_set:
             raise InfeasibleError(missed_targets(search, candidates))
         raise InfeasibleError(cannot_fit(search, candidates))
-    chosen = search.exact(chosen)
+    search, chosen = _fitted_workload(search, search.exact(chosen))
     settings = chosen.settings  # max_model_len auto: the chosen layout's number; max_num_seqs: its cap
     assert settings is not None  # the chosen candidate is feasible
     executor = choose_executor(chosen.layout, hardware, options)
@@ -79,6 +85,25 @@ def make_plan(model: ModelInfo, hardware: Hardware, options: PlanOptions, recomm
                 tuple(rationale(search, chosen, candidates, executor, weight_bytes, _pins(options), recommend)),
                 tuple(warnings(model, hardware, settings, chosen)),
                 tuple(alternatives(chosen, candidates, hardware, search.targets)), weight_bytes, search)
+
+
+def _fitted_workload(search: Search, chosen: Candidate) -> tuple[Search, Candidate]:
+    """max_model_len auto: the traffic resolved again once the length is (the chosen layout's), its default
+    lengths fitted to it as to a max_model_len given, and the chosen layout estimated for that traffic; so
+    the plan's service section is one that launch, and a plan made again from it, accept. NOTE: the layouts
+    were compared on the traffic of the model's own length, the only one known before each is sized."""
+    settings = chosen.settings
+    if settings is None or not settings.is_max_model_len_auto:
+        return search, chosen
+    try:
+        workload = resolve_workload(search.options, settings.max_model_len)
+    except SettingError as e:
+        raise SettingError(f"max_model_len auto is {settings.max_model_len} on {chosen.layout} (what its KV cache "
+                           f"holds): {e}") from None
+    if workload == search.workload:
+        return search, chosen
+    fitted = replace(search, workload=workload)
+    return fitted, fitted.again(chosen)
 
 
 def _pins(options: PlanOptions) -> dict[str, int]:

@@ -9,12 +9,14 @@ against the settings table, so a plan edited by hand meets the same rules as a f
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import types
 import typing
 from dataclasses import dataclass
 
 from shardserve.planner.errors import PlanError
-from shardserve.planner.settings import BY_NAME, SettingError
+from shardserve.planner.settings import BY_NAME, PLAN, SettingError
 
 SCHEMA_VERSION = 2  # 2: the service section and the workload's estimates
 
@@ -36,6 +38,10 @@ class ModelSection:
     dtype: str
     quantization: dict | None  # {"method", "bits", "group_size"}
     kv_bytes_per_token: int
+    # where a Hub id is fetched from, as `plan` was told (--revision, --download-dir; never the token);
+    # None: the defaults, a local folder, or a plan written before plans had them
+    revision: str | None = None
+    download_dir: str | None = None
 
 
 @dataclass(frozen=True)
@@ -162,10 +168,21 @@ class PlanFile:
     rationale: tuple[str, ...]
     warnings: tuple[str, ...]
     alternatives: tuple[dict, ...]  # the layouts that lost, each with why_not
+    # inputs_digest() of the settings, hardware and model the predictions were made for; launch plans
+    # again when they differ (a layout edited by hand). None: a plan written before plans had one
+    inputs_digest: str | None = None
 
     @property
     def model_source(self) -> str:
         return self.model.path or self.model.id
+
+    def setting_values(self) -> dict:
+        """The settings its runtime, parallel and service sections fix, by the table's names."""
+        return {**_to_plain(self.runtime), **_to_plain(self.parallel), **_to_plain(self.service)}
+
+    def digest(self) -> str:
+        """inputs_digest() of this plan's own sections."""
+        return inputs_digest(self.setting_values(), self.hardware, self.model.id)
 
     def to_dict(self) -> dict:
         return _to_plain(self)
@@ -182,9 +199,19 @@ class PlanFile:
 _CHECKED_BY_TABLE = (RuntimeSection, ParallelSection, ServiceSection)
 
 
+def inputs_digest(values: dict, hardware: HardwareSection, model_id: str) -> str:
+    """A short digest of what a plan's predictions are made from: the planner's settings and the layer split
+    in `values` (None and other names left out), the hardware and the model id."""
+    kept = {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()
+            if v is not None and k in BY_NAME and (k == "layer_split" or PLAN in BY_NAME[k].layers)}
+    text = json.dumps([kept, _to_plain(hardware), model_id], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def _to_plain(value):
-    if dataclasses.is_dataclass(value):
-        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if dataclasses.is_dataclass(value):  # a key added later and left at None is not written: as older plans
+        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)
+                if not (f.default is None and getattr(value, f.name) is None)}
     if isinstance(value, tuple):
         return [_to_plain(v) for v in value]
     return value
@@ -195,20 +222,28 @@ def _from_plain(cls, data: object, source: str, prefix: str):
         raise PlanError(f"{source}: {prefix.rstrip('.') or 'the plan'}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(names))
     if unknown:
         raise PlanError(f"{source}: {prefix}{unknown[0]}: unknown key (a {cls.__name__} has: {', '.join(names)})")
     values = {}
     for name in names:
         key = prefix + name
+        if name not in data and defaults.get(name, dataclasses.MISSING) is not dataclasses.MISSING:
+            values[name] = defaults[name]  # a key added later: older plans lack it
+            continue
         if name not in data:
             raise PlanError(f"{source}: {key}: missing; make the plan again with `shardserve plan`")
-        values[name] = _convert(hints[name], data[name], source, key)
-        if cls in _CHECKED_BY_TABLE and name in BY_NAME:
-            try:
-                BY_NAME[name].check(values[name])
-            except SettingError as e:
-                raise PlanError(f"{source}: {key}: {e}") from None
+        setting = BY_NAME.get(name) if cls in _CHECKED_BY_TABLE else None
+        value = data[name]
+        try:
+            if setting is not None and setting.human_readable and isinstance(value, str):
+                value = setting.check(value)  # a hand-written 32k
+            values[name] = _convert(hints[name], value, source, key)
+            if setting is not None:
+                setting.check(values[name])
+        except SettingError as e:
+            raise PlanError(f"{source}: {key}: {e}") from None
     return cls(**values)
 
 

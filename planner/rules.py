@@ -104,18 +104,20 @@ def tensor_parallel_problem(spec: ModelSpec, tp: int, expert_parallel: bool = Fa
         return (f"shared_expert_intermediate_size {spec.shared_expert_intermediate_size} is "
                 f"not divisible by tensor_parallel_size {tp}")
     q = spec.quantization
+    shared = spec.shared_expert_intermediate_size or 0  # Qwen2-MoE's shared expert: split like a dense MLP
     if q and q.group_size:
         # row-parallel layers split their input features: each rank needs whole groups
-        for name, features in (("intermediate size", inter),
-                               ("attention width", heads * spec.head_dim)):
+        for name, features in (("intermediate size", inter), ("attention width", heads * spec.head_dim),
+                               ("shared expert intermediate size", shared)):
             if (features // tp) % q.group_size:
                 return (f"{q.method} group_size {q.group_size} does not divide the {name} per "
                         f"rank ({features} / {tp} = {features // tp})")
-    if q and q.block_shape and inter:
+    if q and q.block_shape:
         block_out, block_in = q.block_shape
-        if (inter // tp) % block_in or (inter // tp) % block_out:
-            return (f"fp8 weight blocks {block_out}x{block_in} do not divide the intermediate "
-                    f"size per rank ({inter} / {tp} = {inter // tp})")
+        for name, features in (("intermediate size", inter), ("shared expert intermediate size", shared)):
+            if (features // tp) % block_in or (features // tp) % block_out:
+                return (f"fp8 weight blocks {block_out}x{block_in} do not divide the {name} per rank "
+                        f"({features} / {tp} = {features // tp})")
     return None
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from shardserve.planner.plan_file import (SCHEMA_VERSION, EstimatesSection, GpuSection, HardwareSection,
                                           MemorySection, ModelSection, ParallelSection, PlanFile, RuntimeSection,
                                           ServiceSection, StageSection, WorkloadSection)
@@ -17,7 +19,7 @@ def plan_record(plan) -> PlanFile:
                            activation_bytes=stage.activation_bytes, overhead_bytes=stage.overhead_bytes,
                            kv_cache_bytes=mem.kv_cache_bytes(stage))
 
-    return PlanFile(
+    record = PlanFile(
         version=SCHEMA_VERSION,
         model=_model_section(plan),
         hardware=_hardware_section(hw),
@@ -50,6 +52,7 @@ def plan_record(plan) -> PlanFile:
         rationale=tuple(plan.rationale), warnings=tuple(plan.warnings),
         alternatives=tuple(plan.alternatives),
     )
+    return replace(record, inputs_digest=record.digest())
 
 
 
@@ -74,7 +77,7 @@ def _estimates_section(est) -> EstimatesSection:
 
 
 def _model_section(plan) -> ModelSection:
-    spec, s, q = plan.model.spec, plan.settings, plan.model.spec.quantization
+    spec, s, q, hub = plan.model.spec, plan.settings, plan.model.spec.quantization, plan.model.hub
     kv_bytes = s.kv_dtype_bytes
     return ModelSection(
         id=spec.id, path=plan.model.path, architecture=spec.architecture, num_layers=spec.num_layers,
@@ -82,7 +85,8 @@ def _model_section(plan) -> ModelSection:
         hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size, vocab_size=spec.vocab_size,
         num_params=plan.model.num_params, weight_bytes=plan.weight_bytes, dtype=s.dtype,
         quantization={"method": q.method, "bits": q.bits, "group_size": q.group_size} if q else None,
-        kv_bytes_per_token=spec.kv_bytes_per_token(kv_bytes))
+        kv_bytes_per_token=spec.kv_bytes_per_token(kv_bytes),
+        revision=hub.revision if hub else None, download_dir=hub.download_dir if hub else None)
 
 
 def _hardware_section(hw) -> HardwareSection:

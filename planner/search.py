@@ -56,6 +56,7 @@ class Search:
     settings: RuntimeSettings
     workload: Workload
     targets: Targets
+    layer_split: tuple[int, ...] | None = None  # pinned layers per stage (a plan edited by hand); None: balanced
 
     def candidates(self) -> list[Candidate]:
         out = []
@@ -92,6 +93,12 @@ class Search:
         keeps) and step budget, so the plan's KV cache is the one the engine will size."""
         if chosen.settings is None or chosen.settings.max_num_seqs == self.settings.max_num_seqs:
             return chosen
+        return self.again(chosen)
+
+    def again(self, chosen: Candidate) -> Candidate:
+        """The chosen layout sized and estimated by this search (its workload) at the chosen max_num_seqs
+        and step budget."""
+        assert chosen.settings is not None  # a feasible candidate's
         search = self.with_settings(max_num_seqs=chosen.settings.max_num_seqs,
                                     max_num_batched_tokens=chosen.settings.max_num_batched_tokens)
         layout = chosen.layout
@@ -113,7 +120,10 @@ class Search:
         if problem:
             return Candidate(layout, problem, expert_parallel=ep, is_rule8_choice=rule8), None, 0.0
         sharded = model.sharded(tp, settings.dtype, pp, ep)
-        split = sharded.split(pp)
+        split = list(self.layer_split) if self.layer_split is not None else sharded.split(pp)
+        if len(split) != pp:
+            return Candidate(layout, f"layer_split {split} has {len(split)} stages, not {pp}", expert_parallel=ep,
+                             is_rule8_choice=rule8), None, 0.0
         memory = plan_memory(spec, sharded.stage_bytes(split), split, tp, self.hardware.gpu, settings, ep)
         if settings.is_max_model_len_auto:  # this layout's own longest; the model's limit if none fits
             fitting = memory.longest_fitting_len(spec.max_context_len, self.options.target_concurrency)

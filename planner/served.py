@@ -15,13 +15,18 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 # checkpoint weight formats (quantization_config.quant_method, vLLM's --quantization names)
 QUANTIZATION_FORMATS = ("awq", "gptq", "fp8", "compressed-tensors")
 QUANTIZATION_METHODS = ("awq", "gptq", "fp8")  # the weight schemes they carry (QuantSpec.method)
+# NOTE: act-order permutes each expert's input rows; the expert GEMMs read groups in order only
+ACT_ORDER_EXPERTS = ("gptq act-order (desc_act) experts are not served; quantized experts served: awq, "
+                     "gptq without desc_act, fp8 (per tensor, per channel, 128x128 blocks)")
 
 
 @dataclass(frozen=True)
 class ServedArchitecture:
     family: str  # shardserve's family name; for a bare config.json, transformers' model_type
     rope_types: tuple[str, ...] = ROPE_TYPES  # empty: learned positions
-    is_quantizable: bool = True  # False: no quantized layers yet (MoE experts, GPT-2's Conv1D)
+    is_quantizable: bool = True  # False: no quantized layers yet (GPT-2's Conv1D)
+    # True: routed experts, quantized as AWQ, GPTQ without act-order or fp8 (per tensor, channel or block)
+    has_experts: bool = False
     # True: a multimodal checkpoint whose language model is served (config.json's text_config, the
     # weights under language_model.), its vision tower left unloaded
     has_text_config: bool = False
@@ -33,9 +38,9 @@ ARCHITECTURES: dict[str, ServedArchitecture] = {
     "MistralForCausalLM": ServedArchitecture("mistral"),
     "Qwen2ForCausalLM": ServedArchitecture("qwen2"),
     "Qwen3ForCausalLM": ServedArchitecture("qwen3"),
-    "MixtralForCausalLM": ServedArchitecture("mixtral", is_quantizable=False),
-    "Qwen2MoeForCausalLM": ServedArchitecture("qwen2_moe", is_quantizable=False),
-    "Qwen3MoeForCausalLM": ServedArchitecture("qwen3_moe", is_quantizable=False),
+    "MixtralForCausalLM": ServedArchitecture("mixtral", has_experts=True),
+    "Qwen2MoeForCausalLM": ServedArchitecture("qwen2_moe", has_experts=True),
+    "Qwen3MoeForCausalLM": ServedArchitecture("qwen3_moe", has_experts=True),
     "Gemma2ForCausalLM": ServedArchitecture("gemma2"),
     "Gemma3ForCausalLM": ServedArchitecture("gemma3_text"),
     "Gemma3ForConditionalGeneration": ServedArchitecture("gemma3_text", has_text_config=True),
@@ -60,6 +65,8 @@ def check_served(spec: ModelSpec) -> None:
     if spec.quantization and not served.is_quantizable:
         raise PlanError(f"{spec.id}: {spec.architecture} is not served quantized ({spec.quantization.method}); "
                         "quantized architectures: " + ", ".join(quantizable_architectures()))
+    if spec.quantization and served.has_experts and spec.quantization.has_act_order:
+        raise PlanError(f"{spec.id}: {ACT_ORDER_EXPERTS}")
 
 
 def quantizable_architectures() -> tuple[str, ...]:

@@ -15,7 +15,9 @@ Torch-free: the planner, the runtime and launch all import it.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields
+from decimal import Decimal
 from typing import Any, Literal, Union
 
 from shardserve.planner.errors import PlanError
@@ -25,6 +27,9 @@ INPUT, PLAN, ENGINE, SERVER, PROFILE = "input", "plan", "engine", "server", "pro
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # at least max_num_seqs (see resolved_max_num_batched_tokens)
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3  # the KV pool per rank on CPU when none is given
 DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN = 1024, 256  # the traffic a plan is for when none is given
+# vLLM's human-readable counts: a lowercase suffix is decimal, an uppercase one binary (32k = 32000, 32K = 32768)
+_MULTIPLIERS = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_COUNT = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)")
 
 
 class SettingError(PlanError, ValueError):
@@ -45,6 +50,8 @@ class Setting:
     short: str | None = None  # a short flag, such as -tp
     in_profile: bool = True  # False: a Python-API-only setting (meaningless for a server)
     words: tuple[str, ...] = ()  # strings accepted besides `type`, such as max_model_len's "auto"
+    human_readable: bool = False  # an int also written 32k (x1000) or 32K (x1024), as vLLM reads it
+    fixed: str | None = None  # why only the default is taken (a vLLM flag whose other value the runtime lacks)
 
     @property
     def flag(self) -> str:
@@ -59,7 +66,11 @@ class Setting:
             return None
         if value in self.words:
             return value
+        if self.human_readable and isinstance(value, str):
+            value = self._parse_count(value)
         value = self._check_type(value)
+        if self.fixed is not None and value != self.default:
+            raise SettingError(f"{self.name}={value!r} is not served: {self.fixed}")
         if self.choices is not None and value not in self.choices:
             raise SettingError(f"{self.name}={value!r} must be one of {', '.join(map(str, self.choices))}")
         if self.minimum is not None and value < self.minimum:
@@ -69,6 +80,22 @@ class Setting:
         if self.above is not None and value <= self.above:
             raise SettingError(f"{self.name}={value!r} must be above {self.above:g}")
         return value
+
+    def _parse_count(self, text: str) -> int:
+        """'2048', '32k' (32,000), '1.5m' (1,500,000), '128K' (131,072) or '1M' (1,048,576)."""
+        match = _COUNT.fullmatch(text.strip())
+        words = "".join(f" or {w!r}" for w in self.words)
+        if match is None:
+            raise SettingError(f"{self.name}={text!r} must be a whole number (2048, 32k = 32,000 or "
+                               f"32K = 32,768){words}")
+        number, suffix = match.groups()
+        if suffix.isupper() and "." in number:
+            raise SettingError(f"{self.name}={text!r}: a binary suffix ({suffix} = {_MULTIPLIERS[suffix]:,}) "
+                               f"takes a whole number; did you mean {number}{suffix.lower()}?")
+        count = Decimal(number) * _MULTIPLIERS.get(suffix, 1)
+        if count != int(count):
+            raise SettingError(f"{self.name}={text!r} is {count}, not a whole number")
+        return int(count)
 
     def _check_type(self, value: Any) -> Any:
         kind = self.type
@@ -98,9 +125,16 @@ def _s(name, type_, default, help_, layers, **kw) -> Setting:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    _s("model", str, None, "Hugging Face folder, an id in the local Hugging Face cache, or a "
-       "catalog id; shardserve-demo is the bundled demo (bare `launch` serves it: --profile demo).",
+    _s("model", str, None, "A model folder, a Hugging Face Hub id (org/name: `plan` reads its config.json and "
+       "safetensors headers, `launch` downloads its safetensors weights when the cache lacks them), or a catalog "
+       "id; shardserve-demo is the bundled demo (bare `launch` serves it: --profile demo).",
        "input engine", short="-m"),
+    _s("download_dir", str, None, "The Hugging Face cache folder to find models in and download them into "
+       "(default: $HF_HUB_CACHE, else $HF_HOME/hub).", "input engine"),
+    _s("revision", str, None, "The branch, tag or commit of a Hub id to plan and download (default: main).",
+       "input engine"),
+    _s("hf_token", str, None, "Token for gated and private Hub repos (default: $HF_TOKEN, else the one "
+       "`hf auth login` saved).", "input engine"),
     _s("hardware", str, None, "Declared hardware: [NODESx]GPUSxNAME (8xH100-80GB, 2x8xH100, 3xL4), "
        "'cpu', or a YAML file. Default: the Ray cluster, else the GPUs NVML sees.", "input"),
     _s("device", str, "auto", "auto, cpu, cuda or cuda:N (the first GPU of this engine's ranks).",
@@ -121,23 +155,32 @@ SETTINGS: tuple[Setting, ...] = (
        "choice; default: balanced by weight bytes).", "engine"),
     _s("max_model_len", int, None, "Longest prompt plus output, in tokens, or auto: the longest whose "
        "requests fit the KV cache (at most the model's). Default: the model's.", "plan engine", minimum=1,
-       words=("auto",)),
+       words=("auto",), human_readable=True),
     _s("dtype", str, "auto", "auto (bf16 where the GPU has it, else fp16; the checkpoint's "
        "dtype, float32 on CPU), bfloat16, float16 or float32.", "plan engine"),
     _s("quantization", str, None, "The checkpoint's weight format: " + ", ".join(QUANTIZATION_FORMATS)
        + " (default: config.json's quantization_config).", "plan engine", choices=QUANTIZATION_FORMATS),
+    _s("load_format", str, "auto", "How the weights are loaded: auto or safetensors (the checkpoint's "
+       "safetensors files), or dummy: random weights of the checkpoint's shapes, nothing read but config.json "
+       "and the tokenizer (vLLM's mode for benchmarking speed and memory; the text is noise).", "engine",
+       choices=("auto", "safetensors", "dummy")),
     _s("kv_cache_dtype", str, "auto", "auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2: half the "
        "bytes of bf16 per KV token.", "plan engine", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2")),
     _s("gpu_memory_utilization", float, 0.9, "Fraction of each GPU's memory for weights, "
        "activations and the KV cache.", "plan engine", above=0.0, maximum=1.0),
     _s("kv_cache_memory_bytes", int, None, "The KV pool per rank in bytes (default on CPU: "
        f"{DEFAULT_CPU_KV_CACHE_BYTES >> 30} GiB; on GPU: what gpu_memory_utilization leaves).",
-       "plan engine", minimum=1),
+       "plan engine", minimum=1, human_readable=True),
     _s("block_size", int, 16, "Tokens per KV cache block.", "plan engine",
        choices=(1, 2, 4, 8, 16, 32, 64, 128)),
     _s("max_num_seqs", int, 256, "Most requests in one batch.", "plan engine server", minimum=1),
     _s("max_num_batched_tokens", int, None, "Most tokens in one step (default: "
-       f"{DEFAULT_MAX_NUM_BATCHED_TOKENS}, or max_num_seqs if larger).", "plan engine", minimum=1),
+       f"{DEFAULT_MAX_NUM_BATCHED_TOKENS}, or max_num_seqs if larger).", "plan engine", minimum=1,
+       human_readable=True),
+    _s("enable_chunked_prefill", bool, True, "Prefill long prompts in chunks of the step's token budget "
+       "(max_num_batched_tokens), beside running decodes; always on here.", "engine",
+       fixed="the scheduler always chunks prefills (one token budget for prefill and decode, as vLLM V1 "
+       "schedules); to prefill a long prompt in one step, raise --max-num-batched-tokens to max_model_len"),
     _s("enable_prefix_caching", bool, True, "Reuse the KV blocks of shared prompt prefixes.",
        "plan engine"),
     _s("enforce_eager", bool, False, "No CUDA graphs: every decode step runs eagerly (the plan then reserves "
@@ -151,6 +194,15 @@ SETTINGS: tuple[Setting, ...] = (
        "the tokenizer's.", "engine"),
     _s("generation_config", str, "auto", "Sampling defaults for requests that set none: auto (the model's "
        "generation_config.json), vllm (none), or a folder holding a generation_config.json.", "engine"),
+    _s("runner", str, "auto", "generate: sample text; pooling: an embedding model, serving /v1/embeddings "
+       "(each prompt's final hidden states pooled into one vector; no LM head, no generation). auto: generate "
+       "(every architecture served here is a causal LM).", "engine", choices=("auto", "generate", "pooling")),
+    _s("pooling_type", str, None, "How runner pooling pools a prompt (vLLM's --pooler-config pooling_type): LAST "
+       "token, MEAN over the prompt, or CLS (the first token). Default: the checkpoint's sentence-transformers "
+       "1_Pooling/config.json, else LAST.", "engine", choices=("LAST", "MEAN", "CLS")),
+    _s("normalize", bool, None, "Runner pooling: L2-normalize each embedding (vLLM's --pooler-config normalize). "
+       "Default: whether the checkpoint's sentence-transformers modules.json has a Normalize module; true for a "
+       "checkpoint without those files.", "engine"),
     _s("skip_tokenizer_init", bool, False, "No tokenizer: prompts are token ids, outputs carry "
        "no text.", "engine", in_profile=False),
     _s("target_concurrency", int, 1, "KV room for this many requests of max_model_len.", "plan",
@@ -191,7 +243,26 @@ SETTINGS: tuple[Setting, ...] = (
        "A template is code the server runs: trust only clients you would let start the server.", "server"),
     _s("tool_call_parser", str, None, "How tool calls are found in free text for tool_choice auto: hermes "
        "(<tool_call> blocks; Qwen, Hermes) or llama3_json.", "server", choices=("hermes", "llama3_json")),
+    _s("reasoning_parser", str, None, "Split a reasoning model's chat output into message.reasoning (also "
+       "reasoning_content) and content: deepseek_r1 (DeepSeek-R1, QwQ: the output starts inside <think>) or qwen3 "
+       "(reasoning when the output or the prompt opens <think>). Structured outputs apply after </think>.",
+       "server", choices=("deepseek_r1", "qwen3")),
     _s("enable_auto_tool_choice", bool, False, "Serve tool_choice auto (needs --tool-call-parser).", "server"),
+    _s("max_logprobs", int, 20, "Most log-probabilities a request may ask for per token (logprobs, top_logprobs, "
+       "prompt_logprobs); a request asking for more gets a 400. A request's -1 asks for the whole vocabulary, "
+       "so it needs this at least the vocabulary size, or -1 (no limit), as vLLM.", "server", minimum=-1),
+    _s("return_tokens_as_token_ids", bool, False, "Write logprob tokens as 'token_id:N' unless a request's "
+       "return_tokens_as_token_ids says otherwise (for tokens whose text is not valid UTF-8 alone).", "server"),
+    _s("enable_force_include_usage", bool, False, "Usage in every response and stream, as if each request had "
+       "set stream_options.include_usage.", "server"),
+    _s("enable_prompt_tokens_details", bool, False, "usage.prompt_tokens_details.cached_tokens: the prompt "
+       "tokens the prefix cache served.", "server"),
+    _s("enable_tokenizer_info_endpoint", bool, False, "Serve /tokenizer_info (the tokenizer's configuration, "
+       "chat template included), as vLLM's flag does.", "server"),
+    _s("enable_server_load_tracking", bool, False, "Serve GET /load: server_load, the API requests in flight "
+       "(vLLM's load metric, read by load-aware routers).", "server"),
+    _s("root_path", str, None, "The path prefix a proxy serves this server under (FastAPI's root_path), such as "
+       "/llm: the API docs link through it.", "server"),
     _s("allowed_origins", list, None, "Origins a browser may call the API from (CORS), such as "
        "https://app.example; '*' for any. Default: none (no CORS headers).", "server"),
     _s("env", dict, None, "Variables set for the engine and every rank, on every node.", "server"),

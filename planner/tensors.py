@@ -184,12 +184,16 @@ def _linear_tensors(spec: ModelSpec, name: str, n_in: int, n_out: int, dtype: st
     q = spec.quantization
     if q is None or n_out == 1:
         return [TensorInfo(f"{name}.weight", n_in * n_out, dtype)]
-    if q.method == "fp8":
-        scales = (n_out // q.block_shape[0]) * (n_in // q.block_shape[1]) if q.block_shape else 1
+    if q.method == "fp8":  # without blocks, a scale per channel (per-tensor checkpoints hold fewer)
+        if q.block_shape:
+            scales, scale_name = -(-n_out // q.block_shape[0]) * -(-n_in // q.block_shape[1]), "weight_scale_inv"
+        else:
+            scales, scale_name = n_out, "weight_scale"
         return [TensorInfo(f"{name}.weight", n_in * n_out, "F8_E4M3"),
-                TensorInfo(f"{name}.weight_scale", scales, "F32")]
+                TensorInfo(f"{name}.{scale_name}", scales, "F32")]
     groups = n_in // q.group_size if q.group_size else 1
     pack = 32 // q.bits
-    return [TensorInfo(f"{name}.qweight", n_in * n_out // pack, "I32"),
-            TensorInfo(f"{name}.qzeros", groups * n_out // pack, "I32"),
-            TensorInfo(f"{name}.scales", groups * n_out, "F16")]
+    packed = [TensorInfo(f"{name}.qweight", n_in * n_out // pack, "I32"),
+              TensorInfo(f"{name}.qzeros", groups * n_out // pack, "I32"),
+              TensorInfo(f"{name}.scales", groups * n_out, "F16")]
+    return packed + [TensorInfo(f"{name}.g_idx", n_in, "I32")] if q.method == "gptq" else packed

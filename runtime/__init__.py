@@ -2,7 +2,9 @@
 
 from shardserve.runtime.errors import EngineDeadError
 from shardserve.runtime.input_processor import InvalidPromptError, ProcessedPrompt
-from shardserve.runtime.outputs import CompletionOutput, Logprob, PromptDelta, RequestOutput, SampleDelta
+from shardserve.runtime.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob,
+                                       PromptDelta, RequestOutput, SampleDelta)
+from shardserve.runtime.pooling_params import PoolingParams
 from shardserve.runtime.sampling_params import SamplingParams
 
 
@@ -21,4 +23,5 @@ def __getattr__(name):
 
 
 __all__ = ["LLM", "AsyncEngine", "EngineArgs", "EngineDeadError", "SamplingParams", "RequestOutput",
-           "CompletionOutput", "Logprob", "PromptDelta", "SampleDelta", "ProcessedPrompt", "InvalidPromptError"]
+           "CompletionOutput", "Logprob", "PromptDelta", "SampleDelta", "ProcessedPrompt", "InvalidPromptError",
+           "PoolingParams", "EmbeddingRequestOutput", "EmbeddingOutput"]

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from shardserve.runtime.engine import LLMEngine
 from shardserve.runtime.engine_args import EngineArgs
 from shardserve.runtime.input_processor import ProcessedPrompt, PromptType
-from shardserve.runtime.outputs import PromptDelta
+from shardserve.runtime.outputs import EmbeddingRequestOutput, PromptDelta, embedding_output
+from shardserve.runtime.pooling_params import PoolingParams
 from shardserve.runtime.sampling_params import SamplingParams
 
 _END = object()  # ends a stream whose prompt was aborted
@@ -20,7 +21,7 @@ HEALTH_CHECK_SECONDS = 0.5  # while idle, how often the workers are checked for 
 class _PendingAdd:
     prompt_id: str
     prompt: ProcessedPrompt
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
 
 
 class AsyncEngine:
@@ -54,17 +55,32 @@ class AsyncEngine:
     def get_stats(self):
         return self.engine.get_stats()
 
-    async def generate(self, prompt: PromptType | ProcessedPrompt, sampling_params: SamplingParams,
+    async def embed(self, prompt: PromptType | ProcessedPrompt, pooling_params: PoolingParams,
+                    prompt_id: str) -> EmbeddingRequestOutput:
+        """The prompt's pooled vector, once its prefill has run (a pooling runner's one result per prompt);
+        cancelling the await aborts the prompt."""
+        if not isinstance(prompt, ProcessedPrompt):
+            prompt = self.input_processor.process(prompt, pooling_params)
+        last = None
+        async for delta in self.generate(prompt, pooling_params, prompt_id):
+            last = delta
+        if last is None or not last.finished:
+            raise RuntimeError(f"prompt {prompt_id!r} was aborted before it was pooled")
+        return embedding_output(prompt_id, prompt, last)
+
+    async def generate(self, prompt: PromptType | ProcessedPrompt, sampling_params: SamplingParams | PoolingParams,
                        prompt_id: str) -> AsyncIterator[PromptDelta]:
-        """Yield the prompt's delta after every step that advanced it; the last one is finished.
-        A prompt not yet processed is processed here, so a bad one raises before anything is queued."""
+        """Yield the prompt's delta after every step that advanced it; the last one is finished (with
+        PoolingParams, on a pooling runner: one delta, carrying the vector). A prompt not yet processed is
+        processed here, so a bad one raises before anything is queued."""
         if self.error is not None:
             raise RuntimeError(f"the engine stopped after an error: {self.error!r}")
         if prompt_id in self._streams:
             raise ValueError(f"prompt id {prompt_id!r} is already in use")
         if not isinstance(prompt, ProcessedPrompt):
             prompt = self.input_processor.process(prompt, sampling_params)
-        if sampling_params.structured_outputs is not None:  # compiled now, off the loop, not in a step
+        if isinstance(sampling_params, SamplingParams) and sampling_params.structured_outputs is not None:
+            # compiled now, off the loop, not in a step
             await self.input_processor.compile_grammar(sampling_params.structured_outputs)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[prompt_id] = stream

@@ -76,7 +76,7 @@ def checkpoint_files(folder: str) -> list[str]:
     if os.path.isfile(single):
         return [single]
     raise ValueError(f"no model.safetensors or model.safetensors.index.json in {folder!r}; "
-                     "only safetensors checkpoints are supported")
+                     "only safetensors checkpoints are supported (load_format dummy: random weights, none read)")
 
 
 def iterate_checkpoint(folder: str) -> Iterator[tuple[str, CheckpointTensor]]:

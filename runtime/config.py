@@ -11,11 +11,12 @@ from typing import Any, Literal
 import torch
 
 from shardserve.planner.hf_config import max_context_length, uniform_sliding_window
-from shardserve.planner.model_source import cached_snapshot, hf_cache_dir
+from shardserve.planner.hub import HubOptions, hf_cache_dir
 from shardserve.planner.model_spec import canonical_dtype
 from shardserve.planner.served import ARCHITECTURES
 from shardserve.runtime.layers.quantization.config import QuantConfig
 from shardserve.runtime.layers.rotary import rope_parameters
+from shardserve.runtime.pooling_params import PoolerConfig
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -35,6 +36,15 @@ class ModelConfig:
     generation_config: str = "auto"  # where sampling defaults come from (runtime/generation_config.py)
     uniform_sliding_window: int | None = None  # the window of every layer: KV behind it is freed
     is_max_model_len_auto: bool = False  # max_model_len is the model's until the KV cache is measured
+    pooler: PoolerConfig | None = None  # runner "pooling": prompts are pooled, never sampled; None: generate
+    load_format: str = "auto"  # auto | safetensors: the checkpoint's weights; dummy: random weights of its shapes
+    # where a Hub id was looked up (`model` is then its snapshot folder); its token is never in a repr
+    hub: HubOptions = HubOptions()
+
+    @property
+    def runner(self) -> str:
+        """vLLM's runner: "generate" (sample tokens) or "pooling" (a vector per prompt; no LM head)."""
+        return "generate" if self.pooler is None else "pooling"
 
     @property
     def num_layers(self) -> int:
@@ -60,7 +70,6 @@ def load_model_config(model: str, dtype: str = "auto", max_model_len: int | Lite
                       device: str = "cpu", quantization: str | None = None) -> ModelConfig:
     from transformers import AutoConfig
 
-    model = local_folder(model)
     config_path = os.path.join(model, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"model must be a local folder with a config.json or an id in the local Hugging Face "
@@ -90,14 +99,6 @@ def load_model_config(model: str, dtype: str = "auto", max_model_len: int | Lite
                        uniform_sliding_window=uniform_sliding_window({**hf_config.to_dict(),
                                                                       "architectures": architectures}),
                        is_max_model_len_auto=is_auto)
-
-
-def local_folder(model: str) -> str:
-    """A folder as given; an `org/name` id in the local Hugging Face cache -> its snapshot folder."""
-    if os.path.isdir(model):
-        return model
-    snapshot = cached_snapshot(model)
-    return str(snapshot) if snapshot is not None else model
 
 
 def _max_positions(hf_config) -> int:
@@ -148,6 +149,7 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     async_scheduling: bool = False  # schedule step N+1 before step N's tokens are back
+    enable_chunked_prefill: bool = True  # always: a prompt beyond the token budget is prefilled over steps
 
 
 @dataclass(frozen=True)

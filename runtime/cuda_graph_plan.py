@@ -44,6 +44,8 @@ def local_decision(config: EngineConfig, device: torch.device, model: torch.nn.M
         return CaptureDecision(f"the device is {device.type}")
     if config.model.enforce_eager:
         return CaptureDecision("enforce_eager=True")
+    if config.model.runner == "pooling":
+        return CaptureDecision("runner='pooling' prefills prompts and never decodes")
     if not getattr(model, "supports_cuda_graphs", False):
         return CaptureDecision(f"{type(model).__name__} reads tensor values on the host during its forward")
     return CaptureDecision(None, tuple(capture_sizes(config.scheduler.max_num_seqs)))

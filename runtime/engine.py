@@ -13,15 +13,17 @@ from shardserve.runtime.config import EngineConfig
 from shardserve.runtime.errors import EngineDeadError
 from shardserve.runtime.executor import make_executor
 from shardserve.runtime.generation_config import sampling_defaults
-from shardserve.runtime.input_processor import InputProcessor, ProcessedPrompt, PromptType
+from shardserve.runtime.input_processor import InputProcessor, ProcessedPrompt, PromptType, check_runner
 from shardserve.runtime.kv_sizing import size_kv_cache, with_measured_len
 from shardserve.runtime.messages import ModelRunnerOutput, RequestUpdate, SchedulerOutput
 from shardserve.runtime.output_processor import OutputProcessor
 from shardserve.runtime.output_thread import OutputThread
 from shardserve.runtime.outputs import PromptDelta
+from shardserve.runtime.pooling_params import PROMPT_ONLY, PoolingParams
 from shardserve.runtime.request import Request, RequestStatus
 from shardserve.runtime.sampling_params import SamplingParams
 from shardserve.runtime.scheduler import Scheduler
+from shardserve.runtime.step_histogram import HistogramSnapshot, StepHistogram
 from shardserve.runtime.structured_output import accept_tokens, grammar_bitmask
 from shardserve.runtime.tokenizer import eos_token_ids, load_tokenizer
 
@@ -36,6 +38,7 @@ class EngineStats:
     num_preemptions: int  # since start
     num_prefix_hit_tokens: int  # since start
     num_prefix_query_tokens: int  # prompt tokens looked up in the prefix cache, since start
+    iteration_tokens: HistogramSnapshot  # tokens scheduled per step (prompt and output), since start
 
 
 class LLMEngine:
@@ -58,16 +61,27 @@ class LLMEngine:
         self.in_flight: deque[SchedulerOutput] = deque()  # submitted batches, oldest first
         self._held_updates: list[RequestUpdate] | None = None  # for the output thread, not handed over yet
         self._draining_ids: set[str] = set()  # aborted prompts whose earlier outputs are not all taken yet
+        self.iteration_tokens = StepHistogram()
 
-    def add_request(self, prompt_id: str, prompt: PromptType | ProcessedPrompt, params: SamplingParams) -> None:
+    def add_request(self, prompt_id: str, prompt: PromptType | ProcessedPrompt,
+                    params: SamplingParams | PoolingParams) -> None:
         """Queue a prompt: it fans out to n requests, one per sample, that share its cached blocks.
-        A ProcessedPrompt was checked with these params already; anything else is checked here."""
+        A ProcessedPrompt was checked with these params already; anything else is checked here.
+        With PoolingParams (a pooling runner) it is one request whose one delta carries its vector."""
         with self._output_lock():
             if self.output_processor.has_prompt(prompt_id) or prompt_id in self._draining_ids:
                 # (aborted, but deltas made before the abort are still on the way: they would reach this one)
                 raise ValueError(f"prompt id {prompt_id!r} is already in use")
+        check_runner(self.config.model.runner, params)  # (a ProcessedPrompt too: the worker would fail)
         if not isinstance(prompt, ProcessedPrompt):
             prompt = self.input_processor.process(prompt, params)
+        if isinstance(params, PoolingParams):
+            assert self.config.model.pooler is not None  # a pooling runner (check_runner)
+            self.scheduler.add_request(Request(prompt_id, list(prompt.prompt_token_ids), PROMPT_ONLY, 0,
+                                               pooling_params=params.resolved(self.config.model.pooler)))
+            with self._output_lock():
+                self.output_processor.add_prompt(prompt_id, PROMPT_ONLY, [prompt_id])
+            return
         base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(62)
         request_ids = [prompt_id] if params.n == 1 else [f"{prompt_id}#{i}" for i in range(params.n)]
         for sample_index, request_id in enumerate(request_ids):  # the first refusal comes before any is queued
@@ -140,6 +154,8 @@ class LLMEngine:
     def _schedule(self, max_num_requests: int | None = None) -> SchedulerOutput:
         """The scheduler's batch, with what its requests under a grammar may sample next."""
         output = self.scheduler.schedule(max_num_requests=max_num_requests)
+        if not output.is_empty:
+            self.iteration_tokens.observe(sum(output.num_scheduled_tokens.values()))
         requests = self.scheduler.requests
         bitmask = grammar_bitmask([requests[r] for r in output.num_scheduled_tokens], self.config.model,
                                   self.tokenizer)
@@ -184,7 +200,8 @@ class LLMEngine:
                            kv_cache_usage=1.0 - pool.num_free_blocks / pool.num_blocks,
                            num_preemptions=scheduler.num_preemptions,
                            num_prefix_hit_tokens=scheduler.num_prefix_hit_tokens,
-                           num_prefix_query_tokens=scheduler.num_prefix_query_tokens)
+                           num_prefix_query_tokens=scheduler.num_prefix_query_tokens,
+                           iteration_tokens=self.iteration_tokens.snapshot())
 
     def check_health(self) -> None:
         """Raise EngineDeadError if a worker rank has died; call it between steps."""

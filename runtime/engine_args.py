@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import os
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from shardserve.planner.model_source import model_path
+from shardserve.planner.hub import HubOptions
+from shardserve.planner.model_source import local_weights, model_path
 from shardserve.planner.settings import (ENGINE, SettingError, check_fields, check_names, default,
                                          resolved_max_num_batched_tokens)
 from shardserve.runtime.config import (CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, load_model_config,
                                        resolve_device)
+from shardserve.runtime.pooling_params import PoolerConfig, pooler_config
 
 
 @dataclass(frozen=True)
@@ -19,6 +22,9 @@ class EngineArgs:
     against the table when made. Tensor and pipeline parallel sizes left unset mean one rank each."""
 
     model: str | None = default("model")
+    download_dir: str | None = default("download_dir")
+    revision: str | None = default("revision")
+    hf_token: str | None = field(default=default("hf_token"), repr=False)  # never in a log line
     device: str = default("device")
     tensor_parallel_size: int | None = default("tensor_parallel_size")
     pipeline_parallel_size: int | None = default("pipeline_parallel_size")
@@ -28,18 +34,23 @@ class EngineArgs:
     max_model_len: int | Literal["auto"] | None = default("max_model_len")
     dtype: str = default("dtype")
     quantization: str | None = default("quantization")
+    load_format: str = default("load_format")
     kv_cache_dtype: str = default("kv_cache_dtype")
     gpu_memory_utilization: float = default("gpu_memory_utilization")
     kv_cache_memory_bytes: int | None = default("kv_cache_memory_bytes")
     block_size: int = default("block_size")
     max_num_seqs: int = default("max_num_seqs")
     max_num_batched_tokens: int | None = default("max_num_batched_tokens")
+    enable_chunked_prefill: bool = default("enable_chunked_prefill")
     enable_prefix_caching: bool = default("enable_prefix_caching")
     enforce_eager: bool = default("enforce_eager")
     async_scheduling: bool = default("async_scheduling")
     seed: int = default("seed")
     chat_template: str | None = default("chat_template")
     generation_config: str = default("generation_config")
+    runner: str = default("runner")
+    pooling_type: str | None = default("pooling_type")
+    normalize: bool | None = default("normalize")
     skip_tokenizer_init: bool = default("skip_tokenizer_init")
 
     def __post_init__(self) -> None:
@@ -52,13 +63,38 @@ class EngineArgs:
         check_names(kwargs, ENGINE, where)
         return cls(model=model, **kwargs)
 
-    def create_engine_config(self) -> EngineConfig:
+    def _pooler_config(self, folder: str) -> PoolerConfig | None:
+        """runner pooling: the pooling a request gets by default; None for a generating engine (which
+        refuses pooling settings by name rather than ignore them)."""
+        if self.runner == "pooling":
+            return pooler_config(folder, self.pooling_type, self.normalize)
+        for name in ("pooling_type", "normalize"):
+            if getattr(self, name) is not None:
+                raise SettingError(f"{name} applies to runner='pooling' (--runner pooling); this engine's runner "
+                                   f"is {self.runner!r}")
+        return None
+
+    @property
+    def hub(self) -> HubOptions:
+        return HubOptions.of(self)
+
+    def local_folder(self) -> str:
+        """The model's folder: as given, else a Hub id's snapshot in the Hugging Face cache, downloaded as
+        `launch` downloads it when the cache lacks it (the same files and errors; load_format dummy: config
+        and tokenizer only)."""
         if not self.model:
-            raise SettingError("model: give a local folder with config.json and safetensors")
+            raise SettingError("model: give a local folder with config.json and safetensors, or a Hub id")
+        folder = model_path(self.model)
+        return folder if os.path.isdir(folder) else str(local_weights(self.model, self.hub, self.load_format))
+
+    def create_engine_config(self) -> EngineConfig:
+        folder = self.local_folder()
         device = resolve_device(self.device)
-        model = replace(load_model_config(model_path(self.model), self.dtype, self.max_model_len,
-                                          self.skip_tokenizer_init, self.enforce_eager, device, self.quantization),
-                        chat_template=self.chat_template, generation_config=self.generation_config)
+        loaded = load_model_config(folder, self.dtype, self.max_model_len, self.skip_tokenizer_init,
+                                   self.enforce_eager, device, self.quantization)
+        model = replace(loaded, chat_template=self.chat_template, generation_config=self.generation_config,
+                        load_format=self.load_format, hub=self.hub,
+                        pooler=self._pooler_config(loaded.model))
         return EngineConfig(
             model=model,
             cache=CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
@@ -68,7 +104,8 @@ class EngineArgs:
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=resolved_max_num_batched_tokens(
                                           self.max_num_batched_tokens, self.max_num_seqs),
-                                      async_scheduling=self.async_scheduling),
+                                      async_scheduling=self.async_scheduling,
+                                      enable_chunked_prefill=self.enable_chunked_prefill),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size or 1,
                                     pipeline_parallel_size=self.pipeline_parallel_size or 1,
                                     distributed_executor_backend=self.distributed_executor_backend,

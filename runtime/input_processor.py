@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Union
 
+from shardserve.runtime.pooling_params import PoolingParams
 from shardserve.runtime.sampling_params import SamplingParams
 from shardserve.runtime.structured_output import StructuredOutputs, compile_in_background
 from shardserve.runtime.tokenizer import longest_token_chars
@@ -20,7 +21,7 @@ PromptType = Union[str, list[int], dict]
 
 class InvalidPromptError(ValueError):
     """A prompt the engine cannot take. `field` names what to change: "prompt", "max_tokens", "min_tokens", "stop",
-    "stop_token_ids", "logit_bias" or "response_format"."""
+    "stop_token_ids", "logit_bias", "response_format", or "model" (served for generation or for pooling)."""
 
     def __init__(self, message: str, field: str):
         super().__init__(message)
@@ -51,7 +52,7 @@ class InputProcessor:
         self.vocab_size = model_config.vocab_size
         self.max_model_len = model_config.max_model_len
 
-    def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedPrompt:
+    def process(self, prompt: PromptType, params: SamplingParams | PoolingParams) -> ProcessedPrompt:
         if isinstance(prompt, str):
             return self._check(prompt, self._tokenize_prompt(prompt, add_special_tokens=True), params)
         if isinstance(prompt, list):
@@ -123,7 +124,15 @@ class InputProcessor:
                                      "give prompts as {'prompt_token_ids': [...]}", "prompt")
         return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
-    def _check(self, text: str | None, token_ids: list[int], params: SamplingParams) -> ProcessedPrompt:
+    def _check(self, text: str | None, token_ids: list[int],
+               params: SamplingParams | PoolingParams) -> ProcessedPrompt:
+        check_runner(self.model_config.runner, params)
+        if isinstance(params, PoolingParams):  # the prompt alone: it may fill max_model_len
+            ids = self._checked_ids(token_ids)
+            if len(ids) > self.max_model_len:
+                raise InvalidPromptError(f"the prompt has {len(ids)} tokens, more than max_model_len="
+                                         f"{self.max_model_len}; shorten the prompt", "prompt")
+            return ProcessedPrompt(text, ids)
         if params.stop and self.tokenizer is None:
             raise InvalidPromptError("stop strings need a tokenizer; use stop_token_ids with "
                                      "skip_tokenizer_init=True", "stop")
@@ -136,15 +145,8 @@ class InputProcessor:
             raise InvalidPromptError(f"logit_bias token ids must lie in [0, {vocab})", "logit_bias")
         if any(token >= vocab for token in params.stop_token_ids):
             raise InvalidPromptError(f"stop_token_ids must lie in [0, {vocab})", "stop_token_ids")
-        try:
-            ids = tuple(operator.index(t) for t in token_ids)
-        except TypeError:
-            ids = None
-        if ids is None or not all(0 <= t < vocab for t in ids):
-            raise InvalidPromptError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+        ids = self._checked_ids(token_ids)
         num_tokens = len(ids)
-        if num_tokens == 0:
-            raise InvalidPromptError("the prompt is empty", "prompt")
         if params.max_tokens is None and num_tokens >= limit:
             raise InvalidPromptError(f"the prompt has {num_tokens} tokens, which leaves no room to generate "
                                      f"within max_model_len={limit}; shorten the prompt", "prompt")
@@ -156,6 +158,31 @@ class InputProcessor:
             raise InvalidPromptError(f"prompt ({num_tokens} tokens) + min_tokens ({params.min_tokens}) exceeds "
                                      f"max_model_len={limit}; lower min_tokens", "min_tokens")
         return ProcessedPrompt(text, ids)
+
+
+    def _checked_ids(self, token_ids: list[int]) -> tuple[int, ...]:
+        """The prompt's ids as a tuple of ints in the vocabulary; not empty."""
+        vocab = self.vocab_size
+        try:
+            ids = tuple(operator.index(t) for t in token_ids)
+        except TypeError:
+            ids = None
+        if ids is None or not all(0 <= t < vocab for t in ids):
+            raise InvalidPromptError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+        if not ids:
+            raise InvalidPromptError("the prompt is empty", "prompt")
+        return ids
+
+
+def check_runner(runner: str, params: SamplingParams | PoolingParams) -> None:
+    """Generation on a generating engine, pooling on a pooling one (vLLM's --runner); refused by the flag
+    that would serve it (field "model": the model is served for the other kind)."""
+    if runner == "pooling" and not isinstance(params, PoolingParams):
+        raise InvalidPromptError("this model is served for embeddings (--runner pooling): it generates no text; "
+                                 "start it with --runner generate to generate", "model")
+    if runner != "pooling" and isinstance(params, PoolingParams):
+        raise InvalidPromptError("this model is served for generation: embeddings need it started with "
+                                 "--runner pooling", "model")
 
 
 def _check_async_scheduling(params: SamplingParams) -> None:

@@ -10,6 +10,7 @@ import torch
 
 from shardserve.runtime.forward_context import AttentionMetadata
 from shardserve.runtime.messages import NewRequestData, SchedulerOutput
+from shardserve.runtime.pooling_params import PoolingParams
 from shardserve.runtime.sampling_params import SamplingParams
 from shardserve.runtime.staging import StagingBuffer
 
@@ -30,6 +31,9 @@ class RequestState:
     # with async scheduling); the last one is row sampled_row of the worker's last sampled ids
     num_pending_tokens: int = 0
     sampled_row: int = 0
+    pooling_params: PoolingParams | None = None  # a pooling request's (resolved): pooled, never sampled
+    # the output rank's pooling so far, over the chunks computed: the sum of rows (MEAN) or row 0 (CLS)
+    pooled: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.block_ids = np.asarray(self.block_ids, dtype=np.int32)
@@ -37,7 +41,8 @@ class RequestState:
     @classmethod
     def from_new(cls, data: NewRequestData) -> RequestState:
         return cls(data.request_id, list(data.token_ids), data.num_prompt_tokens, data.sampling_params,
-                   data.seed, data.stop_token_ids, np.asarray(data.block_ids, dtype=np.int32), data.num_computed_tokens)
+                   data.seed, data.stop_token_ids, np.asarray(data.block_ids, dtype=np.int32), data.num_computed_tokens,
+                   pooling_params=data.pooling_params)
 
     @property
     def num_output_tokens(self) -> int:

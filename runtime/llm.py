@@ -1,21 +1,25 @@
-"""The offline Python API (vLLM's): LLM(...).generate(prompts, sampling_params) and .chat(...)."""
+"""The offline Python API (vLLM's): LLM(...).generate(prompts, sampling_params), .chat(...) and .embed(...)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import cast
 
 from shardserve.runtime.config import KVCacheInfo
 from shardserve.runtime.engine import LLMEngine
 from shardserve.runtime.engine_args import EngineArgs
 from shardserve.runtime.input_processor import ProcessedPrompt, PromptType
-from shardserve.runtime.outputs import RequestOutput, RequestOutputBuilder
+from shardserve.runtime.outputs import (EmbeddingRequestOutput, PromptDelta, RequestOutput, RequestOutputBuilder,
+                                       embedding_output)
+from shardserve.runtime.pooling_params import PoolingParams
 from shardserve.runtime.sampling_params import SamplingParams
 
 
 class LLM:
     def __init__(self, model: str, **kwargs):
-        """kwargs: any setting of the engine layer in planner/settings.py (vLLM's names: dtype,
+        """`model`: a folder, or a Hub id (org/name) served from the Hugging Face cache, downloaded as `launch`
+        downloads it when the cache lacks it (download_dir, revision, hf_token say where and how).
+        kwargs: any setting of the engine layer in planner/settings.py (vLLM's names: dtype,
         max_model_len, tensor_parallel_size, ...); any other name is refused by name."""
         args = EngineArgs.from_kwargs(model, kwargs, "LLM(...)")
         self.engine_args = args
@@ -56,6 +60,24 @@ class LLM:
         prompts = [processor.process_chat(c, params, add_generation_prompt) for c in conversations]
         return self._run(prompts, [params] * len(prompts))
 
+    def embed(self, prompts: str | dict | Sequence[PromptType],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt (vLLM's LLM.embed), in input order: the prompt's final hidden states
+        pooled as its PoolingParams ask (unset fields: the engine's, from --pooling-type and --normalize or
+        the checkpoint's sentence-transformers files). Needs runner='pooling'."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = pooling_params if pooling_params is not None else PoolingParams()
+        if isinstance(params, PoolingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} pooling params for {len(prompts)} prompts")
+        processed = [self.engine.input_processor.process(p, pp) for p, pp in zip(prompts, params)]
+        prompt_ids = self._queue(processed, params)
+        last: dict[str, PromptDelta] = {}
+        self._step_until_done(prompt_ids, lambda delta: last.__setitem__(delta.prompt_id, delta))
+        return [embedding_output(i, prompt, last[i]) for i, prompt in zip(prompt_ids, processed)]
+
     def shutdown(self) -> None:
         """Stop the workers (other processes, with tensor or pipeline parallelism)."""
         self.engine.shutdown()
@@ -67,21 +89,32 @@ class LLM:
         self.shutdown()
 
     def _run(self, prompts: list[ProcessedPrompt], params: Sequence[SamplingParams]) -> list[RequestOutput]:
-        """Queue every prompt (one refused: none), step until all finish, assemble their deltas."""
-        builders: dict[str, RequestOutputBuilder] = {}
+        """Queue every prompt, step until all finish, assemble their deltas."""
+        prompt_ids = self._queue(prompts, params)
+        builders = {i: RequestOutputBuilder(i, prompt, prompt_params)
+                    for i, prompt, prompt_params in zip(prompt_ids, prompts, params)}
+        self._step_until_done(prompt_ids, lambda delta: builders[delta.prompt_id].add(delta))
+        return [builder.build() for builder in builders.values()]
+
+    def _queue(self, prompts: list[ProcessedPrompt], params: Sequence[SamplingParams | PoolingParams]) -> list[str]:
+        """Add every prompt to the engine (one refused: none); their ids, in order."""
+        prompt_ids: list[str] = []
         try:
             for prompt, prompt_params in zip(prompts, params):
                 prompt_id = str(self._next_id)
                 self._next_id += 1
                 self.engine.add_request(prompt_id, prompt, prompt_params)
-                builders[prompt_id] = RequestOutputBuilder(prompt_id, prompt, prompt_params)
+                prompt_ids.append(prompt_id)
         except Exception:
-            for prompt_id in builders:
+            for prompt_id in prompt_ids:
                 self.engine.abort_request(prompt_id)
             raise
+        return prompt_ids
+
+    def _step_until_done(self, prompt_ids: list[str], take: Callable[[PromptDelta], None]) -> None:
+        """Step until nothing is left; the deltas of these prompts go to `take`."""
+        queued = set(prompt_ids)
         while self.engine.has_unfinished_requests():
             for delta in self.engine.step():
-                builder = builders.get(delta.prompt_id)
-                if builder is not None:
-                    builder.add(delta)
-        return [builder.build() for builder in builders.values()]
+                if delta.prompt_id in queued:
+                    take(delta)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -12,11 +12,13 @@ from torch import nn
 
 from shardserve.runtime.checkpoint import CheckpointTensor, checkpoint_files, iterate_file
 from shardserve.runtime.config import ModelConfig
+from shardserve.runtime.dummy_weights import fill_dummy_weights
 from shardserve.runtime.layers.quantization.config import quantized_layers
 from shardserve.runtime.layers.weights import default_weight_loader
 from shardserve.runtime.load_progress import LoadProgress, is_terminal
 from shardserve.runtime.models.registry import build_model
 from shardserve.runtime.parallel_state import get_parallel_state
+from shardserve.runtime.pooler import base_model_names, drop_lm_head
 
 _LAYER_INDEX = re.compile(r"\.(?:layers|h)\.(\d+)\.")
 
@@ -34,7 +36,15 @@ def _default_dtype(dtype: torch.dtype):
 def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     with _default_dtype(model_config.dtype), torch.device(device), quantized_layers(model_config.quantization):
         model = build_model(model_config)
-    load_weights(model, model_config.model)
+    if model_config.runner == "pooling":  # an embedding model: no head; its checkpoint may be the base model's
+        drop_lm_head(model)
+    if model_config.load_format == "dummy":  # no checkpoint read: config.json and the tokenizer suffice
+        fill_dummy_weights(model)
+        return model.eval()
+    tensors = _read_with_progress(model_config.model)
+    if model_config.runner == "pooling":
+        tensors = base_model_names(model, tensors)
+    load_weights(model, model_config.model, tensors)
     return model.eval()
 
 
@@ -55,14 +65,16 @@ def _read_with_progress(folder: str) -> Iterator[tuple[str, CheckpointTensor]]:
     progress.finish()
 
 
-def load_weights(model: nn.Module, folder: str) -> None:
-    """Each checkpoint tensor goes to the parameter the model names for it, through the weight_loader
-    of the module that owns the parameter (which reads only this rank's shard)."""
+def load_weights(model: nn.Module, folder: str,
+                 tensors: Iterable[tuple[str, CheckpointTensor]] | None = None) -> None:
+    """Each checkpoint tensor (the folder's, or `tensors` read from it) goes to the parameter the model
+    names for it, through the weight_loader of the module that owns the parameter (which reads only this
+    rank's shard)."""
     params = dict(model.named_parameters())
     optional = dict(model.named_buffers())  # read when the checkpoint has them (fp8 KV cache scales)
     loaded: set[str] = set()
     start, end = model.layer_range  # type: ignore[misc]  # every family's attribute, not nn.Module's
-    for name, tensor in _read_with_progress(folder):
+    for name, tensor in _read_with_progress(folder) if tensors is None else tensors:
         target = model.checkpoint_target(name)  # type: ignore[operator]  # every family's method
         if target is None or target.skip:
             continue

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from shardserve.runtime.outputs import SampleTimes
+from shardserve.runtime.pooling_params import PoolingParams
 from shardserve.runtime.sampling_params import SamplingParams
 from shardserve.runtime.structured_output import GrammarBitmask
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass(slots=True, frozen=True)
@@ -21,6 +26,7 @@ class NewRequestData:
     stop_token_ids: frozenset[int]  # masked out until min_tokens outputs exist
     block_ids: tuple[int, ...]
     num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hits)
+    pooling_params: PoolingParams | None = None  # resolved: the output rank pools the prompt, samples nothing
 
 
 @dataclass(slots=True)
@@ -72,6 +78,8 @@ class ModelRunnerOutput:
     # request id -> (index of the first prompt token scored, its entries and the next ones'): this
     # step's share of the prompt logprobs of requests that ask for them
     prompt_logprobs: dict[str, tuple[int, tuple[TokenLogprobs, ...]]] = field(default_factory=dict)
+    # request id -> its prompt's pooled vector ([hidden_size] float32), on the step that computed its last chunk
+    pooled: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -85,3 +93,5 @@ class RequestUpdate:
     stop_reason: int | str | None = None
     times: SampleTimes | None = None  # with the sample's first token only
     new_prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # prompt tokens scored since the last update
+    num_cached_tokens: int | None = None  # with the first token: prompt tokens the prefix cache served
+    pooled: np.ndarray | None = None  # a pooling request's vector: its one update, which finishes it

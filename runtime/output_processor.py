@@ -89,7 +89,11 @@ class OutputProcessor:
                 and not update.new_prompt_logprobs and sample.detokenizer is not None):
             # the common step (one token, nothing to search or score): constant work per token
             return SampleDelta(sample.sample_index, token_ids, sample.detokenizer.push(token_ids[0]), None, None, None,
-                               update.times, None)
+                               update.times, None, num_cached_tokens=update.num_cached_tokens)
+        if update.pooled is not None:  # a pooling prompt's one update: its vector, no tokens, no text
+            sample.is_finished = True
+            return SampleDelta(sample.sample_index, (), "", None, update.finish_reason, None, update.times,
+                               pooled=update.pooled)
         finish_reason, stop_reason = update.finish_reason, update.stop_reason
         text, stop = self._new_text(sample, params, update.new_token_ids, finish_reason is not None)
         if stop is not None:
@@ -98,7 +102,7 @@ class OutputProcessor:
         logprobs = None if params.logprobs is None else self._logprob_dicts(update.new_logprobs)
         prompt_logprobs = self._logprob_dicts(update.new_prompt_logprobs) if update.new_prompt_logprobs else None
         return SampleDelta(sample.sample_index, update.new_token_ids, text, logprobs, finish_reason, stop_reason,
-                           update.times, prompt_logprobs)
+                           update.times, prompt_logprobs, num_cached_tokens=update.num_cached_tokens)
 
     @staticmethod
     def _new_text(sample: _Sample, params: SamplingParams, token_ids: tuple[int, ...],

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from shardserve.runtime.input_processor import ProcessedPrompt
     from shardserve.runtime.sampling_params import SamplingParams
 
@@ -38,6 +40,8 @@ class SampleDelta:
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     times: SampleTimes | None = None  # on the delta that carries the sample's first token
     new_prompt_logprobs: tuple[dict[int, Logprob], ...] | None = None  # prompt tokens scored this step
+    num_cached_tokens: int | None = None  # with the first token: prompt tokens the prefix cache served
+    pooled: np.ndarray | None = None  # a pooling prompt's vector ([hidden_size] float32), on its one delta
 
 
 @dataclass(slots=True)
@@ -75,6 +79,7 @@ class RequestOutput:
     finished: bool = False
     # per prompt token when prompt_logprobs was asked: None for the first, then {token: Logprob}
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache served (the first sample's)
 
 
 class RequestOutputBuilder:
@@ -93,6 +98,8 @@ class RequestOutputBuilder:
             if sample.new_prompt_logprobs and sample.sample_index == 0:  # every sample scores the same prompt
                 assert self.output.prompt_logprobs is not None  # made a list: the params ask for them
                 self.output.prompt_logprobs.extend(sample.new_prompt_logprobs)
+            if sample.num_cached_tokens is not None and sample.sample_index == 0:
+                self.output.num_cached_tokens = sample.num_cached_tokens
             completion.token_ids.extend(sample.new_token_ids)
             self._texts[sample.sample_index].append(sample.new_text)
             if completion.logprobs is not None and sample.new_logprobs:
@@ -108,3 +115,26 @@ class RequestOutputBuilder:
             completion.text += "".join(pieces)
             pieces.clear()
         return self.output
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]  # the pooled (and, as asked, normalized) final hidden state: [hidden_size]
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """One pooled prompt (vLLM's shape: LLM.embed's result; request_id is the prompt's id)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+
+def embedding_output(prompt_id: str, prompt: ProcessedPrompt, delta: PromptDelta) -> EmbeddingRequestOutput:
+    """A pooling prompt's one delta as its output."""
+    pooled = delta.samples[0].pooled
+    if pooled is None:
+        raise ValueError(f"prompt {prompt_id!r} ended without a pooled vector")
+    return EmbeddingRequestOutput(prompt_id, list(prompt.prompt_token_ids), EmbeddingOutput(pooled.tolist()))

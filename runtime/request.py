@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
+from shardserve.runtime.pooling_params import PoolingParams
 from shardserve.runtime.sampling_params import SamplingParams
 
 
@@ -34,10 +35,12 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling_params", "seed",
                  "eos_token_ids", "stop_token_ids", "status", "stop_reason", "num_computed_tokens",
                  "num_pending_tokens", "num_synced_tokens", "num_synced_blocks", "block_hashes", "num_preemptions",
-                 "arrival_time", "first_scheduled_time", "num_prompt_logprobs_sent", "grammar_matcher")
+                 "arrival_time", "first_scheduled_time", "num_prompt_logprobs_sent", "grammar_matcher",
+                 "pooling_params", "num_cached_tokens")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 seed: int, eos_token_ids: frozenset[int] = frozenset()) -> None:
+                 seed: int, eos_token_ids: frozenset[int] = frozenset(),
+                 pooling_params: PoolingParams | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -58,8 +61,11 @@ class Request:
         self.num_preemptions = 0
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None  # set when first admitted to a batch
+        self.num_cached_tokens: int | None = None  # prompt tokens the prefix cache served when first admitted
         self.num_prompt_logprobs_sent = 1  # prompt tokens scored and handed on (token 0 has no score)
         self.grammar_matcher = None  # xgrammar's, under a grammar: made when first scheduled (structured_output.py)
+        # resolved (every field set) for a pooling request: its prompt's vector comes back instead of a token
+        self.pooling_params = pooling_params
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -76,6 +82,13 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def needs_every_prompt_token(self) -> bool:
+        """Its prompt is recomputed whole, never taken from the prefix cache: the positions it would
+        skip must be scored (prompt logprobs) or pooled (MEAN, CLS)."""
+        return self.sampling_params.prompt_logprobs is not None or (
+            self.pooling_params is not None and self.pooling_params.needs_every_prompt_token)
 
     @property
     def max_total_tokens(self) -> int | None:

@@ -166,9 +166,9 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
                and len(num_scheduled) < limit):
             request = self.waiting[0]
-            # NOTE: a request that scores its prompt recomputes it all: cached positions would go unscored
-            hits = [] if request.sampling_params.prompt_logprobs is not None else \
-                self.block_manager.find_cached_prefix(request)
+            # NOTE: a request that scores or pools its whole prompt recomputes it all: cached positions
+            # would go unscored (or unpooled)
+            hits = [] if request.needs_every_prompt_token else self.block_manager.find_cached_prefix(request)
             num_cached = len(hits) * self.block_manager.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.block_manager.allocate_slots(request, num_cached + num_new, hits):
@@ -176,6 +176,8 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
+            if request.num_cached_tokens is None:  # the first admission's (a preempted request comes back)
+                request.num_cached_tokens = num_cached
             self.num_prefix_hit_tokens += num_cached
             self.num_prefix_query_tokens += request.num_tokens
             if request.first_scheduled_time is None:
@@ -195,7 +197,7 @@ class Scheduler:
             num_prompt_tokens=request.num_prompt_tokens, sampling_params=request.sampling_params,
             seed=request.seed, stop_token_ids=request.stop_token_ids,
             block_ids=tuple(self.block_manager.block_ids(request.request_id)),
-            num_computed_tokens=request.num_computed_tokens)
+            num_computed_tokens=request.num_computed_tokens, pooling_params=request.pooling_params)
 
     def _cached_data(self, request: Request) -> CachedRequestData:
         num_tokens = request.num_tokens
@@ -235,6 +237,11 @@ class Scheduler:
         request_id = request.request_id
         scored = runner_output.prompt_logprobs.get(request_id) if runner_output.prompt_logprobs else None
         prompt_logprobs = () if scored is None else _unsent_prompt_logprobs(request, scored)
+        pooled = runner_output.pooled.get(request_id) if runner_output.pooled else None
+        if pooled is not None:  # a pooling request's prompt is done: its vector is its one output
+            request.num_pending_tokens -= 1
+            self._finish(request, RequestStatus.FINISHED_STOPPED)
+            return RequestUpdate(request_id, (), (), RequestStatus.FINISHED_STOPPED.value, pooled=pooled)
         token = runner_output.sampled_token_ids.get(request_id)
         if token is None:  # mid-prefill: nothing sampled yet
             return RequestUpdate(request_id, (), (), None, new_prompt_logprobs=prompt_logprobs) \
@@ -242,15 +249,18 @@ class Scheduler:
         request.num_pending_tokens -= 1
         if request.sampling_params.max_tokens == 0:  # the prompt alone was asked for (its logprobs)
             self._finish(request, RequestStatus.FINISHED_LENGTH)
-            return RequestUpdate(request_id, (), (), "length", new_prompt_logprobs=prompt_logprobs)
+            return RequestUpdate(request_id, (), (), "length", new_prompt_logprobs=prompt_logprobs,
+                                 num_cached_tokens=request.num_cached_tokens)
         request.output_token_ids.append(token)
         finish = self._check_stop(request, token)
         if finish is not None:
             self._finish(request, finish)
         logprobs = runner_output.logprobs.get(request_id) if runner_output.logprobs else None
-        times = _first_token_times(request) if len(request.output_token_ids) == 1 else None
+        is_first = len(request.output_token_ids) == 1
+        times = _first_token_times(request) if is_first else None
         return RequestUpdate(request_id, (token,), (logprobs,) if logprobs else (), finish.value if finish else None,
-                             request.stop_reason, times, prompt_logprobs)
+                             request.stop_reason, times, prompt_logprobs,
+                             num_cached_tokens=request.num_cached_tokens if is_first else None)
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params

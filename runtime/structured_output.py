@@ -44,6 +44,8 @@ def schema_text(schema: dict) -> str:
 class StructuredOutputs:
     kind: str
     spec: str | tuple[str, ...] | None = None  # schema JSON text, regex, choices, or EBNF
+    # the grammar applies from the token after these (a reasoning model's "</think>"); before, output is free
+    starts_after: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -52,6 +54,10 @@ class StructuredOutputs:
             object.__setattr__(self, "spec", schema_text(self.spec))
         if isinstance(self.spec, list):
             object.__setattr__(self, "spec", tuple(self.spec))
+        if self.starts_after is not None:
+            if not self.starts_after:
+                raise ValueError("starts_after needs at least one token id")
+            object.__setattr__(self, "starts_after", tuple(self.starts_after))
 
     def check_size(self) -> None:
         """A ValueError naming the limit when the grammar is larger than this engine takes."""
@@ -162,7 +168,7 @@ def grammar_bitmask(requests: list, model_config, tokenizer) -> GrammarBitmask |
     first time it is scheduled and lives with the Request, so preemption keeps its place). NOTE: the
     matchers live with the scheduler, as in vLLM v1, so a grammar compiles in the engine's process,
     ahead of its request (compile_in_background), and never in a step on a worker rank."""
-    constrained = [r for r in requests if r.sampling_params.structured_outputs is not None]
+    constrained = [r for r in requests if r.sampling_params.structured_outputs is not None and _has_started(r)]
     if not constrained:
         return None
     import xgrammar as xgr
@@ -174,6 +180,15 @@ def grammar_bitmask(requests: list, model_config, tokenizer) -> GrammarBitmask |
             request.grammar_matcher = xgr.GrammarMatcher(compiled)
         request.grammar_matcher.fill_next_token_bitmask(rows, row)
     return GrammarBitmask(tuple(r.request_id for r in constrained), rows)
+
+
+def _has_started(request) -> bool:
+    """Whether a request's grammar applies to its next token: from the start, or once its output has ended
+    with `starts_after` (checked every step until then, so the end is never missed)."""
+    after = request.sampling_params.structured_outputs.starts_after
+    if after is None or request.grammar_matcher is not None:
+        return True
+    return tuple(request.output_token_ids[-len(after):]) == after
 
 
 def accept_tokens(bitmask: GrammarBitmask, requests: dict, sampled_token_ids: dict[str, int]) -> None:

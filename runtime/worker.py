@@ -23,6 +23,7 @@ from shardserve.runtime.messages import ModelRunnerOutput, SchedulerOutput
 from shardserve.runtime.parallel_state import get_parallel_state
 from shardserve.runtime.pipeline import (IntermediateTensors, recv_intermediate, recv_intermediate_into,
                                          send_intermediate)
+from shardserve.runtime.pooler import pool_step
 from shardserve.runtime.prompt_logprobs import score_prompts, wants_prompt_logprobs
 from shardserve.runtime.sampler import sample_on_device, sampled_logprobs
 from shardserve.runtime.sampling_batch import SamplingCache
@@ -132,7 +133,7 @@ class Worker:
             intermediate = IntermediateTensors(hidden, hidden.clone())
         with torch.inference_mode(), forward_context(ForwardContext(None, self.backend)):
             hidden = self.model(input_ids, positions, intermediate)
-            if state.is_last_stage:
+            if state.is_last_stage and self.config.model.runner == "generate":  # (pooling: no head)
                 num_rows = min(self.config.scheduler.max_num_seqs, num_tokens)
                 # compute_logits: every model family's method, which nn.Module's type does not declare
                 self.model.compute_logits(hidden[:num_rows]).float().softmax(dim=-1)  # type: ignore[operator]
@@ -222,6 +223,8 @@ class Worker:
             send_intermediate(hidden)
             return None
         assert isinstance(hidden, torch.Tensor)  # the last stage's final hidden states
+        if self.config.model.runner == "pooling":  # prompts are pooled, never sampled (the model has no head)
+            return StepOutput(pooled=pool_step(hidden, host, batch)) if state.is_output_rank else None
         prompt_logprobs = (score_prompts(self.model, host, batch, hidden, state.is_output_rank)
                            if wants_prompt_logprobs(batch) else {})
         if not host.sampled_states:

@@ -1,5 +1,6 @@
-"""Top-k routed experts with gated SiLU MLPs, expert weights stacked per kind; across tensor ranks each
-expert is split (Megatron) or, with expert parallel, whole experts are dealt out to the ranks."""
+"""Top-k routed experts with gated SiLU MLPs, expert weights stacked per kind (float, or quantized as the
+checkpoint ships them); across tensor ranks each expert is split (Megatron) or, with expert parallel, whole
+experts are dealt out to the ranks."""
 
 from __future__ import annotations
 
@@ -10,20 +11,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.runtime.checkpoint import CheckpointTensor
-from shardserve.runtime.layers.weights import copy_into, shard_range
+from shardserve.runtime.layers.quantization.config import current_moe_method
+from shardserve.runtime.layers.weights import FLOAT_WEIGHT, PackedDims, load_features, shard_range
 from shardserve.runtime.parallel_state import get_parallel_state, tensor_parallel_all_reduce
 
-_EXPERT_WEIGHT = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
+_EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.(\w+)\.(\w+)$")
 
 
 def expert_weight(name: str, kinds: dict[str, str]) -> tuple[str, tuple[int, str]] | None:
-    """`<prefix>.experts.<e>.<proj>.weight` -> (`<prefix>.experts.w13` or `.w2`, (e, "w1"|"w3"|"w2")),
-    `kinds` naming the checkpoint's gate (w1), up (w3) and down (w2) projections; None otherwise."""
-    found = _EXPERT_WEIGHT.search(name)
+    """`<prefix>.experts.<e>.<proj>.<leaf>` -> (`<prefix>.experts.w13` or `.w2`, (e, "w1"|"w3"|"w2")),
+    `kinds` naming the checkpoint's gate (w1), up (w3) and down (w2) projections; None otherwise. A leaf
+    other than `weight` (qweight, scales, weight_scale_inv, ...) goes to `w13_<leaf>` or `w2_<leaf>`."""
+    found = _EXPERT_TENSOR.search(name)
     if not found or found.group(2) not in kinds:
         return None
-    kind = kinds[found.group(2)]
-    param = "w2" if kind == "w2" else "w13"
+    kind, leaf = kinds[found.group(2)], found.group(3)
+    param = ("w2" if kind == "w2" else "w13") + ("" if leaf == "weight" else f"_{leaf}")
     return f"{name[:found.start()]}.experts.{param}", (int(found.group(1)), kind)
 
 
@@ -43,7 +46,9 @@ def wrapped_moe_target(inner, name: str, kinds: dict[str, str]):
 
 class FusedMoE(nn.Module):
     """w13: [local_experts, 2 * intermediate_per_rank, hidden] (gate | up), w2: [local_experts, hidden,
-    intermediate_per_rank]. The checkpoint's per-expert w1/w3/w2 load via shard (expert, "w1"|"w3"|"w2").
+    intermediate_per_rank]; built inside `quantized_layers(config)`, the quantized method's parameters in
+    their place (fp8_moe.py, packed_int_moe.py), `packed_dims` saying where each keeps its features. The
+    checkpoint's per-expert w1/w3/w2 tensors load via shard (expert, "w1"|"w3"|"w2").
 
         tensor parallel:  every rank holds all experts, 1/tp of each one's intermediate features
         expert parallel:  rank r holds experts [r * E / tp, (r + 1) * E / tp) whole
@@ -60,30 +65,41 @@ class FusedMoE(nn.Module):
         else:
             self.first_expert, self.num_local_experts = 0, num_experts
             self.feature_rank, self.feature_ranks = state.tp_rank, state.tp_size
+        self.intermediate_size = intermediate_size
         self.intermediate = shard_range(intermediate_size, 0, self.feature_ranks)[1]
+        self.quant_method = current_moe_method()  # None: float experts
+        self.packed_dims: dict[str, PackedDims] = {}
+        if self.quant_method is not None:
+            self.quant_method.create_weights(self, self.num_local_experts, hidden_size, self.intermediate)
+            return
         self.w13 = nn.Parameter(torch.empty(self.num_local_experts, 2 * self.intermediate, hidden_size),
                                 requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, self.intermediate),
                                requires_grad=False)
+        self.packed_dims.update(w13=FLOAT_WEIGHT, w2=FLOAT_WEIGHT)
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard: tuple[int, str]) -> None:
+        """One expert's w1, w3 or w2 tensor (weight, or a quantized part: scales, zeros, ...): this rank's
+        features of it into the expert's slice of `param`, laid out per expert as a linear layer's."""
         expert, kind = shard
         local = expert - self.first_expert
         if not 0 <= local < self.num_local_experts:
             return  # another rank's expert: never read
-        if kind == "w2":  # [hidden, intermediate]: split the input dimension
-            start, size = shard_range(loaded.shape[1], self.feature_rank, self.feature_ranks)
-            copy_into(param.data[local], loaded.narrow(1, start, size))
-            return
-        start, size = shard_range(loaded.shape[0], self.feature_rank, self.feature_ranks)
-        offset = 0 if kind == "w1" else self.intermediate
-        copy_into(param.data[local].narrow(0, offset, size), loaded.narrow(0, start, size))
+        dims = self.packed_dims[next(n for n, p in self._parameters.items() if p is param)]
+        start, size = shard_range(self.intermediate_size, self.feature_rank, self.feature_ranks)
+        if kind == "w2":  # [hidden, intermediate]: split the input features
+            load_features(param.data[local], loaded, dims, in_range=(start, size))
+        else:  # [intermediate, hidden] into the gate or the up half of w13's outputs
+            offset = 0 if kind == "w1" else self.intermediate
+            load_features(param.data[local], loaded, dims, out_range=(offset, start, size))
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """hidden: [num_tokens, hidden_size], router_logits: [num_tokens, num_experts]. On CUDA the Triton
         kernel (no host sync: capturable); elsewhere the torch loop, which is also its reference."""
         weights, experts = self.route(router_logits)  # [num_tokens, top_k]
-        if hidden.is_cuda:
+        if hidden.is_cuda and self.quant_method is not None:
+            out = self.quant_method.apply(self, hidden, weights, experts)
+        elif hidden.is_cuda:
             from shardserve.runtime.layers.triton_moe import fused_moe  # triton is needed only on CUDA
             out = fused_moe(hidden, self.w13, self.w2, weights, experts, self.first_expert)
         else:
@@ -101,10 +117,18 @@ class FusedMoE(nn.Module):
                 continue  # another rank's expert adds its part there
             token_index, slot = torch.nonzero(experts == expert, as_tuple=True)
             x = hidden[token_index]
-            gate, up = F.linear(x, self.w13[local]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w2[local]) * weights[token_index, slot, None]
+            w13, w2 = self.expert_weights(local)
+            gate, up = F.linear(x, w13.to(x.dtype)).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, w2.to(x.dtype)) * weights[token_index, slot, None]
             out.index_add_(0, token_index, y)
         return out
+
+    def expert_weights(self, local: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """w13 [2 * intermediate_per_rank, hidden] and w2 [hidden, intermediate_per_rank] of this rank's
+        expert `local` as float matrices (quantized experts dequantized)."""
+        if self.quant_method is None:
+            return self.w13[local], self.w2[local]
+        return self.quant_method.expert_weights(self, local)
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Softmax over all experts, then the top k (renormalized to sum 1 when asked): float32

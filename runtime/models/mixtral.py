@@ -8,6 +8,7 @@ from torch import nn
 from shardserve.runtime.config import ModelConfig
 from shardserve.runtime.layers.linear import ReplicatedLinear
 from shardserve.runtime.layers.moe import FusedMoE, wrapped_moe_target
+from shardserve.runtime.layers.quantization.config import quantized_layers
 from shardserve.runtime.models.llama import LlamaForCausalLM, LlamaVariant
 from shardserve.runtime.models.weight_map import WeightTarget
 
@@ -17,7 +18,8 @@ _EXPERT_KINDS = {"w1": "w1", "w3": "w3", "w2": "w2"}
 class MixtralMoE(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.gate = ReplicatedLinear(config.hidden_size, config.num_local_experts, bias=False)
+        with quantized_layers(None):  # quantized checkpoints keep the router in float
+            self.gate = ReplicatedLinear(config.hidden_size, config.num_local_experts, bias=False)
         self.experts = FusedMoE(config.num_local_experts, config.num_experts_per_tok, config.hidden_size,
                                 config.intermediate_size)
 

@@ -9,6 +9,7 @@ from torch import nn
 from shardserve.runtime.config import ModelConfig
 from shardserve.runtime.layers.linear import ReplicatedLinear
 from shardserve.runtime.layers.moe import FusedMoE, wrapped_moe_target
+from shardserve.runtime.layers.quantization.config import quantized_layers
 from shardserve.runtime.models.llama import LlamaForCausalLM, LlamaMLP, LlamaVariant
 from shardserve.runtime.models.weight_map import WeightTarget
 
@@ -23,7 +24,8 @@ class QwenSparseMoeBlock(nn.Module):
 
     def __init__(self, config, has_shared_expert: bool):
         super().__init__()
-        self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, bias=False)
+        with quantized_layers(None):  # quantized checkpoints keep the routers in float
+            self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, bias=False)
         self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
                                 config.moe_intermediate_size,
                                 renormalize=bool(getattr(config, "norm_topk_prob", False)))
@@ -31,7 +33,8 @@ class QwenSparseMoeBlock(nn.Module):
         self.shared_expert_gate: ReplicatedLinear | None = None
         if has_shared_expert:
             self.shared_expert = LlamaMLP(config, config.shared_expert_intermediate_size)
-            self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1, bias=False)
+            with quantized_layers(None):
+                self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1, bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
         out = self.experts(hidden, self.gate(hidden))

@@ -120,3 +120,10 @@ def post(server: str, path: str, body: dict, headers: dict | None = AUTH) -> tup
     """(status, JSON body) of a POST with the test key."""
     status, text = http(f"{server}{path}", body, headers)
     return status, json.loads(text) if text else None
+
+
+def stream_chunks(server: str, path: str, body: dict, headers: dict | None = AUTH) -> list[dict]:
+    """The JSON chunks of a streamed POST (stream: true is added), [DONE] left out."""
+    status, text = http(f"{server}{path}", body | {"stream": True}, headers)
+    assert status == 200, text[:300]
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]

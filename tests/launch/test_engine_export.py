@@ -16,7 +16,7 @@ from shardserve.launch.demo import DEMO_MODEL_DIR
 from shardserve.launch.engine_export import HANDLED_SETTINGS, MOE_ARCHITECTURES, export_plan
 from shardserve.planner import load_model
 from shardserve.planner.catalog import model_catalog
-from shardserve.planner.plan_file import ParallelSection, RuntimeSection, ServiceSection
+from shardserve.planner.plan_file import ParallelSection, PlanFile, RuntimeSection, ServiceSection
 from shardserve.planner.served import ARCHITECTURES
 from tests.planner.factories import plan_for
 
@@ -196,6 +196,21 @@ def test_a_cpu_plan_and_a_path_that_needs_quoting(tmp_path):
         body = [line for line in text.splitlines() if not line.startswith("#")]
         assert all(line.endswith(" \\") for line in body[:-1]) and not body[-1].endswith("\\")
         assert len(body) == 1 + len(cmd.flags)  # one flag a line
+
+
+def test_a_hub_ids_revision_and_download_folder_travel_but_old_plans_read_as_before():
+    """The plan records them only when set (the token never); a plan without them reads and exports as before."""
+    plan = record(LLAMA_8B, "H100-80GB")
+    old = plan.to_dict()
+    assert "revision" not in old["model"] and "download_dir" not in old["model"]
+    assert PlanFile.from_dict(old, "old.yaml") == plan
+    pinned = dataclasses.replace(plan, model=dataclasses.replace(plan.model, revision="v1.1", download_dir="/m m"))
+    assert PlanFile.from_dict(pinned.to_dict(), "p.yaml").model.revision == "v1.1"
+    assert export_plan(pinned, "vllm").args[:7] == ["vllm", "serve", LLAMA_8B, "--revision", "v1.1",
+                                                    "--download-dir", "/m m"]
+    assert export_plan(pinned, "sglang").args[3:9] == ["--model-path", LLAMA_8B, "--revision", "v1.1",
+                                                       "--download-dir", "/m m"]
+    assert not {"--revision", "--download-dir"} & set(export_plan(plan, "vllm").options)
 
 
 def test_every_plan_setting_is_mapped_or_named(monkeypatch):

@@ -52,9 +52,14 @@ def test_not_a_plan(tmp_path):
         read_plan_file(str(bad))
 
 
-def test_catalog_id_without_weights_is_refused():
-    r = launch("--model", "meta-llama/Llama-3.1-8B")
-    assert r.returncode == 1 and "a catalog entry (a config, no weights)" in r.stderr
+def test_catalog_id_not_in_the_cache_is_a_hub_id_to_download(tmp_path):
+    """Offline here (HF_HUB_OFFLINE): the line says how to get it (tests/launch/test_hub_download.py downloads)."""
+    r = subprocess.run([sys.executable, "-m", "shardserve.launch", "launch", "--model", "Qwen/Qwen3-0.6B",
+                        "--max-model-len", "1024", "--port", "0"], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path)})
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "Qwen/Qwen3-0.6B is not in the Hugging Face cache" in r.stderr
+    assert "hf download Qwen/Qwen3-0.6B" in r.stderr
 
 
 def test_unknown_setting():

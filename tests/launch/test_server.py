@@ -305,6 +305,29 @@ def test_metrics_carry_vllms_names_types_labels_and_buckets(server, client):
     assert edges[:4] == ["0.001", "0.005", "0.01", "0.02"] and edges[-2:] == ["2560.0", "+Inf"], edges
 
 
+def test_metrics_count_the_tokens_of_every_engine_step(server, client):
+    """vllm:iteration_tokens_total: one observation per step, its tokens summed (prompt, then one a step)."""
+    names = ("vllm:iteration_tokens_total_count", "vllm:iteration_tokens_total_sum")
+
+    def settled() -> list[float]:  # the replica's stats arrive twice a second: read until two reads agree
+        now = [metric(server, name) for name in names]
+        while True:
+            time.sleep(0.7)
+            again = [metric(server, name) for name in names]
+            if again == now:
+                return now
+            now = again
+
+    before = settled()
+    prompt = client.completions.create(model=MODEL, prompt="Steps counted", max_tokens=5, temperature=0,
+                                       extra_body={"ignore_eos": True}).usage.prompt_tokens
+    assert [a - b for a, b in zip(settled(), before)] == [5, prompt + 4]  # a prefill, then 4 decode steps
+    text = http(f"{server}/metrics")[1]
+    edges = re.findall(r'^vllm:iteration_tokens_total_bucket\{engine="0",le="([^"]+)"', text, re.M)
+    assert edges == ["1.0", "8.0", "16.0", "32.0", "64.0", "128.0", "256.0", "512.0", "1024.0", "2048.0",
+                     "4096.0", "8192.0", "16384.0", "+Inf"], edges
+
+
 def test_metrics_time_the_queue_and_prefill_and_count_prefix_cache_hits(server, client):
     counts = {name: metric(server, name) for name in (
         "vllm:request_queue_time_seconds_count", "vllm:request_prefill_time_seconds_count",

@@ -24,24 +24,32 @@ DEMO = str(DEMO_MODEL_DIR)
 SMALL_POOL = 1 << 25  # 32 MiB: room for 3 requests of the demo's 2048 tokens
 # a value other than the default for each setting, valid for the demo model (4 layers) on CPU
 VALUES = {
-    "model": DEMO, "hardware": "2xcpu", "device": "cpu", "tensor_parallel_size": 2, "pipeline_parallel_size": 2,
+    "model": DEMO, "download_dir": "/tmp/hf-models", "revision": "v1", "hf_token": "hf_t",  # a folder ignores the three
+    "hardware": "2xcpu", "device": "cpu", "tensor_parallel_size": 2, "pipeline_parallel_size": 2,
     "data_parallel_size": 2, "distributed_executor_backend": "mp", "layer_split": (3, 1), "max_model_len": 512,
     "dtype": "bfloat16", "quantization": "fp8", "kv_cache_dtype": "fp8", "gpu_memory_utilization": 0.5, "kv_cache_memory_bytes": SMALL_POOL,
     "enable_expert_parallel": False,  # the default is None (the planner's choice); True needs a MoE model
     "block_size": 32, "max_num_seqs": 8, "max_num_batched_tokens": 1024, "enable_prefix_caching": False,
+    "load_format": "safetensors", "enable_chunked_prefill": True,  # the only value served (False is refused)
     "enforce_eager": True, "async_scheduling": True, "seed": 7, "chat_template": "{{ messages[0].content }}", "generation_config": "vllm",
+    "runner": "pooling", "pooling_type": "MEAN", "normalize": False,
     "skip_tokenizer_init": True, "target_concurrency": 3, "host": "127.0.0.2",
     "port": 8123, "served_model_name": "tiny", "max_queued_requests": 5, "allowed_origins": ["https://app.example"],
     "shutdown_timeout": 2.5, "max_request_body_bytes": 4096, "grammar_compile_timeout": 0.5,
     "trust_request_chat_template": True,
-    "tool_call_parser": "hermes", "enable_auto_tool_choice": True, "env": {"SHARDSERVE_T": "1"},
+    "max_logprobs": 64, "return_tokens_as_token_ids": True, "enable_force_include_usage": True,
+    "enable_prompt_tokens_details": True, "enable_tokenizer_info_endpoint": True, "enable_server_load_tracking": True,
+    "root_path": "/llm",
+    "tool_call_parser": "hermes", "enable_auto_tool_choice": True, "reasoning_parser": "qwen3",
+    "env": {"SHARDSERVE_T": "1"},
     "description": "a note",
     # the traffic and targets a plan is for (the demo on CPU meets these loose targets)
     "input_len": 300, "output_len": 100, "prefix_len": 50, "concurrency": 4.0, "request_rate": 2.0,
     "ttft_ms": 100000.0, "tpot_ms": 10000.0, "target_percentile": 90,
 }
 # settings that only make sense together (a split needs its stages)
-COMPANIONS = {"layer_split": {"pipeline_parallel_size": 2}, "distributed_executor_backend": {"tensor_parallel_size": 2},
+COMPANIONS = {"pooling_type": {"runner": "pooling"}, "normalize": {"runner": "pooling"},
+              "layer_split": {"pipeline_parallel_size": 2}, "distributed_executor_backend": {"tensor_parallel_size": 2},
               "ttft_ms": {"concurrency": 2.0}, "tpot_ms": {"request_rate": 1.0}}
 PLAN_READBACK = {
     "tensor_parallel_size": lambda p: p.parallel.tensor_parallel_size,
@@ -66,6 +74,9 @@ PLAN_READBACK = {
 }
 ENGINE_READBACK = {
     "model": lambda c: c.model.model, "device": lambda c: c.device,
+    # where a Hub id is looked up: kept beside the folder it resolved to (a folder ignores them)
+    "download_dir": lambda c: c.model.hub.download_dir, "revision": lambda c: c.model.hub.revision,
+    "hf_token": lambda c: c.model.hub.hf_token,
     "tensor_parallel_size": lambda c: c.parallel.tensor_parallel_size,
     "pipeline_parallel_size": lambda c: c.parallel.pipeline_parallel_size,
     "distributed_executor_backend": lambda c: c.parallel.distributed_executor_backend,
@@ -78,8 +89,12 @@ ENGINE_READBACK = {
     "max_num_seqs": lambda c: c.scheduler.max_num_seqs,
     "max_num_batched_tokens": lambda c: c.scheduler.max_num_batched_tokens,
     "enable_prefix_caching": lambda c: c.cache.enable_prefix_caching, "enforce_eager": lambda c: c.model.enforce_eager,
+    "load_format": lambda c: c.model.load_format,
+    "enable_chunked_prefill": lambda c: c.scheduler.enable_chunked_prefill,
     "async_scheduling": lambda c: c.scheduler.async_scheduling, "seed": lambda c: c.seed, "skip_tokenizer_init": lambda c: c.model.skip_tokenizer_init,
     "chat_template": lambda c: c.model.chat_template, "generation_config": lambda c: c.model.generation_config,
+    "runner": lambda c: c.model.runner, "pooling_type": lambda c: c.model.pooler.pooling_type,
+    "normalize": lambda c: c.model.pooler.normalize,
 }
 
 
@@ -201,7 +216,7 @@ def test_max_model_len_auto_is_the_longest_the_plans_kv_cache_holds():
     assert plan.runtime.max_model_len == plan.memory.num_blocks * plan.memory.block_size < 2048
     assert any(line.startswith(f"max_model_len auto: {plan.runtime.max_model_len}") for line in plan.rationale)
     bad = CliRunner().invoke(app, ["plan", "--model", DEMO, "--hardware", "cpu", "--max-model-len", "long"])
-    assert bad.exit_code != 0 and "'long' is not int or 'auto'" in bad.output
+    assert bad.exit_code != 0 and "max_model_len='long' must be a whole number" in bad.output
 
 
 @pytest.mark.parametrize("source", ["flags", "profile"])
@@ -222,7 +237,7 @@ def test_auto_is_the_only_word_max_model_len_takes():
     from shardserve.planner import PlanError, PlanOptions
 
     assert PlanOptions(max_model_len="auto").max_model_len == "auto"
-    with pytest.raises(SettingError, match="max_model_len='long' must be int or 'auto'"):
+    with pytest.raises(SettingError, match=r"max_model_len='long' must be a whole number .* or 'auto'"):
         PlanOptions(max_model_len="long")
     with pytest.raises(SettingError, match="max_model_len=0 must be at least 1"):
         PlanOptions(max_model_len=0)

@@ -48,7 +48,9 @@ def test_tool_choice_refusals_name_the_field():
         plan_tools(TOOLS, "auto", None, False)
     with pytest.raises(ValueError, match="not among the tools"):
         plan_tools(TOOLS, {"type": "function", "function": {"name": "nope"}}, None, False)
-    assert plan_tools(TOOLS, "none", None, False) is None and plan_tools([], "required", None, False) is None
+    assert plan_tools(TOOLS, "none", None, False) is None and plan_tools([], None, None, False) is None
+    with pytest.raises(ValueError, match="needs tools"):
+        plan_tools([], "required", None, False)
 
 
 @pytest.fixture(scope="module")

@@ -31,16 +31,20 @@ def test_sliding_window_models_plan_their_whole_context():
     assert plan.model.spec.sliding_window == 4096 and plan.settings.max_model_len == 32768
 
 
-def test_quantized_dense_models_are_served_and_quantized_moe_refused_by_name(tmp_path):
+def test_quantized_models_are_served_and_act_order_experts_refused_by_name(tmp_path):
     assert plan_for("Qwen/Qwen2.5-72B-Instruct-AWQ", "8xA100-80GB").model.spec.quantization.method == "awq"
+    assert plan_for("Qwen/Qwen3-30B-A3B-FP8", "H100").model.spec.quantization.block_shape == (128, 128)
     config = dict(model_catalog()["mistralai/Mixtral-8x7B-Instruct-v0.1"])
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}
     path = tmp_path / "mixtral-gptq"
     path.mkdir()
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(PlanError, match="MixtralForCausalLM is not served quantized \\(gptq\\); quantized "
-                                        "architectures: LlamaForCausalLM, "):
+    with pytest.raises(PlanError, match="gptq act-order \\(desc_act\\) experts are not served; quantized experts "
+                                        "served: awq, gptq without desc_act, fp8"):
         plan_for(str(path), "8xH100-80GB")
+    config["quantization_config"]["desc_act"] = False
+    (path / "config.json").write_text(json.dumps(config))
+    assert plan_for(str(path), "8xH100-80GB").model.spec.quantization.method == "gptq"
 
 
 def test_moe_families_are_served():

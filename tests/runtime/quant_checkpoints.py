@@ -140,3 +140,62 @@ def save_quantized(folder: str, family: str, fmt: str, num_layers: int = 2, seed
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
     return hf_model
+
+
+# quantized experts: GPTQ without act-order (act-order experts are refused), the rest as for dense layers
+MOE_FORMATS = {"awq": FORMATS["awq"],
+               "gptq4": {"quant_method": "gptq", "bits": 4, "group_size": 16, "desc_act": False, "sym": False},
+               "gptq8-sym": FORMATS["gptq8-sym"], "fp8-tensor": FORMATS["fp8-tensor"],
+               "fp8-channel": FORMATS["fp8-channel"], "fp8-block": FORMATS["fp8-block"]}
+EXPERT_LINEARS = ("w1", "w2", "w3")  # Mixtral's expert projections; Qwen's use LINEARS' names
+
+
+def pack_for(qc: dict):
+    return {"awq": awq_tensors, "gptq": gptq_tensors}.get(qc["quant_method"], fp8_tensors)
+
+
+def save_quantized_moe(folder: str, family: str, fmt: str, num_layers: int = 2, seed: int = 0):
+    """A random mixture-of-experts `family` model quantized as `fmt`, named as its releases name it on disk:
+    attention, each expert (`experts.<e>.w1.qweight`, ...) and the shared expert quantized, the routers
+    float. Returns transformers' model on the dequantized weights, loaded from a float copy beside it."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from tests.runtime.runtime_checkpoints import save_checkpoint
+
+    float_folder, dequantized_folder = folder + "-float", folder + "-dequantized"
+    save_checkpoint(float_folder, family, seed=seed, num_layers=num_layers)
+    qc, tensors, dequantized = MOE_FORMATS[fmt], {}, {}
+    torch.manual_seed(seed + 1)
+    for name, value in load_file(os.path.join(float_folder, "model.safetensors")).items():
+        module, _, leaf = name.rpartition(".")
+        if leaf == "weight" and ".layers." in name and module.rpartition(".")[2] in LINEARS + EXPERT_LINEARS:
+            packed, dequantized_value = pack_for(qc)(value, qc, module)
+            tensors.update({f"{module}.{k}": v.contiguous() for k, v in packed.items()})
+            dequantized[name] = dequantized_value.to(value.dtype).contiguous()
+        else:
+            tensors[name] = dequantized[name] = value
+    for target, weights in ((folder, tensors), (dequantized_folder, dequantized)):
+        os.makedirs(target, exist_ok=True)
+        for file in os.listdir(float_folder):
+            if not file.endswith(".safetensors"):
+                shutil.copy(os.path.join(float_folder, file), target)
+        save_file(weights, os.path.join(target, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config | {"quantization_config": qc}, f, indent=1)
+    return AutoModelForCausalLM.from_pretrained(dequantized_folder, dtype=torch.float32).eval()
+
+
+def save_quantized_experts(path: str, fmt: str, num_experts: int, hidden: int, inter: int, seed: int = 3):
+    """Per-expert w1/w3/w2 tensors packed as `fmt` in one safetensors file (names `<e>.<kind>.<leaf>`);
+    returns the dequantized float weights {(e, kind): [out, in]}."""
+    torch.manual_seed(seed)
+    qc, tensors, dequantized = MOE_FORMATS[fmt], {}, {}
+    for e in range(num_experts):
+        for kind, shape in (("w1", (inter, hidden)), ("w3", (inter, hidden)), ("w2", (hidden, inter))):
+            packed, dequantized[e, kind] = pack_for(qc)(torch.randn(*shape) * 0.2, qc, kind)
+            tensors.update({f"{e}.{kind}.{leaf}": v.contiguous() for leaf, v in packed.items()})
+    save_file(tensors, path)
+    return dequantized

@@ -1,6 +1,10 @@
-"""Factories for tiny random checkpoints (transformers' save_pretrained) and a tiny trained tokenizer."""
+"""Factories for tiny random checkpoints (transformers' save_pretrained) and a tiny trained tokenizer, and
+transformers' pooled hidden states on them (the embeddings' reference)."""
 
 from __future__ import annotations
+
+import json
+import os
 
 import torch
 
@@ -152,3 +156,44 @@ def bytes_per_block(folder: str, block_size: int) -> int:
     head_dim = getattr(c, "head_dim", None) or hidden // heads
     layers = getattr(c, "num_hidden_layers", None) or c.n_layer
     return 2 * block_size * kv_heads * head_dim * layers * 4
+
+
+def save_sentence_transformers_model(folder: str, mode: str, with_normalize: bool) -> None:
+    """Qwen3-Embedding's layout: the base model's weights (no `model.` prefix, no head) under a config.json
+    naming Qwen3ForCausalLM, with modules.json and 1_Pooling/config.json beside them."""
+    from transformers import AutoModel
+
+    torch.manual_seed(3)
+    config = family_config("qwen3")
+    config.tie_word_embeddings = True
+    AutoModel.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    build_tokenizer(folder)
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        saved = json.load(f)
+    with open(path, "w") as f:
+        json.dump(saved | {"architectures": ["Qwen3ForCausalLM"]}, f)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if with_normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    with open(os.path.join(folder, "modules.json"), "w") as f:
+        json.dump(modules, f)
+    os.makedirs(os.path.join(folder, "1_Pooling"))
+    with open(os.path.join(folder, "1_Pooling", "config.json"), "w") as f:
+        json.dump({"word_embedding_dimension": 64, "pooling_mode_cls_token": False,
+                   "pooling_mode_mean_tokens": mode == "mean", "pooling_mode_lasttoken": mode == "lasttoken"}, f)
+
+
+def pooled_reference(folder: str, prompts: list[list[int]], pooling_type: str, normalize: bool = True) -> torch.Tensor:
+    """transformers' base model (AutoModel) on each prompt alone: its last hidden state, pooled."""
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+    rows = []
+    with torch.no_grad():
+        for prompt in prompts:
+            hidden = model(torch.tensor([prompt])).last_hidden_state[0]  # [num_tokens, hidden_size]
+            rows.append({"LAST": hidden[-1], "MEAN": hidden.mean(dim=0), "CLS": hidden[0]}[pooling_type])
+    pooled = torch.stack(rows)
+    return torch.nn.functional.normalize(pooled, dim=-1) if normalize else pooled

@@ -34,6 +34,22 @@ def test_each_kind_of_grammar_is_obeyed_beside_free_samples():
         llm.generate("x", constrained("regex", "([0-9"))
 
 
+def test_a_grammar_starting_after_given_tokens_leaves_the_output_free_until_them():
+    """A reasoning model's grammar applies after its "</think>": here, after the token greedy decoding
+    samples third, so the first three tokens are the free run's and the rest obey the choice."""
+    llm = LLM(DEMO, kv_cache_memory_bytes=1 << 25)
+    free = llm.generate("The list", SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].token_ids
+    end = free[2]
+    assert end not in free[:2], "control: the marker token comes first at the third place"
+    choice = StructuredOutputs("choice", ("left", "right"), starts_after=(end,))
+    out = llm.generate("The list", SamplingParams(temperature=0, max_tokens=16, structured_outputs=choice))[0]
+    assert list(out.outputs[0].token_ids[:3]) == list(free[:3])
+    tail = llm.get_tokenizer().decode(out.outputs[0].token_ids[3:], skip_special_tokens=True)
+    assert tail in ("left", "right"), tail
+    with pytest.raises(ValueError, match="starts_after"):
+        StructuredOutputs("choice", ("a",), starts_after=())
+
+
 def test_a_preempted_sample_resumes_inside_its_grammar():
     """A pool of 5 blocks of 16 for 6 samples of ~30 tokens each forces preemption and recompute:
     each matcher lives with its request in the engine, so a recomputed sample resumes where it was."""

@@ -21,7 +21,7 @@ from triton.compiler import compile as triton_compile
 from shardserve.runtime.attention import triton_decode, triton_prefill, triton_rotary_kv
 from shardserve.runtime.attention import triton_kernels as kernels
 from shardserve.runtime.layers import triton_activation, triton_moe, triton_norm
-from shardserve.runtime.layers.quantization import triton_packed_int
+from shardserve.runtime.layers.quantization import triton_packed_int, triton_quant_moe
 
 INDEX = {"query_start_ptr": "*i32", "seq_lens_ptr": "*i32", "tables_ptr": "*i32", "table_stride": "i32",
          "scale": "fp32", "num_heads": "i32", "num_kv_heads": "i32", "head_dim": "i32", "block_size": "i32",
@@ -124,6 +124,31 @@ def compile_moe(dtype: str, is_fp32: bool) -> None:
                        {"x_ptr": dtype, "w2_ptr": dtype, "weights_ptr": "*fp32", "out_ptr": dtype, **index}, blocks)
 
 
+def compile_quant_moe(dtype: str, is_fp32: bool) -> None:
+    """The quantized expert GEMMs at the tiles and warps they launch with (decode-sized blocks and 64-row
+    ones): fp8 (per-tensor, per-channel and block scales share one kernel), AWQ int4, GPTQ int4 and int8;
+    in bf16 no spills, and wgmma at 64 rows."""
+    index = {"out_ptr": dtype, "sorted_pairs_ptr": "*i32", "block_experts_ptr": "*i32", "num_pairs": "i32",
+             "num_experts": "i32", "intermediate": "i32", "hidden_size": "i32", "stride_xm": "i32",
+             "stride_om": "i32", "stride_we": "i32", "stride_wr": "i32", "stride_se": "i32", "stride_sr": "i32",
+             "stride_ze": "i32", "stride_zr": "i32", "group_n": "i32", "group_k": "i32", "zero_offset": "i32"}
+    q = triton_quant_moe
+    for fmt, bits, weight, scale, zeros in ((q.FP8, 8, "*fp8e4nv", "*fp32", "*fp32"), (q.AWQ, 4, "*i32", dtype, "*i32"),
+                                            (q.GPTQ, 4, "*i32", dtype, "*i32"), (q.GPTQ, 8, "*i32", dtype, "*i32")):
+        matrix = {"x_ptr": dtype, "w_ptr": weight, "s_ptr": scale, "z_ptr": zeros, **index}
+        for num_pairs in (1, 4096):
+            block_m, block_n, block_k = q.quantized_block_sizes(num_pairs, 8, is_fp32)
+            blocks = {"FORMAT": fmt, "BITS": bits, "IS_FP32": is_fp32, "BLOCK_M": block_m, "BLOCK_N": block_n,
+                      "BLOCK_K": block_k}
+            kernels = [compile_kernel(q._quant_moe_gate_up_kernel, {**matrix, "top_k": "i32"}, blocks,
+                                      num_warps=q.NUM_WARPS),
+                       compile_kernel(q._quant_moe_down_kernel, {**matrix, "weights_ptr": "*fp32"}, blocks,
+                                      num_warps=q.NUM_WARPS)]
+            for name, kernel in zip(("gate-up", "down"), kernels) if not is_fp32 else ():
+                require_fast(kernel, f"quantized MoE {name} format {fmt} int{bits} BLOCK_M {block_m}",
+                             wgmma=block_m == 64)
+
+
 def main() -> None:
     for dtype, is_fp32 in (("*bf16", False), ("*fp32", True)):
         for cache in (dtype, "*fp8e4nv", "*fp8e5"):
@@ -132,6 +157,7 @@ def main() -> None:
         compile_kernel(triton_activation._silu_and_mul_kernel,
                        {"x_ptr": dtype, "out_ptr": dtype, "x_stride": "i64", "size": "i32"}, {"BLOCK": 1024})
         compile_moe(dtype, is_fp32)
+        compile_quant_moe(dtype, is_fp32)
         for has_residual in (False, True):
             compile_kernel(triton_norm._rms_norm_kernel,
                            {"x_ptr": dtype, "residual_ptr": dtype, "weight_ptr": dtype, "out_ptr": dtype,

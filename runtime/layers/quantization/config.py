@@ -55,8 +55,9 @@ def _parse(qc: dict, fmt: str) -> QuantConfig:
             raise ValueError(f"awq {version} with {spec.bits} bits (zero_point={qc.get('zero_point', True)}) is "
                              "not served: 4-bit GEMM layout with zero points")
         return QuantConfig(fmt, spec)
-    if fmt == "fp8":
-        return QuantConfig(fmt, spec, fp8_strategy="block" if spec.block_shape else "tensor")
+    if fmt == "fp8":  # AutoFP8's static activation scheme ships input_scale tensors (read, unused)
+        return QuantConfig(fmt, spec, fp8_strategy="block" if spec.block_shape else "tensor",
+                           has_input_scale=str(qc.get("activation_scheme", "dynamic")).lower() == "static")
     weights = compressed_tensors_weights(qc)
     inputs = next(iter(qc["config_groups"].values())).get("input_activations") or {}
     return QuantConfig(fmt, spec, fp8_strategy=weights["strategy"],
@@ -88,13 +89,27 @@ def current_linear_method():
     return PackedIntLinearMethod(config)
 
 
+def current_moe_method():
+    """The quantized method for routed experts (FusedMoE) being built now, or None (float experts)."""
+    config = _BUILDING.get()
+    if config is None:
+        return None
+    if config.method == "fp8":
+        from shardserve.runtime.layers.quantization.fp8_moe import Fp8MoEMethod
+        return Fp8MoEMethod(config)
+    from shardserve.runtime.layers.quantization.packed_int_moe import PackedIntMoEMethod
+    return PackedIntMoEMethod(config)
+
 
 def check_quantized_layout(model_config) -> None:
     """Refuse a quantized checkpoint of an architecture the quantized layers cannot build, before loading
     (how its groups split over ranks is the planner's rule 4, checked with the layout)."""
-    from shardserve.planner.served import quantizable_architectures
+    from shardserve.planner.served import ACT_ORDER_EXPERTS, ARCHITECTURES, quantizable_architectures
 
     quant = model_config.quantization
     if quant is not None and model_config.architecture not in quantizable_architectures():
         raise ValueError(f"{model_config.architecture} is not served quantized ({quant.format}); quantized "
                          f"architectures: {', '.join(quantizable_architectures())}")
+    served = ARCHITECTURES.get(model_config.architecture)
+    if quant is not None and quant.desc_act and served is not None and served.has_experts:
+        raise ValueError(f"{model_config.architecture}: {ACT_ORDER_EXPERTS}")

@@ -39,6 +39,17 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order: tuple[int, ..
     return values.reshape(shape)
 
 
+def dequantize_packed(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_index: torch.Tensor,
+                      bits: int, is_awq: bool, zero_offset: int) -> torch.Tensor:
+    """W [out, in] in the dtype of `scales` from one matrix in the layouts above; group_index [in]: the
+    scale group of each input row."""
+    order = AWQ_ORDER if is_awq else None
+    q = unpack_int32(qweight, bits, 1 if is_awq else 0, order)  # [in, out]
+    zeros = unpack_int32(qzeros, bits, 1, order) + zero_offset  # [G, out]
+    groups = group_index.long()
+    return ((q - zeros[groups]).to(scales.dtype) * scales[groups]).t()
+
+
 def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
     inverse = [0] * len(order)
     for nibble, column in enumerate(order):
@@ -106,12 +117,8 @@ class PackedIntLinearMethod:
 
     def dequantize(self, layer: PackedIntLayer) -> torch.Tensor:
         """The float weight [out, in] of this rank."""
-        order = AWQ_ORDER if self.is_awq else None
-        q = unpack_int32(layer.qweight, self.bits, 1 if self.is_awq else 0, order)  # [in, out]
-        zeros = unpack_int32(layer.qzeros, self.bits, 1, order) + self.config.zero_offset  # [G, out]
-        groups = layer.group_index.long()
-        weight = (q - zeros[groups]).to(layer.scales.dtype) * layer.scales[groups]
-        return weight.t()
+        return dequantize_packed(layer.qweight, layer.qzeros, layer.scales, layer.group_index, self.bits,
+                                 self.is_awq, self.config.zero_offset)
 
     def apply(self, layer: PackedIntLayer, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
