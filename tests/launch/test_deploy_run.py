@@ -278,7 +278,10 @@ def sbatch_env(script: str, job_id: str, submit_dir: Path) -> dict[str, str]:
             "SLURM_NTASKS": asked["nodes"], "SLURM_SUBMIT_DIR": str(submit_dir), "SLURM_SUBMIT_HOST": NODES[0]}
 
 
-def test_sbatch_serves_across_two_nodes_and_scancel_stops_the_job(hosts, plan_and_expected, tmp_path):
+@pytest.mark.parametrize("ending", ["scancel", "a lost node"])
+def test_sbatch_serves_across_two_nodes_then_ends_cleanly(hosts, plan_and_expected, tmp_path, ending):
+    """scancel: every process stops within Slurm's kill wait, nothing left on the nodes' disks; a lost node
+    (node2 gone): the server notices, and the job fails as the other multi-node tests expect."""
     a, b = hosts
     plan, cache, expected = plan_and_expected
     sbatch = deploy(plan, cache, tmp_path / "out", "--target", "slurm")
@@ -301,6 +304,13 @@ def test_sbatch_serves_across_two_nodes_and_scancel_stops_the_job(hosts, plan_an
         complete(b, f"http://{NODES[0]}:8000", expected)  # a client elsewhere, by the first node's name
         assert (own_tmp[NODES[0]] / f"shardserve-{job_id}" / "plan.yaml").is_file()
 
+        if ending == "a lost node":
+            b.kill_all()  # node2 is gone: its job step, its Ray node, its rank
+            lost = time.monotonic()
+            batch.wait(timeout=90)
+            assert time.monotonic() - lost < 60, "the lost node was noticed too late"
+            assert batch.returncode != 0 and "engine died" in log.read_text(), log.read_text()[-3000:]
+            return
         for host in hosts:  # scancel
             host.signal_all(signal.SIGTERM)
         stopped = [host.wait_empty(KILL_WAIT_SECONDS) for host in hosts]
