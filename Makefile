@@ -37,7 +37,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-# Lint, then the whole suite, as CI runs it (about 17 minutes on two CPU cores: 1,228 tests on a fresh clone).
+# Lint, then the whole suite, as CI runs it (about 25 minutes on two CPU cores: 1,697 tests on a fresh clone).
 test: lint
 	$(PY) -m pytest -q
 
@@ -50,7 +50,7 @@ lint: $(STAMP)
 	@for p in planner runtime launch; do ln -sfn ../../../$$p build/mypy-path/shardserve/$$p; done
 	$(PY) -m mypy
 
-# Everything but the end-to-end tests marked slow (about 4.5 minutes): while editing.
+# Everything but the end-to-end tests marked slow: while editing.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
