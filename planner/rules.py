@@ -106,12 +106,15 @@ def tensor_parallel_problem(spec: ModelSpec, tp: int, expert_parallel: bool = Fa
     q = spec.quantization
     shared = spec.shared_expert_intermediate_size or 0  # Qwen2-MoE's shared expert: split like a dense MLP
     if q and q.group_size:
-        # row-parallel layers split their input features: each rank needs whole groups
+        # row-parallel layers split their input features: each rank needs whole groups, or, under act-order
+        # (every rank keeps all groups, found through g_idx), whole int32 words of packed rows
+        unit, what = ((32 // q.bits, f"act-order: {q.bits}-bit words of {32 // q.bits} rows do not divide")
+                      if q.has_act_order else (q.group_size, f"group_size {q.group_size} does not divide"))
         for name, features in (("intermediate size", inter), ("attention width", heads * spec.head_dim),
                                ("shared expert intermediate size", shared)):
-            if (features // tp) % q.group_size:
-                return (f"{q.method} group_size {q.group_size} does not divide the {name} per "
-                        f"rank ({features} / {tp} = {features // tp})")
+            if (features // tp) % unit:
+                return (f"{q.method} {what} the {name} per rank "
+                        f"({features} / {tp} = {features // tp})")
     if q and q.block_shape:
         block_out, block_in = q.block_shape
         for name, features in (("intermediate size", inter), ("shared expert intermediate size", shared)):

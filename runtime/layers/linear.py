@@ -32,6 +32,7 @@ class LinearBase(nn.Module):
         state = get_parallel_state()
         self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
         self.quant_method = current_linear_method()  # None: float weights
+        self.output_size_per_rank = output_size
         self.packed_dims: dict[str, PackedDims] = {}
         if self.quant_method is None:
             self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
@@ -54,10 +55,18 @@ class LinearBase(nn.Module):
         y = self.quant_method.apply(self, x)
         return y if self.bias is None else y + self.bias
 
+    def output_parts(self, output_size: int) -> list[tuple[int, int]]:
+        """(offset, size) of each merged matrix in this rank's output features."""
+        return [(0, output_size)]
+
     def load(self, param: nn.Parameter, loaded: CheckpointTensor, out_range: tuple[int, int, int] | None = None,
              in_range: tuple[int, int] | None = None) -> None:
         name = next(n for n, p in self._parameters.items() if p is param)
-        load_features(param.data, loaded, self.packed_dims[name], out_range, in_range)
+        dims, target = self.packed_dims[name], param.data
+        if dims.is_per_part:  # the part starting at out_range's offset gets its own row
+            offsets = [offset for offset, _ in self.output_parts(self.output_size_per_rank)]
+            target = target[offsets.index(out_range[0] if out_range else 0)]
+        load_features(target, loaded, dims, out_range, in_range)
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, *shard) -> None:
         """Copy this rank's shard of `loaded` into `param`; each subclass knows its split."""
@@ -99,6 +108,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(output_sizes), bias, dtype=dtype)
 
+    def output_parts(self, output_size: int) -> list[tuple[int, int]]:
+        return [(sum(self.output_sizes[:i]) // self.tp_size, size // self.tp_size)
+                for i, size in enumerate(self.output_sizes)]
+
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_index: int | None = None) -> None:
         indices = range(len(self.output_sizes)) if shard_index is None else [shard_index]
         for index in indices:  # all of them when already fused in the checkpoint
@@ -127,6 +140,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.kv_replicas = max(1, tp_size // num_kv_heads)
         output = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
         super().__init__(hidden_size, output, bias, dtype=dtype)
+
+    def output_parts(self, output_size: int) -> list[tuple[int, int]]:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return [(0, q_size), (q_size, kv_size), (q_size + kv_size, kv_size)]
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: str | None = None) -> None:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim

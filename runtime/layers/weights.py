@@ -42,6 +42,7 @@ class PackedDims:
     output_per_element: int = 1
     input_per_element: int = 1
     is_broadcast: bool = False  # a one-element checkpoint tensor fills the output range (per-tensor scale)
+    is_per_part: bool = False  # a leading axis of the merged parts (q, k, v): each part's checkpoint tensor whole
 
 
 FLOAT_WEIGHT = PackedDims()

@@ -89,6 +89,12 @@ def test_rule4_quantization_group_must_divide_the_rank_share():
     assert tensor_parallel_problem(spec, 2) is None  # 1152 = 9 groups per rank
     assert "gptq group_size 128 does not divide the intermediate size per rank (2304 / 4 = " \
         "576)" in tensor_parallel_problem(spec, 4)
+    # act-order: every rank keeps all groups (found through g_idx), so only whole packed words matter
+    act_order = _spec(intermediate_size=2304, quantization_config={**gptq, "desc_act": True})
+    assert tensor_parallel_problem(act_order, 4) is None
+    assert tensor_parallel_problem(_spec(intermediate_size=2312, quantization_config={**gptq, "desc_act": True}),
+                                   2) == ("gptq act-order: 4-bit words of 8 rows do not divide the intermediate "
+                                          "size per rank (2312 / 2 = 1156)")
     # the AWQ release of Qwen2.5-72B pads its intermediate size so that tp 8 keeps groups whole
     assert tensor_parallel_problem(load_model("Qwen/Qwen2.5-72B-Instruct-AWQ").spec, 8) is None
 

@@ -13,13 +13,17 @@ from safetensors.torch import save_file
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
            "qkv_proj", "gate_up_proj")  # Phi-3 ships the last two fused
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ: nibble j of an int32 holds column AWQ_ORDER[j] of its 8
-FP8_MAX = 448.0
-SHARED_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}  # largest float8_e4m3fn
+FP8_MAX = 448.0  # largest float8_e4m3fn
+# projections of one input share an act-order permutation, as GPTQ's shared Hessian gives them ...
+SHARED_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+PER_PROJECTION_ORDER = {"gptq4-act-order-g32"}  # ... except in these formats: the format allows one each
 
 # name -> quantization_config written to config.json
 FORMATS = {
     "awq": {"quant_method": "awq", "bits": 4, "group_size": 16, "zero_point": True, "version": "gemm"},
     "gptq4-act-order": {"quant_method": "gptq", "bits": 4, "group_size": 16, "desc_act": True, "sym": False},
+    # groups of 32, and q, k, v (gate, up) each with its own permutation (PER_PROJECTION_ORDER)
+    "gptq4-act-order-g32": {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": False},
     "gptq8-sym": {"quant_method": "gptq", "bits": 8, "group_size": 16, "desc_act": False, "sym": True},
     "fp8-tensor": {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
         "group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "tensor"},
@@ -123,7 +127,8 @@ def save_quantized(folder: str, family: str, fmt: str, num_layers: int = 2, seed
         module, _, leaf = name.rpartition(".")
         if leaf == "weight" and module.rpartition(".")[2] in LINEARS:
             parent, proj = module.rsplit(".", 1)
-            packed, dequantized = pack(value, qc, parent + SHARED_INPUT.get(proj, proj))
+            shared = proj if fmt in PER_PROJECTION_ORDER else SHARED_INPUT.get(proj, proj)
+            packed, dequantized = pack(value, qc, parent + shared)
             tensors.update({f"{module}.{k}": v.contiguous() for k, v in packed.items()})
             state[name] = dequantized.to(value.dtype)
         elif not (name == "lm_head.weight" and hf_model.config.tie_word_embeddings):

@@ -66,7 +66,8 @@ def test_greedy_matches_dequantized_transformers(family, fmt, quantized):
 PARALLEL = [("llama3", "awq", 2, 1), ("qwen2", "gptq4-act-order", 2, 1), ("llama3", "gptq8-sym", 2, 1),
             ("qwen2", "fp8-tensor", 2, 1), ("llama3", "fp8-channel", 2, 1), ("qwen2", "fp8-block", 2, 1),
             ("qwen2", "awq", 1, 2), ("llama3", "gptq4-act-order", 1, 2), ("qwen2", "fp8-channel", 1, 2),
-            ("phi3", "awq", 2, 1), ("phi3", "gptq4-act-order", 2, 1), ("phi3", "fp8-block", 2, 1)]  # fused, cut per rank
+            ("phi3", "awq", 2, 1), ("phi3", "gptq4-act-order", 2, 1), ("phi3", "fp8-block", 2, 1),  # fused, cut per rank
+            ("llama3", "gptq4-act-order-g32", 2, 1), ("qwen2", "gptq4-act-order-g32", 1, 2)]  # g32: 96 / 2 = 48
 
 
 @pytest.mark.slow

@@ -5,7 +5,8 @@ Layouts (in, out: this rank's features; G: scale groups; p = 32 / bits values pe
 
     GPTQ  qweight [in / p, out]   packed along the input, value i of an int32 at bits [i*b, i*b + b)
           qzeros  [G, out / p]    packed along the output; the classic format stores zero - 1
-          scales  [G, out]        g_idx [in]: the group of each input row (act-order permutes them)
+          scales  [G, out]        g_idx [in]: the group of each input row (act-order permutes them;
+                                  q, k and v, or gate and up, may each have their own: one row per part)
     AWQ   qweight [in, out / 8]   packed along the output in AWQ's order: nibble j holds column
           qzeros  [G, out / 8]    AWQ_ORDER[j] of its 8, so nibble 0,1,2,... = column 0,2,4,6,1,3,5,7
           scales  [G, out]
@@ -64,9 +65,11 @@ class PackedIntLayer(Protocol):
     qweight: torch.Tensor
     qzeros: torch.Tensor
     scales: torch.Tensor
-    g_idx: torch.Tensor  # GPTQ
-    group_index: torch.Tensor  # [in] int32
+    g_idx: torch.Tensor  # GPTQ: [parts, in]
+    group_index: torch.Tensor  # [in] int32, or [parts, in] when the merged parts' act-order groups differ
     packed_dims: dict[str, PackedDims]
+
+    def output_parts(self, output_size: int) -> list[tuple[int, int]]: ...
 
     def register_parameter(self, name: str, param: nn.Parameter | None) -> None: ...
     def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None: ...
@@ -89,8 +92,9 @@ class PackedIntLinearMethod:
         group_dims = (None, 1) if has_all_groups else (0, group)  # (input_dim, input_per_element)
         pack, int32 = self.pack, torch.int32
         if self.config.format == "gptq":
+            parts = len(layer.output_parts(output_size))
             shapes = {"qweight": ((input_size // pack, output_size), PackedDims(1, 0, 1, pack)),
-                      "g_idx": ((input_size,), PackedDims(None, 0))}
+                      "g_idx": ((parts, input_size), PackedDims(None, 0, is_per_part=True))}
         else:
             shapes = {"qweight": ((input_size, output_size // pack), PackedDims(1, 0, pack, 1))}
         shapes["qzeros"] = ((num_groups, output_size // pack), PackedDims(1, group_dims[0], pack, group_dims[1]))
@@ -102,10 +106,12 @@ class PackedIntLinearMethod:
         layer.packed_dims["scales"] = PackedDims(1, group_dims[0], 1, group_dims[1])
 
     def process_after_loading(self, layer: PackedIntLayer) -> None:
-        """group_index [in]: the scale group of each input row of this rank (act-order: g_idx)."""
+        """group_index [in]: the scale group of each input row of this rank (act-order: g_idx, one row per
+        merged part when the parts' permutations differ)."""
         num_in = layer.qweight.shape[0] * (1 if self.is_awq else self.pack)
         if self.config.format == "gptq" and self.config.desc_act:
-            groups = layer.g_idx.data.clone()
+            rows = layer.g_idx.data
+            groups = rows[0].clone() if bool((rows == rows[0]).all()) else rows.clone()
         else:
             per_group = max(1, num_in // layer.scales.shape[0])
             groups = torch.arange(num_in, dtype=torch.int32, device=layer.qweight.device) // per_group
@@ -115,14 +121,35 @@ class PackedIntLinearMethod:
     def is_awq(self) -> bool:
         return self.config.format == "awq"
 
+    def part_slices(self, layer: PackedIntLayer) -> list[tuple[slice, torch.Tensor]]:
+        """(output columns, group index) of each run of columns sharing one group index: the whole layer,
+        or each merged part whose act-order permutation differs from the others'."""
+        if layer.group_index.dim() == 1:
+            return [(slice(None), layer.group_index)]
+        parts = layer.output_parts(layer.scales.shape[1])
+        return [(slice(offset, offset + size), groups) for (offset, size), groups in zip(parts, layer.group_index)]
+
     def dequantize(self, layer: PackedIntLayer) -> torch.Tensor:
         """The float weight [out, in] of this rank."""
-        return dequantize_packed(layer.qweight, layer.qzeros, layer.scales, layer.group_index, self.bits,
-                                 self.is_awq, self.config.zero_offset)
+        return torch.cat([dequantize_packed(*self._columns(layer, columns), groups, self.bits, self.is_awq,
+                                            self.config.zero_offset)
+                          for columns, groups in self.part_slices(layer)])
 
     def apply(self, layer: PackedIntLayer, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
-            from shardserve.runtime.layers.quantization.triton_packed_int import packed_int_matmul
-            return packed_int_matmul(x, layer.qweight, layer.qzeros, layer.scales, layer.group_index, self.bits,
-                                     self.is_awq, self.config.zero_offset)
+            return self.kernel_matmul(layer, x)
         return F.linear(x, self.dequantize(layer).to(x.dtype))
+
+    def kernel_matmul(self, layer: PackedIntLayer, x: torch.Tensor) -> torch.Tensor:
+        """x W^T by the Triton GEMM, a launch per run of columns sharing a group index."""
+        from shardserve.runtime.layers.quantization.triton_packed_int import packed_int_matmul
+        outputs = [packed_int_matmul(x, *self._columns(layer, columns), groups, self.bits, self.is_awq,
+                                     self.config.zero_offset) for columns, groups in self.part_slices(layer)]
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+
+    def _columns(self, layer: PackedIntLayer, columns: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qweight, qzeros and scales of output columns `columns` (GPTQ: whole int32 words of zeros)."""
+        if columns == slice(None):
+            return layer.qweight, layer.qzeros, layer.scales
+        words = slice(columns.start // self.pack, columns.stop // self.pack)
+        return layer.qweight[:, columns], layer.qzeros[:, words], layer.scales[:, columns]
