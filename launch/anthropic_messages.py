@@ -15,6 +15,7 @@ from shardserve.launch.anthropic_stream import message_events
 from shardserve.launch.api_error import APIError
 from shardserve.launch.metrics import ServerMetrics
 from shardserve.launch.openai_serving import OpenAIServing, PreparedRequest
+from shardserve.launch.prefix_router import session_key
 
 MESSAGES_PATH = "/v1/messages"
 # chat's names for what the Messages request calls otherwise, for the errors the chat path raises
@@ -35,7 +36,8 @@ def add_messages_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMet
         except APIError as e:
             raise in_messages_terms(e) from None
         # a Message's stream ends with its usage
-        prepared = dataclasses.replace(prepared, options=dataclasses.replace(prepared.options, include_usage=True))
+        prepared = dataclasses.replace(prepared, options=dataclasses.replace(prepared.options, include_usage=True),
+                                       session=session_key(request.headers, (body.metadata or {}).get("user_id")))
         head, stops = message_head(prepared), tuple(body.stop_sequences or ())
         if body.stream:
             return _streaming(message_events(serving.stream(prepared), head, prepared.num_prompt_tokens, stops),

@@ -20,6 +20,7 @@ from shardserve.launch.chat_batch import add_chat_batch_routes
 from shardserve.launch.embeddings import add_embedding_routes
 from shardserve.launch.metrics import ServerMetrics
 from shardserve.launch.openai_serving import OpenAIServing, PreparedRequest
+from shardserve.launch.prefix_router import session_key
 from shardserve.launch.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from shardserve.launch.replicas import ReplicaSet
 from shardserve.launch.response_format import ErrorEvent
@@ -125,6 +126,8 @@ def _add_info_routes(app: FastAPI, replicas: ReplicaSet, serving: OpenAIServing)
 
 def _add_generation_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics) -> None:
     async def respond(prepared: PreparedRequest, body, request: Request):
+        extra = body.model_extra or {}
+        prepared.session = session_key(request.headers, extra.get("prompt_cache_key"), extra.get("user"))
         await serving.compile_grammar(prepared)  # a 400 comes before any stream starts
         if body.stream:
             return _streaming(serving.stream(prepared), metrics)

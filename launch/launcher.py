@@ -303,7 +303,8 @@ def serve_once(config: DeployConfig, plan: PlanFile, listener: socket.socket, ap
     info = engines[0].kv_cache_info
     compare_kv(plan, info)
 
-    replicas = ReplicaSet(engines, plan_check=PlanCheck(Prediction.from_plan(plan), for_traffic=expected))
+    replicas = ReplicaSet(engines, plan_check=PlanCheck(Prediction.from_plan(plan), for_traffic=expected),
+                          routing_policy=setting(config, "routing_policy"))
     metrics = ServerMetrics(name, replicas.stats, replicas.max_model_len)
     replicas.metrics = metrics
     limit = config.max_queued_requests or 4 * setting(config, "max_num_seqs") * len(engines)

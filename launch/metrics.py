@@ -111,6 +111,9 @@ class ServerMetrics:
             ("queue", "request_queue_time_seconds", "time a sample waited before its first step"),
             ("prefill", "request_prefill_time_seconds", "time from a sample's first step to its first token"),
             ("decode", "request_decode_time_seconds", "time from a request's first token to its last"))}
+        self.routed = Counter("shardserve_routed_prompts", "Prompts given to each replica, by why it was chosen: "
+                              "prefix (it held the longest cached prefix), session (the conversation's replica) "
+                              "or least_loaded.", [*LABELS, "reason"], registry=self.registry)
         self.registry.register(EngineCollector(model, stats))
 
     def outcome(self, outcome: str) -> None:

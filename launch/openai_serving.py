@@ -161,8 +161,8 @@ class OpenAIServing:
 
         async def pump(prompt_index: int, prompt: ProcessedPrompt) -> None:
             try:
-                async for delta in self.replicas.generate(prompt, request.params,
-                                                          request.prompt_id(prompt_index)):
+                async for delta in self.replicas.generate(prompt, request.params, request.prompt_id(prompt_index),
+                                                          request.session):
                     queue.put_nowait((prompt_index, delta))
             except BaseException as e:  # noqa: BLE001 - handed to the consumer
                 queue.put_nowait(e)

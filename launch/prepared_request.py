@@ -42,6 +42,7 @@ class PreparedRequest:
     role: str = "assistant"  # a chat reply's role
     echo_message: str = ""  # chat's echo: the reply starts with the last message's content
     options: ResponseOptions = field(default_factory=ResponseOptions)
+    session: str | None = None  # the conversation's key for routing (x-session-id header, or the user field)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def prompt_id(self, prompt_index: int) -> str:

@@ -1,4 +1,4 @@
-"""Engine replicas behind one server: least-loaded routing, liveness and per-prompt metrics."""
+"""Engine replicas behind one server: routing (launch/prefix_router.py), liveness and per-prompt metrics."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from shardserve.launch.engine_client import EngineClient
 from shardserve.launch.metrics import PromptTimer, ServerMetrics
 from shardserve.launch.plan_check import FinishedRequest, PlanCheck
+from shardserve.launch.prefix_router import CACHE_AWARE, PrefixRouter, Route
 from shardserve.launch.protocol import shutting_down
 from shardserve.runtime.input_processor import InputProcessor, ProcessedPrompt
 from shardserve.runtime.outputs import EmbeddingRequestOutput, PromptDelta, embedding_output
@@ -47,8 +48,11 @@ class Replica:
 
 
 class ReplicaSet:
-    def __init__(self, engines: Sequence[EngineClient], metrics: ServerMetrics | None = None, plan_check: PlanCheck | None = None):
+    def __init__(self, engines: Sequence[EngineClient], metrics: ServerMetrics | None = None,
+                 plan_check: PlanCheck | None = None, routing_policy: str = CACHE_AWARE):
         self.replicas = [Replica(i, e) for i, e in enumerate(engines)]
+        kv = self.replicas[0].engine.kv_cache_info  # every replica has the same layout, so the same pool
+        self.router = PrefixRouter(len(self.replicas), kv.block_size, kv.num_blocks, routing_policy)
         self.metrics = metrics
         self.plan_check = plan_check  # fed each finished prompt's times (with metrics)
         self.prompts: dict[str, Replica] = {}  # prompt id -> its replica, while its deltas flow
@@ -85,25 +89,36 @@ class ReplicaSet:
     def pick(self) -> Replica:
         return min(self.replicas, key=lambda r: (r.num_active, r.index))
 
-    async def generate(self, prompt: ProcessedPrompt, params: SamplingParams,
-                       prompt_id: str) -> AsyncIterator[PromptDelta]:
-        """The prompt's deltas from the least-loaded replica, timed for metrics. A prompt that stop()
-        ended raises a 503."""
+    def route(self, prompt: ProcessedPrompt, session: str | None) -> Route:
+        """The replica for a prompt (the router's choice, counted), which now holds its blocks."""
+        route = self.router.choose([r.num_active for r in self.replicas], prompt.prompt_token_ids, session)
+        self.router.record(route, prompt.prompt_token_ids, session)
+        if self.metrics is not None:
+            self.metrics.routed.labels(self.metrics.model, str(route.index), route.reason).inc()
+        return route
+
+    async def generate(self, prompt: ProcessedPrompt, params: SamplingParams, prompt_id: str,
+                       session: str | None = None) -> AsyncIterator[PromptDelta]:
+        """The prompt's deltas from the replica the router chose (`session`: the conversation's key), timed
+        for metrics. A prompt that stop() ended raises a 503."""
         if self.is_stopping:
             raise shutting_down()
-        replica = self.pick()
+        route = self.route(prompt, session)
+        replica = self.replicas[route.index]
         replica.num_active += 1
         self.prompts[prompt_id] = replica
         timer = self.metrics.prompt_timer(replica.index, prompt.num_prompt_tokens, params) if self.metrics else None
-        is_finished = False
+        is_finished, output = False, list(prompt.prompt_token_ids)  # the first sample's tokens end up cached too
         try:
             async for delta in replica.engine.generate(prompt, params, prompt_id):
                 is_finished = delta.finished
+                output.extend(t for s in delta.samples if s.sample_index == 0 for t in s.new_token_ids)
                 if timer is not None:
                     timer.delta(delta)
                 yield delta
             if not is_finished and self.is_stopping:
                 raise shutting_down()
+            self.router.record(route, output)
             if timer is not None:
                 self._finished(timer)
         finally:

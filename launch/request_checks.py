@@ -8,7 +8,8 @@ from pydantic import BaseModel, model_validator
 
 from shardserve.launch.api_error import APIError
 
-# Fields OpenAI clients send that change nothing in what is generated: accepted and not used.
+# Fields OpenAI clients send that change nothing in what is generated: accepted (prompt_cache_key and user
+# key a conversation's routing between replicas, launch/prefix_router.py).
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
 
 

@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from shardserve.launch.api_error import APIError
 from shardserve.launch.metrics import ServerMetrics
 from shardserve.launch.openai_serving import OpenAIServing, PreparedRequest
+from shardserve.launch.prefix_router import session_key
 from shardserve.launch.responses_output import from_completion, response_head
 from shardserve.launch.responses_request import ResponsesRequest
 from shardserve.launch.responses_stream import response_events
@@ -33,7 +34,8 @@ def add_responses_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMe
             raise in_responses_terms(e) from None
         # a Response's usage always has its cached tokens; a stream always ends with it
         options = dataclasses.replace(prepared.options, include_usage=True, prompt_tokens_details=True)
-        prepared = dataclasses.replace(prepared, options=options)
+        session = session_key(request.headers, (body.model_extra or {}).get("prompt_cache_key"), body.user)
+        prepared = dataclasses.replace(prepared, options=options, session=session)
         head = response_head(body, prepared)
         if body.stream:
             return _streaming(response_events(serving.stream(prepared), head), metrics)

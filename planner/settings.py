@@ -145,6 +145,11 @@ SETTINGS: tuple[Setting, ...] = (
        "(LLM(...): 1).", "plan engine", minimum=1, short="-pp"),
     _s("data_parallel_size", int, None, "Replicas behind the one server; pins the planner's "
        "choice.", "plan server", minimum=1, short="-dp"),
+    _s("routing_policy", str, "cache_aware", "How the server picks a replica (data_parallel_size > 1): "
+       "cache_aware (the replica holding the longest cached prefix of the prompt, or the conversation's "
+       "replica by the x-session-id header or the user field, unless it has more than max(4, the least "
+       "loaded's) prompts above the least-loaded replica) or least_loaded.", "server",
+       choices=("cache_aware", "least_loaded")),
     _s("distributed_executor_backend", str, None, "mp (local processes), ray, or uni (one rank "
        "in-process). Default: the planner's rule.", "plan engine", choices=("mp", "ray", "uni")),
     _s("enable_expert_parallel", bool, None, "Mixture-of-experts models: whole experts on each rank of "

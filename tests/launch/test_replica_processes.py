@@ -13,7 +13,7 @@ from tests.launch.conftest import http, kill_if_running, start_server, stop_serv
 from tests.processes import children, wait_gone
 
 DP2 = ("--profile", "demo", "--set", "hardware=2xcpu", "--set", "data_parallel_size=2",
-       "--set", "kv_cache_memory_bytes=33554432")
+       "--set", "kv_cache_memory_bytes=33554432", "--set", "enable_prompt_tokens_details=true")
 
 
 def _burst(url: str, num_requests: int) -> list:
@@ -75,6 +75,32 @@ def _check_a_dropped_stream_is_aborted(url: str) -> None:
     assert _wait_running(url, lambda running: sum(running) == 0) == [0.0, 0.0]
 
 
+def _check_a_conversation_goes_back_to_its_cache(url: str) -> None:
+    """The next turn goes to the replica holding the conversation's prefix although the other one is idle
+    (least-loaded routing would send it there, and it would compute the whole prompt again)."""
+    import openai
+
+    first = {"model": "shardserve-demo", "max_tokens": 4, "temperature": 0,
+             "prompt": " ".join(f"Step {i}: add the next number to the sum." for i in range(12))}
+    code, body = http(f"{url}/v1/completions", first)
+    assert code == 200, body
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    busy = client.completions.create(model="shardserve-demo", prompt="Once", max_tokens=1000, temperature=0,
+                                     stream=True, extra_body={"ignore_eos": True})
+    next(iter(busy))  # both replicas were idle: it runs on replica 0, where the first turn ran
+    try:
+        second = first | {"prompt": first["prompt"] + json.loads(body)["choices"][0]["text"] + " Then stop."}
+        code, answer = http(f"{url}/v1/completions", second)
+        assert code == 200, answer
+        assert json.loads(answer)["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, answer
+    finally:
+        busy.close()
+    routed = [line for line in http(f"{url}/metrics")[1].splitlines()
+              if line.startswith("shardserve_routed_prompts_total{") and 'reason="prefix"' in line]
+    assert routed and float(routed[0].split()[-1]) >= 1, routed
+    assert _wait_running(url, lambda running: sum(running) == 0) == [0.0, 0.0]
+
+
 def test_replicas_in_their_own_processes_serve_and_stop_cleanly():
     proc, url = start_server(*DP2)
     replicas = children(proc.pid, "shardserve.launch.replica_process")
@@ -85,6 +111,7 @@ def test_replicas_in_their_own_processes_serve_and_stop_cleanly():
         _check_the_load_is_shared(url)
         _check_greedy_text_is_the_same_from_either_replica(url)
         _check_a_dropped_stream_is_aborted(url)
+        _check_a_conversation_goes_back_to_its_cache(url)
     finally:
         code, out = stop_server(proc)
     assert code == 0, out

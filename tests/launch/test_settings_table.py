@@ -39,7 +39,7 @@ VALUES = {
     "trust_request_chat_template": True,
     "max_logprobs": 64, "return_tokens_as_token_ids": True, "enable_force_include_usage": True,
     "enable_prompt_tokens_details": True, "enable_tokenizer_info_endpoint": True, "enable_server_load_tracking": True,
-    "root_path": "/llm",
+    "root_path": "/llm", "routing_policy": "least_loaded",
     "tool_call_parser": "hermes", "enable_auto_tool_choice": True, "reasoning_parser": "qwen3",
     "env": {"SHARDSERVE_T": "1"},
     "description": "a note",
