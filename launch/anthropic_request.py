@@ -29,7 +29,7 @@ from pydantic import ConfigDict, Field, ValidationError
 
 from shardserve.launch.api_error import APIError
 from shardserve.launch.protocol import ChatCompletionRequest
-from shardserve.launch.request_checks import UnicodeBody, is_neutral
+from shardserve.launch.request_checks import UnicodeBody, check_keys, is_neutral, required_string
 
 _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # "tool" names a function
 
@@ -109,16 +109,7 @@ def conversation(system: str | list[Any] | None, messages: list[Any]) -> list[di
 
 
 def _check_keys(item: dict, known: tuple[str, ...], where: str) -> None:
-    for key, value in item.items():
-        if key not in known and key != "cache_control" and not is_neutral(key, value):
-            raise APIError(400, f"{where}.{key} is not supported: this server does not know it", f"{where}.{key}")
-
-
-def _string(item: dict, key: str, where: str) -> str:
-    value = item.get(key)
-    if not isinstance(value, str):
-        raise APIError(400, f"{where}.{key}: a string is required", f"{where}.{key}")
-    return value
+    check_keys(item, (*known, "cache_control"), where)  # a prompt-caching hint: any block may carry it
 
 
 def _block_type(block: Any, where: str, allowed: tuple[str, ...]) -> str:
@@ -140,7 +131,7 @@ def _text(content: str | list[Any], where: str) -> str:
 
 def _block_text(block: dict, where: str) -> str:
     _check_keys(block, ("type", "text"), where)
-    return _string(block, "text", where)
+    return required_string(block, "text", where)
 
 
 def _user(blocks: list[Any], where: str, tool_ids: set[str]) -> list[dict]:
@@ -156,7 +147,7 @@ def _user(blocks: list[Any], where: str, tool_ids: set[str]) -> list[dict]:
             out.append({"role": "user", "content": "".join(texts)})
             texts = []
         _check_keys(block, ("type", "tool_use_id", "content", "is_error"), at)
-        tool_use_id = _string(block, "tool_use_id", at)
+        tool_use_id = required_string(block, "tool_use_id", at)
         if tool_use_id not in tool_ids:
             raise APIError(400, f"{at}.tool_use_id: no tool_use block before it has id {tool_use_id!r}",
                            f"{at}.tool_use_id")
@@ -183,7 +174,7 @@ def _assistant(blocks: list[Any], where: str, tool_ids: set[str], is_last: bool)
             texts.append(_block_text(block, at))
         elif kind == "tool_use":
             _check_keys(block, ("type", "id", "name", "input"), at)
-            call_id, name = _string(block, "id", at), _string(block, "name", at)
+            call_id, name = required_string(block, "id", at), required_string(block, "name", at)
             if not isinstance(block.get("input"), dict):
                 raise APIError(400, f"{at}.input: a tool_use block's input is an object", f"{at}.input")
             tool_ids.add(call_id)
@@ -207,7 +198,7 @@ def chat_tools(tools: list[Any] | None) -> list[dict] | None:
             raise APIError(400, f"{where}.type: tool type {kind!r} is not supported: only client tools (name, "
                            "description, input_schema)", f"{where}.type")
         _check_keys(tool, ("type", "name", "description", "input_schema", "strict"), where)
-        name = _string(tool, "name", where)
+        name = required_string(tool, "name", where)
         if not isinstance(tool.get("input_schema"), dict):
             raise APIError(400, f"{where}.input_schema: a JSON Schema object is required", f"{where}.input_schema")
         function = {"name": name, "parameters": tool["input_schema"]}
@@ -223,7 +214,7 @@ def chat_tool_choice(choice: dict[str, Any] | None, tools: list[dict] | None) ->
     kind = choice.get("type")
     _check_keys(choice, ("type", "name", "disable_parallel_tool_use"), "tool_choice")
     if kind == "tool":
-        chat_choice: str | dict = {"type": "function", "function": {"name": _string(choice, "name", "tool_choice")}}
+        chat_choice: str | dict = {"type": "function", "function": {"name": required_string(choice, "name", "tool_choice")}}
     elif kind in _TOOL_CHOICES:
         chat_choice = _TOOL_CHOICES[kind]
     else:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 CACHE_AWARE, LEAST_LOADED = "cache_aware", "least_loaded"
 ROUTING_POLICIES = (CACHE_AWARE, LEAST_LOADED)
@@ -30,10 +30,10 @@ def session_key(headers: Mapping[str, str], *fields: object) -> str | None:
     return next((key for key in keys if key), None)
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """One hash per full block, each covering every token before it (a chain, as prefix caches key)."""
+def block_hashes(token_ids: Sequence[int], block_size: int, previous: int | None = None) -> list[int]:
+    """One hash per full block, each covering every token before it (a chain, as prefix caches key);
+    `previous`: the hash of the block before token_ids[0], when they go on from there."""
     hashes: list[int] = []
-    previous: int | None = None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         previous = hash((previous, tuple(token_ids[start:start + block_size])))
         hashes.append(previous)
@@ -69,6 +69,7 @@ class Route:
     index: int  # the replica
     reason: str  # "session", "prefix" or "least_loaded"
     matched_blocks: int = 0
+    hashes: tuple[int, ...] = field(default=(), compare=False)  # the prompt's blocks, as choose hashed them
 
 
 class PrefixRouter:
@@ -77,30 +78,36 @@ class PrefixRouter:
     def __init__(self, num_replicas: int, block_size: int, capacity_blocks: int, policy: str = CACHE_AWARE):
         if policy not in ROUTING_POLICIES:
             raise ValueError(f"routing_policy {policy!r}: choose one of {', '.join(ROUTING_POLICIES)}")
-        self.policy, self.block_size = policy, block_size
+        self.block_size = block_size
+        # one replica, or least-loaded routing: nothing is hashed or kept
+        self.is_active = policy == CACHE_AWARE and num_replicas > 1
         self.caches = [CachedBlocks(capacity_blocks) for _ in range(num_replicas)]
         self.sessions: OrderedDict[str, int] = OrderedDict()
 
     def choose(self, loads: Sequence[int], token_ids: Sequence[int], session: str | None = None) -> Route:
         """The replica for a prompt, given each replica's prompts in flight."""
         least = min(range(len(loads)), key=lambda i: (loads[i], i))
-        if self.policy == LEAST_LOADED or len(loads) == 1:
+        if not self.is_active:
             return Route(least, "least_loaded")
+        hashes = tuple(block_hashes(token_ids, self.block_size))
         bound = loads[least] + max(LOAD_SLACK, loads[least])
         if session is not None and session in self.sessions and loads[self.sessions[session]] <= bound:
-            return Route(self.sessions[session], "session")
-        hashes = block_hashes(token_ids, self.block_size)
+            return Route(self.sessions[session], "session", hashes=hashes)
         matched = [cache.matched(hashes) if loads[i] <= bound else 0 for i, cache in enumerate(self.caches)]
         best = max(range(len(loads)), key=lambda i: (matched[i], -loads[i], -i))
         if matched[best] == 0:
-            return Route(least, "least_loaded")
-        return Route(best, "prefix", matched[best])
+            return Route(least, "least_loaded", hashes=hashes)
+        return Route(best, "prefix", matched[best], hashes)
 
     def record(self, route: Route, token_ids: Sequence[int], session: str | None = None) -> None:
-        """The replica chosen holds (or will) these tokens' blocks; the conversation goes on there."""
-        if self.policy == LEAST_LOADED:
+        """The replica chosen holds (or will) these tokens' blocks; the conversation goes on there.
+        token_ids: the prompt the route was chosen for, maybe with tokens after it (only blocks past the
+        route's own hashes are hashed)."""
+        if not self.is_active:
             return
-        self.caches[route.index].add(block_hashes(token_ids, self.block_size))
+        known = route.hashes
+        after = block_hashes(token_ids[len(known) * self.block_size:], self.block_size, known[-1] if known else None)
+        self.caches[route.index].add((*known, *after))
         if session is not None:
             self.sessions[session] = route.index
             self.sessions.move_to_end(session)

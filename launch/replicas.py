@@ -108,7 +108,8 @@ class ReplicaSet:
         replica.num_active += 1
         self.prompts[prompt_id] = replica
         timer = self.metrics.prompt_timer(replica.index, prompt.num_prompt_tokens, params) if self.metrics else None
-        is_finished, output = False, list(prompt.prompt_token_ids)  # the first sample's tokens end up cached too
+        is_finished = False
+        output: list[int] = []  # the first sample's tokens: cached after the prompt's
         try:
             async for delta in replica.engine.generate(prompt, params, prompt_id):
                 is_finished = delta.finished
@@ -118,7 +119,8 @@ class ReplicaSet:
                 yield delta
             if not is_finished and self.is_stopping:
                 raise shutting_down()
-            self.router.record(route, output)
+            if self.router.is_active:
+                self.router.record(route, [*prompt.prompt_token_ids, *output])
             if timer is not None:
                 self._finished(timer)
         finally:

@@ -25,6 +25,21 @@ def refuse_unknown(model: BaseModel, where: str) -> None:
             raise APIError(400, f"{where}{name} is not supported: this server does not know it", f"{where}{name}")
 
 
+def check_keys(item: dict, known: tuple[str, ...], where: str) -> None:
+    """A key of a JSON object in the body (at path `where`) beyond `known` is refused by name unless it asks
+    for nothing."""
+    for key, value in item.items():
+        if key not in known and not is_neutral(key, value):
+            raise APIError(400, f"{where}.{key} is not supported: this server does not know it", f"{where}.{key}")
+
+
+def required_string(item: dict, key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise APIError(400, f"{where}.{key}: a string is required", f"{where}.{key}")
+    return value
+
+
 def invalid_unicode_at(data: Any) -> str | None:
     """The path (messages.0.content) of the first string or key that is not valid Unicode, or None.
     NOTE: JSON's \\ud800 escapes decode to unpaired surrogates, which no UTF-8 encoder (the tokenizer,

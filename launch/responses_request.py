@@ -22,7 +22,7 @@ from pydantic import ConfigDict, Discriminator, Field, Tag, ValidationError
 
 from shardserve.launch.api_error import APIError
 from shardserve.launch.protocol import ChatCompletionRequest, StreamOptions
-from shardserve.launch.request_checks import UnicodeBody, is_neutral, refuse_unknown
+from shardserve.launch.request_checks import UnicodeBody, check_keys, is_neutral, refuse_unknown, required_string
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # NOTE: accepted because it asks for nothing here: reasoning items (--reasoning-parser) carry their text, never
@@ -163,21 +163,8 @@ def conversation(instructions: str | None, items: str | list[dict[str, Any]]) ->
     return messages
 
 
-def _check_keys(item: dict, known: tuple[str, ...], where: str) -> None:
-    for key, value in item.items():
-        if key not in known and not is_neutral(key, value):
-            raise APIError(400, f"{where}.{key} is not supported: this server does not know it", f"{where}.{key}")
-
-
-def _string(item: dict, key: str, where: str) -> str:
-    value = item.get(key)
-    if not isinstance(value, str):
-        raise APIError(400, f"{where}.{key}: a string is required", f"{where}.{key}")
-    return value
-
-
 def _message(item: dict, where: str) -> dict:
-    _check_keys(item, ("type", "role", "content", "id", "status", "phase"), where)
+    check_keys(item, ("type", "role", "content", "id", "status", "phase"), where)
     role = item.get("role")
     if role not in _ROLES:
         raise APIError(400, f"{where}.role: {role!r} is not one of {', '.join(_ROLES)}", f"{where}.role")
@@ -196,15 +183,15 @@ def _text(content: Any, where: str) -> str:
         if kind not in _TEXT_PARTS:
             raise APIError(400, f"{where}.{j}.type: content part type {kind!r} is not supported: only text parts "
                            f"({', '.join(_TEXT_PARTS)})", f"{where}.{j}.type")
-        _check_keys(part, ("type", "text", "annotations", "logprobs"), f"{where}.{j}")
-        texts.append(_string(part, "text", f"{where}.{j}"))
+        check_keys(part, ("type", "text", "annotations", "logprobs"), f"{where}.{j}")
+        texts.append(required_string(part, "text", f"{where}.{j}"))
     return "".join(texts)
 
 
 def _function_call(item: dict, where: str) -> dict:
     """A function_call item as a chat tool call; its arguments must be a JSON object."""
-    _check_keys(item, ("type", "call_id", "name", "arguments", "id", "status"), where)
-    call_id, name, arguments = (_string(item, key, where) for key in ("call_id", "name", "arguments"))
+    check_keys(item, ("type", "call_id", "name", "arguments", "id", "status"), where)
+    call_id, name, arguments = (required_string(item, key, where) for key in ("call_id", "name", "arguments"))
     try:
         is_object = isinstance(json.loads(arguments), dict)
     except ValueError:
@@ -216,8 +203,8 @@ def _function_call(item: dict, where: str) -> dict:
 
 
 def _function_call_output(item: dict, where: str, call_ids: set[str]) -> dict:
-    _check_keys(item, ("type", "call_id", "output", "id", "status"), where)
-    call_id = _string(item, "call_id", where)
+    check_keys(item, ("type", "call_id", "output", "id", "status"), where)
+    call_id = required_string(item, "call_id", where)
     if call_id not in call_ids:
         raise APIError(400, f"{where}.call_id: no function_call before it has call_id {call_id!r}",
                        f"{where}.call_id")
@@ -237,7 +224,7 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict] | None:
         if not isinstance(tool.get("name"), str):
             raise APIError(400, f"{where}.name: a function tool needs its name (the Responses shape has name, "
                            "description and parameters beside type, not under function)", f"{where}.name")
-        _check_keys(tool, ("type", "name", "description", "parameters", "strict"), where)
+        check_keys(tool, ("type", "name", "description", "parameters", "strict"), where)
         if not isinstance(tool.get("parameters") or {}, dict):
             raise APIError(400, f"{where}.parameters: a JSON Schema object is required", f"{where}.parameters")
         out.append({"type": "function", "function": {
@@ -267,17 +254,17 @@ def response_format(text: dict[str, Any] | None) -> dict | None:
     """text.format as chat's response_format: text (no grammar), json_object or json_schema."""
     if text is None:
         return None
-    _check_keys(text, ("format",), "text")
+    check_keys(text, ("format",), "text")
     form = text.get("format")
     if form is None:
         return None
     kind = form.get("type") if isinstance(form, dict) else None
     if kind == "text" or kind == "json_object":
-        _check_keys(form, ("type",), "text.format")
+        check_keys(form, ("type",), "text.format")
         return {"type": kind}
     if kind != "json_schema":
         raise APIError(400, f"text.format.type {kind!r}: use text, json_object or json_schema", "text.format.type")
-    _check_keys(form, ("type", "name", "schema", "description", "strict"), "text.format")
+    check_keys(form, ("type", "name", "schema", "description", "strict"), "text.format")
     if not isinstance(form.get("schema"), dict):
         raise APIError(400, "text.format.schema: json_schema needs its schema (a JSON Schema object)",
                        "text.format.schema")

@@ -55,16 +55,16 @@ class LinearBase(nn.Module):
         y = self.quant_method.apply(self, x)
         return y if self.bias is None else y + self.bias
 
-    def output_parts(self, output_size: int) -> list[tuple[int, int]]:
+    def output_parts(self) -> list[tuple[int, int]]:
         """(offset, size) of each merged matrix in this rank's output features."""
-        return [(0, output_size)]
+        return [(0, self.output_size_per_rank)]
 
     def load(self, param: nn.Parameter, loaded: CheckpointTensor, out_range: tuple[int, int, int] | None = None,
              in_range: tuple[int, int] | None = None) -> None:
         name = next(n for n, p in self._parameters.items() if p is param)
         dims, target = self.packed_dims[name], param.data
         if dims.is_per_part:  # the part starting at out_range's offset gets its own row
-            offsets = [offset for offset, _ in self.output_parts(self.output_size_per_rank)]
+            offsets = [offset for offset, _ in self.output_parts()]
             target = target[offsets.index(out_range[0] if out_range else 0)]
         load_features(target, loaded, dims, out_range, in_range)
 
@@ -108,7 +108,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(output_sizes), bias, dtype=dtype)
 
-    def output_parts(self, output_size: int) -> list[tuple[int, int]]:
+    def output_parts(self) -> list[tuple[int, int]]:
         return [(sum(self.output_sizes[:i]) // self.tp_size, size // self.tp_size)
                 for i, size in enumerate(self.output_sizes)]
 
@@ -141,7 +141,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         output = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
         super().__init__(hidden_size, output, bias, dtype=dtype)
 
-    def output_parts(self, output_size: int) -> list[tuple[int, int]]:
+    def output_parts(self) -> list[tuple[int, int]]:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         return [(0, q_size), (q_size, kv_size), (q_size + kv_size, kv_size)]
 

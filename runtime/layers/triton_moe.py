@@ -9,13 +9,54 @@ A pair p = token * top_k + k picks expert topk_ids[token, k]. The align step lay
 
 Padding rows hold num_pairs (past every pair) and are masked; a block whose expert is E exits at once.
 Every size comes from the shapes (the buffers hold the worst case), so nothing is read on the host and
-a forward can be captured in a CUDA graph."""
+a forward can be captured in a CUDA graph.
+
+The GEMMs read each expert matrix W [N, K] (N outputs, K inputs) tile by tile through _weight_tile: float
+weights [E, N, K] as they are, quantized ones dequantized in the inner loop (FORMAT; the layouts are in
+quantization/triton_quant_moe.py)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from shardserve.runtime.layers.quantization.triton_packed_int import _awq_shift
+
+FLOAT, FP8, AWQ, GPTQ = 0, 1, 2, 3  # the kernels' FORMAT
+
+
+@dataclass(frozen=True)
+class ExpertMatrices:
+    """One stacked expert matrix (w13 or w2): float [E, N, K], or quantized in a layout of
+    quantization/triton_quant_moe.py's docstring."""
+
+    weight: torch.Tensor  # float or fp8 weight, or int32 qweight
+    scale: torch.Tensor | None = None  # None for float
+    zeros: torch.Tensor | None = None  # int32 qzeros; None for float and fp8
+    format: int = FLOAT  # FLOAT | FP8 | AWQ | GPTQ
+    group_n: int = 1  # fp8: outputs sharing a scale
+    group_k: int = 1  # inputs sharing a scale (and a zero point)
+    bits: int = 8
+    zero_offset: int = 0  # GPTQ's classic format stores zero - 1
+
+    @property
+    def num_inputs(self) -> int:
+        if self.format == GPTQ:
+            return self.weight.shape[1] * (32 // self.bits)
+        return self.weight.shape[1 if self.format == AWQ else 2]
+
+    def kernel_args(self) -> tuple:
+        """(w, scale, zeros, their expert and row strides, group_n, group_k, zero_offset) as the kernels take
+        them; a tensor a format does not use stands in for it, never read."""
+        scale = self.weight if self.scale is None else self.scale
+        zeros = scale if self.zeros is None else self.zeros
+        for t in (self.weight, scale, zeros):
+            assert t.stride(-1) == 1, "expert matrices need a contiguous last dimension"
+        return (self.weight, scale, zeros, self.weight.stride(0), self.weight.stride(1), scale.stride(0),
+                scale.stride(1), zeros.stride(0), zeros.stride(1), self.group_n, self.group_k, self.zero_offset)
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, first_expert: int,
@@ -46,12 +87,46 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, first_expert: int,
 
 
 @triton.jit
-def _moe_gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs, num_experts,
-                        top_k, hidden_size, intermediate, stride_xm, stride_we, stride_wn, stride_om,
-                        IS_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
-    """out[pair, n] = silu(x[token] . w13[e, n]) * (x[token] . w13[e, intermediate + n]) for the pairs
-    of one block, n in one BLOCK_N tile of the intermediate features."""
+def _weight_tile(w_ptr, s_ptr, z_ptr, expert, cols, ks, ok, stride_we, stride_wr, stride_se, stride_sr,
+                 stride_ze, stride_zr, group_n, group_k, zero_offset, FORMAT: tl.constexpr, BITS: tl.constexpr):
+    """W^T [BLOCK_K, BLOCK_N] for inputs `ks` and outputs `cols` of one expert (zero where not ok): float
+    weights as stored, quantized ones dequantized in float32."""
+    e = expert.to(tl.int64)
+    # NOTE: FORMAT compared with literals: a jit function reads no Python globals (FLOAT, FP8, AWQ, GPTQ = 0..3)
+    if FORMAT == 0:
+        tile = tl.load(w_ptr + e * stride_we + cols[None, :] * stride_wr + ks[:, None], mask=ok, other=0.0)
+    elif FORMAT == 1:
+        w = tl.load(w_ptr + e * stride_we + cols[None, :] * stride_wr + ks[:, None], mask=ok, other=0.0)
+        s = tl.load(s_ptr + e * stride_se + (cols // group_n)[None, :] * stride_sr + (ks // group_k)[:, None],
+                    mask=ok, other=0.0)
+        tile = w.to(tl.float32) * s
+    else:
+        PACK: tl.constexpr = 32 // BITS
+        low = (1 << BITS) - 1
+        if FORMAT == 2:
+            words = tl.load(w_ptr + e * stride_we + ks[:, None] * stride_wr + (cols // PACK)[None, :], mask=ok, other=0)
+            zero_shift = _awq_shift(cols)[None, :]
+            q = (words >> zero_shift) & low
+        else:
+            words = tl.load(w_ptr + e * stride_we + (ks // PACK)[:, None] * stride_wr + cols[None, :], mask=ok, other=0)
+            q = (words >> ((ks % PACK) * BITS)[:, None]) & low
+            zero_shift = ((cols % PACK) * BITS)[None, :]
+        groups = (ks // group_k)[:, None]
+        zero_words = tl.load(z_ptr + e * stride_ze + groups * stride_zr + (cols // PACK)[None, :], mask=ok, other=0)
+        zeros = ((zero_words >> zero_shift) & low) + zero_offset
+        s = tl.load(s_ptr + e * stride_se + groups * stride_sr + cols[None, :], mask=ok, other=0.0)
+        tile = (q - zeros).to(tl.float32) * s.to(tl.float32)
+    return tile
+
+
+@triton.jit
+def _moe_gate_up_kernel(x_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs, num_experts, top_k,
+                              hidden_size, intermediate, stride_xm, stride_om, w_ptr, s_ptr, z_ptr, stride_we,
+                              stride_wr, stride_se, stride_sr, stride_ze, stride_zr, group_n, group_k, zero_offset,
+                              FORMAT: tl.constexpr, BITS: tl.constexpr, IS_FP32: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[pair, n] = silu(x[token] . W13[e, n]) * (x[token] . W13[e, intermediate + n]) for the pairs of one
+    block, n in one BLOCK_N tile of the intermediate features."""
     expert = tl.load(block_experts_ptr + tl.program_id(0))
     if expert >= num_experts:
         return
@@ -60,7 +135,6 @@ def _moe_gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_experts
     tokens = (pairs // top_k).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < intermediate
-    w_base = w13_ptr + expert.to(tl.int64) * stride_we
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, hidden_size, BLOCK_K):
@@ -68,9 +142,12 @@ def _moe_gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_experts
         k_ok = ks < hidden_size
         x = tl.load(x_ptr + tokens[:, None] * stride_xm + ks[None, :], mask=pair_ok[:, None] & k_ok[None, :],
                     other=0.0)  # [BLOCK_M, BLOCK_K]
-        w_ok = k_ok[:, None] & col_ok[None, :]
-        w_gate = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=w_ok, other=0.0)  # [BLOCK_K, BLOCK_N]
-        w_up = tl.load(w_base + (cols + intermediate)[None, :] * stride_wn + ks[:, None], mask=w_ok, other=0.0)
+        ok = k_ok[:, None] & col_ok[None, :]
+        w_gate = _weight_tile(w_ptr, s_ptr, z_ptr, expert, cols, ks, ok, stride_we, stride_wr, stride_se, stride_sr,
+                              stride_ze, stride_zr, group_n, group_k, zero_offset, FORMAT, BITS).to(x.dtype)
+        w_up = _weight_tile(w_ptr, s_ptr, z_ptr, expert, cols + intermediate, ks, ok, stride_we, stride_wr,
+                            stride_se, stride_sr, stride_ze, stride_zr, group_n, group_k, zero_offset, FORMAT,
+                            BITS).to(x.dtype)
         if IS_FP32:
             gate += tl.dot(x, w_gate, input_precision="ieee")
             up += tl.dot(x, w_up, input_precision="ieee")
@@ -83,11 +160,12 @@ def _moe_gate_up_kernel(x_ptr, w13_ptr, out_ptr, sorted_pairs_ptr, block_experts
 
 
 @triton.jit
-def _moe_down_kernel(x_ptr, w2_ptr, weights_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs,
-                     num_experts, intermediate, hidden_size, stride_xm, stride_we, stride_wn, stride_om,
-                     IS_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
-    """out[pair, n] = weight[pair] * (x[pair] . w2[e, n]): x is the gate-up output, one row per pair."""
+def _moe_down_kernel(x_ptr, weights_ptr, out_ptr, sorted_pairs_ptr, block_experts_ptr, num_pairs, num_experts,
+                           intermediate, hidden_size, stride_xm, stride_om, w_ptr, s_ptr, z_ptr, stride_we, stride_wr,
+                           stride_se, stride_sr, stride_ze, stride_zr, group_n, group_k, zero_offset,
+                           FORMAT: tl.constexpr, BITS: tl.constexpr, IS_FP32: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[pair, n] = weight[pair] * (x[pair] . W2[e, n]): x is the gate-up output, one row per pair."""
     expert = tl.load(block_experts_ptr + tl.program_id(0))
     if expert >= num_experts:
         return
@@ -96,15 +174,15 @@ def _moe_down_kernel(x_ptr, w2_ptr, weights_ptr, out_ptr, sorted_pairs_ptr, bloc
     rows = pairs.to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden_size
-    w_base = w2_ptr + expert.to(tl.int64) * stride_we
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, intermediate, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < intermediate
         x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=pair_ok[:, None] & k_ok[None, :],
                     other=0.0)
-        w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=k_ok[:, None] & col_ok[None, :],
-                    other=0.0)  # [BLOCK_K, BLOCK_N]
+        w = _weight_tile(w_ptr, s_ptr, z_ptr, expert, cols, ks, k_ok[:, None] & col_ok[None, :], stride_we,
+                         stride_wr, stride_se, stride_sr, stride_ze, stride_zr, group_n, group_k, zero_offset,
+                         FORMAT, BITS).to(x.dtype)
         if IS_FP32:
             acc += tl.dot(x, w, input_precision="ieee")
         else:
@@ -128,27 +206,35 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     """hidden [num_tokens, hidden_size], w13 [E, 2 * I, hidden_size] (gate | up), w2 [E, hidden_size, I],
     topk_weights [num_tokens, top_k] float32, topk_ids [num_tokens, top_k] global expert ids (this rank
     holds [first_expert, first_expert + E); pairs of other experts add nothing) -> [num_tokens, hidden_size]."""
+    num_pairs, is_fp32 = topk_ids.numel(), hidden.dtype == torch.float32
+    return grouped_moe(hidden, ExpertMatrices(w13), ExpertMatrices(w2), topk_weights, topk_ids, first_expert,
+                       blocks or block_sizes(num_pairs, w13.shape[0], is_fp32))
+
+
+def grouped_moe(hidden: torch.Tensor, w13: ExpertMatrices, w2: ExpertMatrices, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, first_expert: int, blocks: tuple[int, int, int],
+                num_warps: int = 4) -> torch.Tensor:
+    """fused_moe over expert matrices of any FORMAT, at the given (BLOCK_M, BLOCK_N, BLOCK_K) and warps."""
     num_tokens, hidden_size = hidden.shape
-    num_experts, intermediate = w13.shape[0], w2.shape[2]
+    num_experts, intermediate = w13.weight.shape[0], w2.num_inputs
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
-    is_fp32 = hidden.dtype == torch.float32
-    block_m, block_n, block_k = blocks or block_sizes(num_pairs, num_experts, is_fp32)
+    block_m, block_n, block_k = blocks
     if num_tokens == 0:
         return torch.zeros_like(hidden)
     sorted_pairs, block_experts = moe_align(topk_ids, num_experts, first_expert, block_m)
     num_blocks = block_experts.numel()
     x = hidden.contiguous()
     act = torch.empty((num_pairs, intermediate), dtype=hidden.dtype, device=hidden.device)
+    flags = dict(IS_FP32=hidden.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                 num_warps=num_warps)
     _moe_gate_up_kernel[(num_blocks, triton.cdiv(intermediate, block_n))](
-        x, w13, act, sorted_pairs, block_experts, num_pairs, num_experts, top_k, hidden_size, intermediate,
-        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        IS_FP32=is_fp32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        x, act, sorted_pairs, block_experts, num_pairs, num_experts, top_k, hidden_size, intermediate,
+        x.stride(0), act.stride(0), *w13.kernel_args(), FORMAT=w13.format, BITS=w13.bits, **flags)
     # rows of pairs routed to other ranks' experts are never written: they must add zero
     out = torch.zeros((num_pairs, hidden_size), dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.to(torch.float32).reshape(-1).contiguous()
     _moe_down_kernel[(num_blocks, triton.cdiv(hidden_size, block_n))](
-        act, w2, weights, out, sorted_pairs, block_experts, num_pairs, num_experts, intermediate, hidden_size,
-        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        IS_FP32=is_fp32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        act, weights, out, sorted_pairs, block_experts, num_pairs, num_experts, intermediate, hidden_size,
+        act.stride(0), out.stride(0), *w2.kernel_args(), FORMAT=w2.format, BITS=w2.bits, **flags)
     return out.view(num_tokens, top_k, hidden_size).sum(dim=1)

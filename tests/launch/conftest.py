@@ -127,3 +127,17 @@ def stream_chunks(server: str, path: str, body: dict, headers: dict | None = AUT
     status, text = http(f"{server}{path}", body | {"stream": True}, headers)
     assert status == 200, text[:300]
     return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+async def chat_stream_cut_by_an_error(closed: list):
+    """A chat stream as openai_serving writes one that a dead engine ends: a delta, then an error event;
+    `closed` gets True once the stream is closed."""
+    from shardserve.launch.api_error import shutting_down
+    from shardserve.launch.response_format import error_event, sse
+
+    try:
+        yield sse({"choices": [{"index": 0, "delta": {"content": "Hel"}, "logprobs": None, "finish_reason": None}]})
+        yield error_event(shutting_down())
+        yield "data: [DONE]\n\n"
+    finally:
+        closed.append(True)

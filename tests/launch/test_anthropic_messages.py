@@ -14,9 +14,8 @@ import pytest
 
 from shardserve.launch.anthropic_output import from_completion
 from shardserve.launch.anthropic_stream import message_events
-from shardserve.launch.api_error import shutting_down
-from shardserve.launch.response_format import ErrorEvent, error_event, sse
-from tests.launch.conftest import API_KEY, AUTH, MODEL, http, metric, post, serving
+from shardserve.launch.response_format import ErrorEvent
+from tests.launch.conftest import API_KEY, chat_stream_cut_by_an_error, AUTH, MODEL, http, metric, post, serving
 from tests.launch.test_tool_calls import TEMPLATE, WEATHER
 
 GENERATION_PROMPT = "{%- if add_generation_prompt %}<|assistant|>\n{% endif %}"
@@ -210,16 +209,8 @@ def test_x_api_key_and_every_error_in_anthropics_shape(server):
 def test_an_error_mid_stream_ends_it_with_anthropics_error_event():
     closed = []
 
-    async def chunks():
-        try:
-            yield sse({"choices": [{"index": 0, "delta": {"content": "Hel"}, "logprobs": None, "finish_reason": None}]})
-            yield error_event(shutting_down())
-            yield "data: [DONE]\n\n"
-        finally:
-            closed.append(True)
-
     async def read() -> list[str]:
-        return [event async for event in message_events(chunks(), {"id": "msg_1"}, 3, ())]
+        return [event async for event in message_events(chat_stream_cut_by_an_error(closed), {"id": "msg_1"}, 3, ())]
 
     events = asyncio.run(read())
     assert isinstance(events[-1], ErrorEvent) and events[-1].outcome == "unavailable" and closed == [True]

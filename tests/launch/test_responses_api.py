@@ -13,10 +13,9 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from shardserve.launch.api_error import shutting_down
-from shardserve.launch.response_format import ErrorEvent, error_event, sse
+from shardserve.launch.response_format import ErrorEvent
 from shardserve.launch.responses_stream import response_events
-from tests.launch.conftest import API_KEY, MODEL, http, metric, post, serving
+from tests.launch.conftest import API_KEY, chat_stream_cut_by_an_error, MODEL, http, metric, post, serving
 from tests.launch.test_tool_calls import TEMPLATE, WEATHER
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather", "parameters": WEATHER,
@@ -211,16 +210,8 @@ def test_auth_body_limit_and_metrics_apply(server):
 def test_an_error_mid_stream_ends_it_as_chats_error_events_do():
     closed = []
 
-    async def chunks():
-        try:
-            yield sse({"choices": [{"index": 0, "delta": {"content": "Hel"}, "logprobs": None, "finish_reason": None}]})
-            yield error_event(shutting_down())
-            yield "data: [DONE]\n\n"
-        finally:
-            closed.append(True)
-
     async def read(limit: int | None = None) -> list[str]:
-        events, out = response_events(chunks(), {"id": "resp_1"}), []
+        events, out = response_events(chat_stream_cut_by_an_error(closed), {"id": "resp_1"}), []
         async for event in events:
             out.append(event)
             if len(out) == limit:

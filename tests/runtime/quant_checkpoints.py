@@ -120,7 +120,7 @@ def save_quantized(folder: str, family: str, fmt: str, num_layers: int = 2, seed
     float_folder = folder + "-float"
     hf_model = save_checkpoint(float_folder, family, seed=seed, num_layers=num_layers)
     qc = FORMATS[fmt]
-    pack = {"awq": awq_tensors, "gptq": gptq_tensors}.get(qc["quant_method"], fp8_tensors)
+    pack = pack_for(qc)
     torch.manual_seed(seed + 1)
     state, tensors = hf_model.state_dict(), {}
     for name, value in state.items():
@@ -134,17 +134,23 @@ def save_quantized(folder: str, family: str, fmt: str, num_layers: int = 2, seed
         elif not (name == "lm_head.weight" and hf_model.config.tie_word_embeddings):
             tensors[name] = value.contiguous()
     hf_model.load_state_dict(state)
+    write_model(folder, float_folder, tensors, qc)
+    return hf_model
+
+
+def write_model(folder: str, float_folder: str, tensors: dict, quantization_config: dict | None = None) -> None:
+    """A model folder: the float model's files but its weights, these tensors as its weights, and
+    config.json's quantization_config when given."""
     os.makedirs(folder, exist_ok=True)
     for file in os.listdir(float_folder):
         if not file.endswith(".safetensors"):
             shutil.copy(os.path.join(float_folder, file), folder)
     save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(folder, "config.json")) as f:
-        config = json.load(f)
-    config["quantization_config"] = qc
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(config, f, indent=1)
-    return hf_model
+    if quantization_config is not None:
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(config | {"quantization_config": quantization_config}, f, indent=1)
 
 
 # quantized experts: GPTQ without act-order (act-order experts are refused), the rest as for dense layers
@@ -180,16 +186,8 @@ def save_quantized_moe(folder: str, family: str, fmt: str, num_layers: int = 2, 
             dequantized[name] = dequantized_value.to(value.dtype).contiguous()
         else:
             tensors[name] = dequantized[name] = value
-    for target, weights in ((folder, tensors), (dequantized_folder, dequantized)):
-        os.makedirs(target, exist_ok=True)
-        for file in os.listdir(float_folder):
-            if not file.endswith(".safetensors"):
-                shutil.copy(os.path.join(float_folder, file), target)
-        save_file(weights, os.path.join(target, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(folder, "config.json")) as f:
-        config = json.load(f)
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(config | {"quantization_config": qc}, f, indent=1)
+    write_model(folder, float_folder, tensors, qc)
+    write_model(dequantized_folder, float_folder, dequantized)
     return AutoModelForCausalLM.from_pretrained(dequantized_folder, dtype=torch.float32).eval()
 
 

@@ -11,7 +11,7 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from torch import nn  # noqa: E402
 
-from quant_checkpoints import FORMATS, awq_tensors, gptq_tensors  # noqa: E402
+from quant_checkpoints import FORMATS, pack_for  # noqa: E402
 from shardserve.runtime.checkpoint import iterate_checkpoint  # noqa: E402
 from shardserve.runtime.layers.quantization.config import QuantConfig  # noqa: E402
 from shardserve.runtime.layers.quantization.packed_int import PackedIntLinearMethod  # noqa: E402
@@ -28,7 +28,7 @@ class Holder(nn.Module):
         self.packed_dims = {}
         self.parts = parts
 
-    def output_parts(self, output_size: int) -> list[tuple[int, int]]:
+    def output_parts(self) -> list[tuple[int, int]]:
         return [(sum(self.parts[:i]), size) for i, size in enumerate(self.parts)]
 
 
@@ -41,9 +41,9 @@ def packed_layer(folder, fmt: str, num_in: int = 64, parts: tuple[int, ...] = (4
     layer = Holder(list(parts))
     method.create_weights(layer, num_in, sum(parts), num_in)
     dequantized = []
-    for index, (offset, size) in enumerate(layer.output_parts(sum(parts))):
+    for index, (offset, size) in enumerate(layer.output_parts()):
         weight = torch.randn(size, num_in) * 0.2
-        tensors, part = (awq_tensors if qc["quant_method"] == "awq" else gptq_tensors)(weight, qc, f"x{index}")
+        tensors, part = pack_for(qc)(weight, qc, f"x{index}")
         dequantized.append(part)
         (folder / str(index)).mkdir()
         save_file({k: v.contiguous() for k, v in tensors.items()}, folder / str(index) / "model.safetensors")

@@ -113,38 +113,27 @@ def compile_packed_int_gemm(dtype: str, is_fp32: bool) -> None:
 
 
 def compile_moe(dtype: str, is_fp32: bool) -> None:
-    index = {"sorted_pairs_ptr": "*i32", "block_experts_ptr": "*i32", "num_pairs": "i32", "num_experts": "i32",
-             "hidden_size": "i32", "intermediate": "i32", "stride_xm": "i32", "stride_we": "i32",
-             "stride_wn": "i32", "stride_om": "i32"}
-    for block_m in (16, 64):
-        blocks = {"IS_FP32": is_fp32, "BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 64}
-        compile_kernel(triton_moe._moe_gate_up_kernel,
-                       {"x_ptr": dtype, "w13_ptr": dtype, "out_ptr": dtype, "top_k": "i32", **index}, blocks)
-        compile_kernel(triton_moe._moe_down_kernel,
-                       {"x_ptr": dtype, "w2_ptr": dtype, "weights_ptr": "*fp32", "out_ptr": dtype, **index}, blocks)
-
-
-def compile_quant_moe(dtype: str, is_fp32: bool) -> None:
-    """The quantized expert GEMMs at the tiles and warps they launch with (decode-sized blocks and 64-row
-    ones): fp8 (per-tensor, per-channel and block scales share one kernel), AWQ int4, GPTQ int4 and int8;
-    in bf16 no spills, and wgmma at 64 rows."""
+    """The grouped expert GEMMs at the tiles and warps they launch with (decode-sized blocks and 64-row ones):
+    float experts, fp8 (per-tensor, per-channel and block scales share one kernel), AWQ int4, GPTQ int4 and
+    int8; quantized ones in bf16 without spills, and with wgmma at 64 rows."""
     index = {"out_ptr": dtype, "sorted_pairs_ptr": "*i32", "block_experts_ptr": "*i32", "num_pairs": "i32",
              "num_experts": "i32", "intermediate": "i32", "hidden_size": "i32", "stride_xm": "i32",
              "stride_om": "i32", "stride_we": "i32", "stride_wr": "i32", "stride_se": "i32", "stride_sr": "i32",
              "stride_ze": "i32", "stride_zr": "i32", "group_n": "i32", "group_k": "i32", "zero_offset": "i32"}
-    q = triton_quant_moe
-    for fmt, bits, weight, scale, zeros in ((q.FP8, 8, "*fp8e4nv", "*fp32", "*fp32"), (q.AWQ, 4, "*i32", dtype, "*i32"),
-                                            (q.GPTQ, 4, "*i32", dtype, "*i32"), (q.GPTQ, 8, "*i32", dtype, "*i32")):
+    m, q = triton_moe, triton_quant_moe
+    for fmt, bits, weight, scale, zeros in ((m.FLOAT, 8, dtype, dtype, dtype), (m.FP8, 8, "*fp8e4nv", "*fp32", "*fp32"),
+                                            (m.AWQ, 4, "*i32", dtype, "*i32"), (m.GPTQ, 4, "*i32", dtype, "*i32"),
+                                            (m.GPTQ, 8, "*i32", dtype, "*i32")):
         matrix = {"x_ptr": dtype, "w_ptr": weight, "s_ptr": scale, "z_ptr": zeros, **index}
         for num_pairs in (1, 4096):
-            block_m, block_n, block_k = q.quantized_block_sizes(num_pairs, 8, is_fp32)
+            sizes, warps = ((m.block_sizes, 4) if fmt == m.FLOAT else (q.quantized_block_sizes, q.NUM_WARPS))
+            block_m, block_n, block_k = sizes(num_pairs, 8, is_fp32)
             blocks = {"FORMAT": fmt, "BITS": bits, "IS_FP32": is_fp32, "BLOCK_M": block_m, "BLOCK_N": block_n,
                       "BLOCK_K": block_k}
-            kernels = [compile_kernel(q._quant_moe_gate_up_kernel, {**matrix, "top_k": "i32"}, blocks,
-                                      num_warps=q.NUM_WARPS),
-                       compile_kernel(q._quant_moe_down_kernel, {**matrix, "weights_ptr": "*fp32"}, blocks,
-                                      num_warps=q.NUM_WARPS)]
-            for name, kernel in zip(("gate-up", "down"), kernels) if not is_fp32 else ():
+            kernels = [compile_kernel(m._moe_gate_up_kernel, {**matrix, "top_k": "i32"}, blocks, num_warps=warps),
+                       compile_kernel(m._moe_down_kernel, {**matrix, "weights_ptr": "*fp32"}, blocks,
+                                      num_warps=warps)]
+            for name, kernel in zip(("gate-up", "down"), kernels) if not is_fp32 and fmt != m.FLOAT else ():
                 require_fast(kernel, f"quantized MoE {name} format {fmt} int{bits} BLOCK_M {block_m}",
                              wgmma=block_m == 64)
 
@@ -157,7 +146,6 @@ def main() -> None:
         compile_kernel(triton_activation._silu_and_mul_kernel,
                        {"x_ptr": dtype, "out_ptr": dtype, "x_stride": "i64", "size": "i32"}, {"BLOCK": 1024})
         compile_moe(dtype, is_fp32)
-        compile_quant_moe(dtype, is_fp32)
         for has_residual in (False, True):
             compile_kernel(triton_norm._rms_norm_kernel,
                            {"x_ptr": dtype, "residual_ptr": dtype, "weight_ptr": dtype, "out_ptr": dtype,

@@ -99,9 +99,10 @@ class Fp8MoEMethod:
     def apply(self, layer: Fp8ExpertLayer, hidden: torch.Tensor, weights: torch.Tensor,
               experts: torch.Tensor) -> torch.Tensor:
         """The routed experts' sum on CUDA (this rank's share): the Triton kernels."""
-        from shardserve.runtime.layers.quantization.triton_quant_moe import FP8, QuantizedExperts, quantized_fused_moe
+        from shardserve.runtime.layers.quantization.triton_quant_moe import quantized_fused_moe
+        from shardserve.runtime.layers.triton_moe import FP8, ExpertMatrices
 
-        w13, w2 = (QuantizedExperts(getattr(layer, name), getattr(layer, f"{name}_{self.scale_name}"), None, FP8,
+        w13, w2 = (ExpertMatrices(getattr(layer, name), getattr(layer, f"{name}_{self.scale_name}"), None, FP8,
                                     *self.groups[name]) for name in MATRICES)
         return quantized_fused_moe(hidden, w13, w2, weights, experts, layer.first_expert)
 

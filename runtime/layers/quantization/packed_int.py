@@ -69,7 +69,7 @@ class PackedIntLayer(Protocol):
     group_index: torch.Tensor  # [in] int32, or [parts, in] when the merged parts' act-order groups differ
     packed_dims: dict[str, PackedDims]
 
-    def output_parts(self, output_size: int) -> list[tuple[int, int]]: ...
+    def output_parts(self) -> list[tuple[int, int]]: ...
 
     def register_parameter(self, name: str, param: nn.Parameter | None) -> None: ...
     def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None: ...
@@ -92,7 +92,7 @@ class PackedIntLinearMethod:
         group_dims = (None, 1) if has_all_groups else (0, group)  # (input_dim, input_per_element)
         pack, int32 = self.pack, torch.int32
         if self.config.format == "gptq":
-            parts = len(layer.output_parts(output_size))
+            parts = len(layer.output_parts())
             shapes = {"qweight": ((input_size // pack, output_size), PackedDims(1, 0, 1, pack)),
                       "g_idx": ((parts, input_size), PackedDims(None, 0, is_per_part=True))}
         else:
@@ -126,7 +126,7 @@ class PackedIntLinearMethod:
         or each merged part whose act-order permutation differs from the others'."""
         if layer.group_index.dim() == 1:
             return [(slice(None), layer.group_index)]
-        parts = layer.output_parts(layer.scales.shape[1])
+        parts = layer.output_parts()
         return [(slice(offset, offset + size), groups) for (offset, size), groups in zip(parts, layer.group_index)]
 
     def dequantize(self, layer: PackedIntLayer) -> torch.Tensor:

@@ -86,10 +86,10 @@ class PackedIntMoEMethod:
     def apply(self, layer: PackedIntExpertLayer, hidden: torch.Tensor, weights: torch.Tensor,
               experts: torch.Tensor) -> torch.Tensor:
         """The routed experts' sum on CUDA (this rank's share): the Triton kernels."""
-        from shardserve.runtime.layers.quantization.triton_quant_moe import (AWQ, GPTQ, QuantizedExperts,
-                                                                             quantized_fused_moe)
+        from shardserve.runtime.layers.quantization.triton_quant_moe import quantized_fused_moe
+        from shardserve.runtime.layers.triton_moe import AWQ, GPTQ, ExpertMatrices
 
-        w13, w2 = (QuantizedExperts(getattr(layer, f"{name}_qweight"), getattr(layer, f"{name}_scales"),
+        w13, w2 = (ExpertMatrices(getattr(layer, f"{name}_qweight"), getattr(layer, f"{name}_scales"),
                                     getattr(layer, f"{name}_qzeros"), AWQ if self.is_awq else GPTQ, 1,
                                     self.group_sizes[name], self.bits, self.config.zero_offset)
                    for name in MATRICES)
