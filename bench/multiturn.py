@@ -1,12 +1,14 @@
-"""Multi-turn conversations against 2 replicas, one server per routing policy, side by side: the
-prefix-cache hit rate, the prompt tokens computed, and TTFT.
+"""Multi-turn conversations against one server per setup, side by side: the prefix-cache hit rate (GPU
+pool and CPU tier), the prompt tokens computed, and TTFT.
 
-    python bench/multiturn.py --policies cache_aware least_loaded --runs 2 --json
+    python bench/multiturn.py --json     # cache-aware against least-loaded routing over 2 replicas
+    python bench/multiturn.py --replicas 1 --side "tier:kv_cache_memory_bytes=8M,kv_offloading_size=0.0625" \
+        --side "no_tier:kv_cache_memory_bytes=8M" --conversations 4 --json     # the CPU tier of the KV cache
 
 Each conversation opens with its own preamble (--preamble-words), then each turn appends the reply and a
 new question (--turn-words) and asks for --output-len tokens (ignore_eos). --conversations run at once,
-each turn after the last. The server is `shardserve launch` of the demo on CPU with
-data_parallel_size=2, started and stopped here for each policy and run, alternating policies.
+each turn after the last. A server is `shardserve launch` of the demo on CPU with --replicas replicas and
+the side's settings, started and stopped here for each side and run, alternating sides.
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(policy: str, port: int) -> subprocess.Popen:
-    args = [sys.executable, "-m", "shardserve.launch", "launch", "--profile", "demo", "--set", "hardware=2xcpu",
-            "--set", "data_parallel_size=2", "--set", f"routing_policy={policy}", "--port", str(port)]
+def start_server(name: str, settings: list[str], replicas: int, port: int) -> subprocess.Popen:
+    args = [sys.executable, "-m", "shardserve.launch", "launch", "--profile", "demo", "--set",
+            f"hardware={replicas}xcpu" if replicas > 1 else "hardware=cpu", "--set", f"data_parallel_size={replicas}",
+            *(a for kv in settings for a in ("--set", kv)), "--port", str(port)]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -49,7 +52,7 @@ def start_server(policy: str, port: int) -> subprocess.Popen:
         except OSError:
             time.sleep(0.5)
     proc.kill()
-    raise SystemExit(f"the {policy} server did not come up in 300 s")
+    raise SystemExit(f"the {name} server did not come up in 300 s")
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -61,16 +64,30 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def prefix_counts(url: str) -> tuple[float, float]:
-    """(prompt tokens looked up, found cached), summed over replicas."""
+COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total")
+
+
+def prefix_counts(url: str) -> tuple[float, ...]:
+    """(prompt tokens looked up, found in the GPU pool, loaded from the CPU tier), summed over replicas."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
         text = r.read().decode()
-    total = {"vllm:prefix_cache_queries_total": 0.0, "vllm:prefix_cache_hits_total": 0.0}
+    total = dict.fromkeys(COUNTERS, 0.0)
     for line in text.splitlines():
         name = line.split("{")[0]
         if name in total:
             total[name] += float(line.split()[-1])
-    return total["vllm:prefix_cache_queries_total"], total["vllm:prefix_cache_hits_total"]
+    return tuple(total[name] for name in COUNTERS)
+
+
+def settled_counts(url: str) -> tuple[float, ...]:
+    """prefix_counts once two reads 0.7 s apart agree (the replicas send their counters twice a second)."""
+    now = prefix_counts(url)
+    while True:
+        time.sleep(0.7)
+        again = prefix_counts(url)
+        if again == now:
+            return now
+        now = again
 
 
 def words(rng: random.Random, count: int) -> str:
@@ -101,28 +118,38 @@ async def workload(url: str, args) -> list[float]:
     return ttfts
 
 
-def one_run(policy: str, run: int, args) -> dict:
+def one_run(name: str, settings: list[str], run: int, args) -> dict:
     port = free_port()
-    proc = start_server(policy, port)
+    proc = start_server(name, settings, args.replicas, port)
     url = f"http://127.0.0.1:{port}"
     try:
-        queries0, hits0 = prefix_counts(url)
+        before = settled_counts(url)
         start = time.perf_counter()
         ttfts = asyncio.run(workload(url, args))
         elapsed = time.perf_counter() - start
-        queries, hits = (a - b for a, b in zip(prefix_counts(url), (queries0, hits0)))
+        queries, hits, loaded = (a - b for a, b in zip(settled_counts(url), before))
     finally:
         stop_server(proc)
-    return {"policy": policy, "run": run, "conversations": args.conversations, "turns": args.turns,
-            "requests": len(ttfts), "prompt_tokens": int(queries), "cached_tokens": int(hits),
-            "computed_prompt_tokens": int(queries - hits), "hit_rate": round(hits / queries, 3) if queries else None,
+    return {"side": name, "settings": settings, "replicas": args.replicas, "run": run,
+            "conversations": args.conversations, "turns": args.turns, "requests": len(ttfts),
+            "prompt_tokens": int(queries), "cached_tokens": int(hits), "cpu_tier_tokens": int(loaded),
+            "computed_prompt_tokens": int(queries - hits - loaded),
+            "hit_rate": round((hits + loaded) / queries, 3) if queries else None,
             "ttft_mean_ms": round(statistics.fmean(ttfts) * 1e3, 1),
             "ttft_p50_ms": round(statistics.median(ttfts) * 1e3, 1), "duration_s": round(elapsed, 2)}
 
 
+def side(text: str) -> tuple[str, list[str]]:
+    """NAME:KEY=VALUE[,KEY=VALUE...] -> (name, ["KEY=VALUE", ...])."""
+    name, _, settings = text.partition(":")
+    return name, [kv for kv in settings.split(",") if kv]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--policies", nargs="+", default=["cache_aware", "least_loaded"])
+    parser.add_argument("--side", action="append", type=side, help="NAME:KEY=VALUE,... (settings for one "
+                        "server; default: routing_policy cache_aware and least_loaded)")
+    parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
@@ -132,11 +159,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON record per run")
     args = parser.parse_args()
+    sides = args.side or [(p, [f"routing_policy={p}"]) for p in ("cache_aware", "least_loaded")]
     for run in range(args.runs):
-        for policy in args.policies:  # alternating, so drift on the machine hits both alike
-            record = one_run(policy, run, args)
+        for name, settings in sides:  # alternating, so drift on the machine hits both alike
+            record = one_run(name, settings, run, args)
             print(json.dumps(record) if args.json else
-                  f"{policy:13s} run {run}: hit rate {record['hit_rate']}, prompt tokens computed "
+                  f"{name:13s} run {run}: hit rate {record['hit_rate']}, prompt tokens computed "
                   f"{record['computed_prompt_tokens']} of {record['prompt_tokens']}, TTFT mean "
                   f"{record['ttft_mean_ms']} ms, p50 {record['ttft_p50_ms']} ms", flush=True)
 

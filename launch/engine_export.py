@@ -44,7 +44,7 @@ HANDLED_SETTINGS = frozenset({
     "distributed_executor_backend", "enable_expert_parallel",
     "device", "dtype", "quantization", "kv_cache_dtype", "max_model_len", "gpu_memory_utilization",
     "max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
-    "kv_cache_memory_bytes", "enforce_eager", *LATENCY_TARGETS, *TRAFFIC,
+    "kv_cache_memory_bytes", "enforce_eager", "kv_offloading_size", *LATENCY_TARGETS, *TRAFFIC,
 })
 
 
@@ -209,6 +209,9 @@ def _vllm_runtime(plan: PlanFile, draft: _Draft) -> None:
         draft.add("--block-size", rt.block_size)
     if not rt.enable_prefix_caching:
         draft.add("--no-enable-prefix-caching")
+    if rt.kv_offloading_size is not None:
+        draft.add("--kv-offloading-size", f"{rt.kv_offloading_size:g}")
+        draft.add("--kv-offloading-backend", "native")
     if rt.enforce_eager:
         draft.add("--enforce-eager")
     if rt.device == "cpu":
@@ -258,6 +261,8 @@ def _sglang_runtime(plan: PlanFile, draft: _Draft) -> None:
         draft.add("--page-size", rt.block_size)
     if not rt.enable_prefix_caching:
         draft.add("--disable-radix-cache")
+    if rt.kv_offloading_size is not None:
+        _sglang_host_cache(plan, draft)
     if rt.enforce_eager:
         draft.add("--disable-cuda-graph")
     if rt.device == "cpu":
@@ -284,3 +289,19 @@ def _sglang_memory(plan: PlanFile, draft: _Draft) -> None:
             f"--max-total-tokens {plan.memory.kv_cache_tokens} is the plan's KV pool of "
             f"kv_cache_memory_bytes {rt.kv_cache_memory_bytes} per rank, in tokens: SGLang caps its pool "
             "in tokens, not bytes")
+
+
+def _sglang_host_cache(plan: PlanFile, draft: _Draft) -> None:
+    """SGLang's hierarchical cache sizes each rank's host pool in whole GB; ours is GiB per replica."""
+    rt, par = plan.runtime, plan.parallel
+    assert rt.kv_offloading_size is not None  # the caller's check
+    ranks = par.tensor_parallel_size * par.pipeline_parallel_size
+    per_rank_gb = int(rt.kv_offloading_size * 2**30 / ranks / 1e9)
+    if per_rank_gb < 1:
+        draft.unsupported.append(f"kv_offloading_size={rt.kv_offloading_size:g} (under 1 GB per rank over "
+                                 f"{ranks} ranks: SGLang's --hicache-size takes whole GB per rank)")
+        return
+    draft.add("--enable-hierarchical-cache")
+    draft.add("--hicache-size", per_rank_gb)
+    draft.notes.append(f"--hicache-size {per_rank_gb} is kv_offloading_size {rt.kv_offloading_size:g} GiB per "
+                       f"replica over its {ranks} rank(s), in whole GB: SGLang sizes each rank's host pool")

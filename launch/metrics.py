@@ -63,6 +63,11 @@ class EngineCollector:
                                  labels=LABELS), "num_prefix_query_tokens"),
             (CounterMetricFamily("vllm:prefix_cache_hits", "Prefix cache hits, in prompt tokens found cached.",
                                  labels=LABELS), "num_prefix_hit_tokens"),
+            (CounterMetricFamily("vllm:external_prefix_cache_queries", "CPU tier of the prefix cache: prompt "
+                                 "tokens looked up there past the GPU pool's hits.", labels=LABELS),
+             "num_offload_query_tokens"),
+            (CounterMetricFamily("vllm:external_prefix_cache_hits", "CPU tier of the prefix cache: prompt tokens "
+                                 "loaded from it instead of computed.", labels=LABELS), "num_offload_hit_tokens"),
         ]
         steps = HistogramMetricFamily("vllm:iteration_tokens_total", "Histogram of number of tokens per engine "
                                       "step.", labels=LABELS)

@@ -98,6 +98,9 @@ def render_plan(plan: PlanFile, console: Console) -> None:
                   f"({mem.num_blocks:,} blocks of {mem.block_size}); maximum concurrency "
                   f"for {rt.max_model_len:,} tokens per request: "
                   f"[bold]{mem.max_concurrency:.2f}x[/]", highlight=False)
+    if mem.offload_tokens:
+        console.print(f"CPU tier of the KV cache: [bold]{mem.offload_tokens:,}[/] tokens per replica in "
+                      f"{_gib(mem.offload_bytes or 0)} of host memory", highlight=False)
     render_estimates(plan, console)
     console.print("[bold]Why[/]")
     for line in plan.rationale:

@@ -78,6 +78,15 @@ def longest_fitting_len(num_blocks: int, block_size: int, window: int | None, ma
     return low
 
 
+def offload_blocks(size_gib: float | None, rank_block_bytes: int, num_ranks: int) -> int:
+    """Blocks in the CPU tier of the KV cache (kv_offloading_size, GiB per replica summed over its
+    ranks, as vLLM counts it): a block is kept on every rank, each costed as the rank that needs most
+    per block, so no rank's share exceeds size / num_ranks (planner and runtime share this rule)."""
+    if not size_gib:
+        return 0
+    return int(size_gib * GIB) // (rank_block_bytes * num_ranks)
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     stages: tuple[StageMemory, ...]
@@ -85,10 +94,16 @@ class MemoryPlan:
     block_size: int
     window: int | None = None  # the window every layer applies (KV behind it is freed); None: none
     max_chunk: int = 1  # the most tokens a request computes in one step (max_num_batched_tokens)
+    num_offload_blocks: int = 0  # the CPU tier's blocks (kv_offloading_size), per replica
+    offload_bytes: int = 0  # the host memory they take, per replica
 
     @property
     def kv_cache_tokens(self) -> int:
         return self.num_blocks * self.block_size
+
+    @property
+    def offload_tokens(self) -> int:
+        return self.num_offload_blocks * self.block_size
 
     def blocks_per_request(self, max_model_len: int) -> int:
         return max_blocks_per_request(max_model_len, self.block_size, self.window, self.max_chunk)
@@ -174,5 +189,7 @@ def plan_memory(spec: ModelSpec, stage_weights: list[float], split: list[int], t
         stages.append(StageMemory(gpu.memory_bytes, int(weights), act, over, budget,
                                   per_token, layers))
     num_blocks = min(s.num_blocks_fit(settings.block_size) for s in stages)
+    rank_block = max(s.kv_bytes_per_token for s in stages) * settings.block_size
+    offloaded = offload_blocks(settings.kv_offloading_size, rank_block, tp * pp)
     return MemoryPlan(tuple(stages), num_blocks, settings.block_size, spec.uniform_sliding_window,
-                      settings.max_num_batched_tokens)
+                      settings.max_num_batched_tokens, offloaded, offloaded * rank_block * tp * pp)

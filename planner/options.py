@@ -8,7 +8,7 @@ from typing import Literal
 from shardserve.planner.errors import PlanError
 from shardserve.planner.hardware import GpuSpec
 from shardserve.planner.model_spec import DTYPE_BYTES, ModelSpec, canonical_dtype
-from shardserve.planner.rules import fp8_kv_problem
+from shardserve.planner.rules import fp8_kv_problem, offload_problem
 from shardserve.planner.workload import Targets, Workload
 from shardserve.planner.settings import (DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN,
                                          SettingError, check_fields, default, resolved_max_num_batched_tokens)
@@ -35,6 +35,7 @@ class PlanOptions:
     max_num_seqs: int = default("max_num_seqs")
     max_num_batched_tokens: int | None = default("max_num_batched_tokens")
     enable_prefix_caching: bool = default("enable_prefix_caching")
+    kv_offloading_size: float | None = default("kv_offloading_size")
     enforce_eager: bool = default("enforce_eager")
     target_concurrency: int = default("target_concurrency")
     input_len: int | None = default("input_len")
@@ -66,6 +67,7 @@ class RuntimeSettings:
     kv_cache_memory_bytes: int | None
     enforce_eager: bool = False
     is_max_model_len_auto: bool = False  # max_model_len is the model's limit until a layout fits it
+    kv_offloading_size: float | None = None  # GiB of host memory per replica for the CPU tier
 
     @property
     def dtype_bytes(self) -> int:
@@ -83,7 +85,8 @@ class RuntimeSettings:
 def resolve_settings(options: PlanOptions, spec: ModelSpec, gpu: GpuSpec) -> RuntimeSettings:
     dtype = _resolve_dtype(options.dtype, spec, gpu)
     is_fp8_kv = options.kv_cache_dtype.startswith("fp8")
-    problem = fp8_kv_problem(options.kv_cache_dtype, gpu.name, gpu.has_fp8 or gpu.is_cpu)
+    problem = (fp8_kv_problem(options.kv_cache_dtype, gpu.name, gpu.has_fp8 or gpu.is_cpu)
+               or offload_problem(options.enable_prefix_caching, options.kv_offloading_size))
     if problem:
         raise PlanError(problem)
     is_auto = options.max_model_len == "auto"
@@ -95,13 +98,25 @@ def resolve_settings(options: PlanOptions, spec: ModelSpec, gpu: GpuSpec) -> Run
     kv_pool = options.kv_cache_memory_bytes
     if gpu.is_cpu and kv_pool is None:
         kv_pool = DEFAULT_CPU_KV_CACHE_BYTES
+    _check_offload_size(options, spec, dtype)
     return RuntimeSettings(
         dtype=dtype, quantization=options.quantization, kv_cache_dtype=options.kv_cache_dtype if is_fp8_kv else dtype,
         max_model_len=max_len, max_num_seqs=options.max_num_seqs,
         max_num_batched_tokens=batched, block_size=options.block_size,
         gpu_memory_utilization=options.gpu_memory_utilization,
         enable_prefix_caching=options.enable_prefix_caching, kv_cache_memory_bytes=kv_pool,
-        enforce_eager=options.enforce_eager, is_max_model_len_auto=is_auto)
+        enforce_eager=options.enforce_eager, is_max_model_len_auto=is_auto,
+        kv_offloading_size=options.kv_offloading_size)
+
+
+def _check_offload_size(options: PlanOptions, spec: ModelSpec, dtype: str) -> None:
+    """A CPU tier smaller than one block of the whole model (every layer and KV head) holds nothing."""
+    size = options.kv_offloading_size
+    kv_bytes = 1 if options.kv_cache_dtype.startswith("fp8") else DTYPE_BYTES[dtype]
+    block = options.block_size * spec.kv_bytes_per_token(kv_bytes)
+    if size is not None and size * 2**30 < block:
+        raise PlanError(f"kv_offloading_size {size:g} GiB holds no KV block ({block} bytes across a replica's "
+                        "ranks): raise it")
 
 
 def _resolve_dtype(requested: str, spec: ModelSpec, gpu: GpuSpec) -> str:

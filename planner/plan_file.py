@@ -100,6 +100,8 @@ class MemorySection:
     num_blocks: int
     kv_cache_tokens: int
     max_concurrency: float
+    offload_tokens: int | None = None  # the CPU tier's capacity per replica (kv_offloading_size)
+    offload_bytes: int | None = None  # the host memory it takes per replica
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,7 @@ class RuntimeSection:
     enable_prefix_caching: bool
     kv_cache_memory_bytes: int | None
     enforce_eager: bool
+    kv_offloading_size: float | None = None  # GiB per replica for the CPU tier; None: none (older plans)
 
 
 @dataclass(frozen=True)

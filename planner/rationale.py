@@ -143,6 +143,11 @@ def _kv_cache_lines(mem, settings: RuntimeSettings, model_limit: int) -> list[st
     lines = [f"KV cache: {mem.kv_cache_tokens} tokens per replica, {mem.max_concurrency(length):.2f}x requests "
              f"of {length} tokens" + (f" (every layer attends over {mem.window} tokens: a request holds at most "
                                       f"{mem.blocks_per_request(length)} blocks)" if mem.window else "")]
+    if mem.num_offload_blocks:
+        lines.append(f"CPU tier (kv_offloading_size {settings.kv_offloading_size:g} GiB): {mem.offload_tokens} "
+                     f"tokens per replica in {mem.offload_bytes / 2**30:.2f} GiB of host memory; full prefix "
+                     "blocks evicted from the KV cache wait there, and a prompt sharing them loads them back "
+                     "instead of computing them")
     if settings.is_max_model_len_auto:
         lines.append(f"max_model_len auto: {length}, the longest for which target_concurrency requests fit "
                      f"the KV cache (the model's limit: {model_limit})")

@@ -85,6 +85,14 @@ def fp8_kv_problem(kv_cache_dtype: str, device: str, has_fp8: bool) -> str | Non
             f"{'.'.join(map(str, FP8_COMPUTE_CAPABILITY))} or newer); {device} has none: use kv_cache_dtype auto")
 
 
+def offload_problem(enable_prefix_caching: bool, kv_offloading_size: float | None) -> str | None:
+    """The CPU tier keeps prefix blocks: without prefix caching it would hold nothing anyone reads."""
+    if kv_offloading_size is not None and not enable_prefix_caching:
+        return ("kv_offloading_size needs enable_prefix_caching: the CPU tier keeps evicted prefix blocks for "
+                "later prompts; turn prefix caching on or drop --kv-offloading-size")
+    return None
+
+
 def tensor_parallel_problem(spec: ModelSpec, tp: int, expert_parallel: bool = False) -> str | None:
     """Rule 4: why `tp` cannot shard this model (its experts whole per rank with expert_parallel), or None."""
     if tp == 1:

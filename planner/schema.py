@@ -37,6 +37,7 @@ def plan_record(plan) -> PlanFile:
             "block_size": mem.block_size, "num_blocks": mem.num_blocks,
             "kv_cache_tokens": mem.kv_cache_tokens,
             "max_concurrency": round(mem.max_concurrency(s.max_model_len), 2),
+            "offload_tokens": mem.offload_tokens or None, "offload_bytes": mem.offload_bytes or None,
         }),
         runtime=RuntimeSection(**{
             "device": "cpu" if hw.gpu.is_cpu else "cuda",
@@ -46,6 +47,7 @@ def plan_record(plan) -> PlanFile:
             "max_num_seqs": s.max_num_seqs, "max_num_batched_tokens": s.max_num_batched_tokens,
             "block_size": s.block_size, "enable_prefix_caching": s.enable_prefix_caching,
             "kv_cache_memory_bytes": s.kv_cache_memory_bytes, "enforce_eager": s.enforce_eager,
+            "kv_offloading_size": s.kv_offloading_size,
         }),
         service=_service_section(plan.search),
         estimates=_estimates_section(est),

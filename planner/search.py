@@ -158,6 +158,10 @@ class Search:
 
 def _memory_problem(memory: MemoryPlan, settings: RuntimeSettings, options: PlanOptions,
                     hardware: Hardware) -> str | None:
+    if settings.kv_offloading_size and not memory.num_offload_blocks:
+        per_block = max(s.kv_bytes_per_token for s in memory.stages) * memory.block_size
+        return (f"kv_offloading_size {settings.kv_offloading_size:g} GiB holds no KV block ({per_block} bytes "
+                "on each rank of a replica): raise it")
     needed = memory.blocks_per_request(settings.max_model_len) * options.target_concurrency
     if memory.tightest.kv_budget_bytes <= 0:
         t = memory.tightest

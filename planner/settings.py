@@ -188,6 +188,10 @@ SETTINGS: tuple[Setting, ...] = (
        "schedules); to prefill a long prompt in one step, raise --max-num-batched-tokens to max_model_len"),
     _s("enable_prefix_caching", bool, True, "Reuse the KV blocks of shared prompt prefixes.",
        "plan engine"),
+    _s("kv_offloading_size", float, None, "GiB of host memory per replica (summed over its ranks, as vLLM "
+       "counts it) for a CPU tier of the prefix cache: full blocks evicted from the GPU pool are kept there, "
+       "and a later prompt with that prefix loads them back instead of computing them again. Default: no tier.",
+       "plan engine", above=0.0),
     _s("enforce_eager", bool, False, "No CUDA graphs: every decode step runs eagerly (the plan then reserves "
        "no graph memory).", "plan engine"),
     _s("async_scheduling", bool, False, "Overlap the host with the device: step N+1 is scheduled and "

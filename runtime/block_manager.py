@@ -6,6 +6,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from shardserve.runtime.kv_offload import KVTransfer, OffloadTier
 from shardserve.runtime.request import Request
 
 
@@ -39,7 +40,7 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, num_offload_blocks: int = 0) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -53,6 +54,10 @@ class BlockManager:
         self._request_blocks: dict[str, list[int]] = {}  # the block table, freed entries included
         self._num_freed: dict[str, int] = {}  # leading table entries released behind the window
         self._num_published: dict[str, int] = {}  # leading blocks of a request already offered for reuse
+        # the CPU tier (kv_offload.py): evicted prefix blocks kept in host memory, and the copies this
+        # step's ranks must run, in order
+        self.offload = OffloadTier(num_offload_blocks) if num_offload_blocks and enable_prefix_caching else None
+        self.transfers: list[KVTransfer] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -90,16 +95,32 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def allocate_slots(self, request: Request, num_tokens: int, cached_block_ids: Sequence[int] = ()) -> bool:
-        """Make the request's blocks cover `num_tokens` tokens, first taking `cached_block_ids`
-        (only for a request with no blocks yet; its computed tokens are then those blocks'). Blocks
-        behind the window are released first, as they are never read again; beyond that, returns
-        False, changing nothing, if the pool is short."""
+    def find_offloaded(self, request: Request, num_hits: int) -> list[int]:
+        """Host slots holding this request's next full blocks after its `num_hits` GPU hits, as far as
+        the tier holds them in a row (leaving one token uncached, as find_cached_prefix does)."""
+        if self.offload is None:
+            return []
+        self._update_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        slots = []
+        for block_hash in request.block_hashes[num_hits:max_blocks]:
+            slot = self.offload.lookup(block_hash)
+            if slot is None:
+                break
+            slots.append(slot)
+        return slots
+
+    def allocate_slots(self, request: Request, num_tokens: int, cached_block_ids: Sequence[int] = (),
+                       offloaded_slots: Sequence[int] = ()) -> bool:
+        """Make the request's blocks cover `num_tokens` tokens, first taking `cached_block_ids`, then
+        new blocks loaded from `offloaded_slots` (only for a request with no blocks yet; its computed
+        tokens are then those blocks'). Blocks behind the window are released first, as they are never
+        read again; beyond that, returns False, changing nothing, if the pool is short."""
         table = self._request_blocks.get(request.request_id, [])
         if (table and not cached_block_ids and self.sliding_window is None
                 and num_tokens <= len(table) * self.block_size):
             return True  # the common decode step: its token fits in the last block (nothing to release)
-        assert not (table and cached_block_ids), "cached blocks are taken only on first allocation"
+        assert not (table and (cached_block_ids or offloaded_slots)), "cached blocks are taken only on first allocation"
         if table:
             self._release_behind_window(request.request_id, request.num_computed_tokens)
         # NOTE: cached blocks already behind the window go into the table unreferenced, as stale
@@ -120,9 +141,24 @@ class BlockManager:
                 del self._free[block_id]
             self._ref_counts[block_id] += 1
             blocks.append(block_id)
+        if offloaded_slots:
+            self._load(blocks, offloaded_slots)
+            num_new -= len(offloaded_slots)
         for _ in range(num_new):
             blocks.append(self._take_free_block())
         return True
+
+    def _load(self, blocks: list[int], slots: Sequence[int]) -> None:
+        """New blocks for the table, each loaded from its host slot. NOTE: the slots are pinned while
+        the blocks are taken, so an eviction those takes cause cannot give a slot still to be read to
+        other content before its load is issued."""
+        assert self.offload is not None  # find_offloaded found the slots
+        self.offload.pinned.update(slots)
+        taken = [self._take_free_block() for _ in slots]
+        self.offload.pinned.clear()
+        for block_id, slot in zip(taken, slots):
+            self.transfers.append(KVTransfer(False, block_id, slot))
+            blocks.append(block_id)
 
     def _release_behind_window(self, request_id: str, num_computed_tokens: int) -> None:
         """NOTE: a released block keeps its published hash and goes to the back of the free list like
@@ -141,9 +177,12 @@ class BlockManager:
     def _take_free_block(self) -> int:
         block_id, _ = self._free.popitem(last=False)
         old_hash = self._block_hash[block_id]
-        if old_hash is not None:  # evict its cached content
+        if old_hash is not None:  # evict its cached content (to the CPU tier, when there is one)
             if self._cached.get(old_hash) == block_id:
                 del self._cached[old_hash]
+                slot = None if self.offload is None else self.offload.store(old_hash)
+                if slot is not None:
+                    self.transfers.append(KVTransfer(True, block_id, slot))
             self._block_hash[block_id] = None
         self._ref_counts[block_id] = 1
         return block_id
@@ -204,3 +243,5 @@ class BlockManager:
         assert set(self._num_published) <= set(self._request_blocks), "bookkeeping kept for a freed request"
         assert set(self._num_freed) <= set(self._request_blocks), "bookkeeping kept for a freed request"
         assert all(n <= len(self._request_blocks[r]) for r, n in self._num_freed.items())
+        if self.offload is not None:
+            self.offload.check_integrity()

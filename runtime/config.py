@@ -138,6 +138,7 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None
     enable_prefix_caching: bool
     kv_cache_dtype: str  # "auto": the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2
+    kv_offloading_size: float | None = None  # GiB of host memory per engine (all ranks) for the CPU tier
 
     def torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The dtype the KV pool is allocated in."""
@@ -202,6 +203,7 @@ class KVCacheInfo:
     bytes_per_block: int
     max_model_len: int  # as set, or with max_model_len auto the longest that fits
     blocks_per_request: int  # the most blocks a request of max_model_len holds (planner/memory.py's rule)
+    num_offload_blocks: int = 0  # the CPU tier's (kv_offloading_size)
 
     @property
     def num_tokens(self) -> int:

@@ -102,8 +102,8 @@ class DistributedExecutor(Executor):
     def bytes_per_block(self) -> int:
         return max(self._call_all(WorkerCall(WorkerMethod.BYTES_PER_BLOCK)))
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self._call_all(WorkerCall(WorkerMethod.INITIALIZE_KV_CACHE, num_blocks))
+    def initialize_kv_cache(self, num_blocks: int, num_offload_blocks: int = 0) -> None:
+        self._call_all(WorkerCall(WorkerMethod.INITIALIZE_KV_CACHE, (num_blocks, num_offload_blocks)))
 
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
         self.submit_batch(output)

@@ -38,6 +38,8 @@ class EngineStats:
     num_preemptions: int  # since start
     num_prefix_hit_tokens: int  # since start
     num_prefix_query_tokens: int  # prompt tokens looked up in the prefix cache, since start
+    num_offload_hit_tokens: int  # prompt tokens loaded from the CPU tier, since start
+    num_offload_query_tokens: int  # prompt tokens looked up there past the GPU pool's hits, since start
     iteration_tokens: HistogramSnapshot  # tokens scheduled per step (prompt and output), since start
 
 
@@ -49,9 +51,10 @@ class LLMEngine:
         self.executor = make_executor(config)
         self.kv_cache_info = size_kv_cache(config, self.executor)
         self.config = config = with_measured_len(config, self.kv_cache_info)
-        self.executor.initialize_kv_cache(self.kv_cache_info.num_blocks)
-        self.block_manager = BlockManager(self.kv_cache_info.num_blocks, config.cache.block_size,
-                                          config.cache.enable_prefix_caching, config.model.uniform_sliding_window)
+        info = self.kv_cache_info
+        self.executor.initialize_kv_cache(info.num_blocks, info.num_offload_blocks)
+        self.block_manager = BlockManager(info.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                                          config.model.uniform_sliding_window, info.num_offload_blocks)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, config.model.max_model_len)
         self.input_processor = InputProcessor(config.model, self.tokenizer, config.scheduler.async_scheduling)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -201,6 +204,8 @@ class LLMEngine:
                            num_preemptions=scheduler.num_preemptions,
                            num_prefix_hit_tokens=scheduler.num_prefix_hit_tokens,
                            num_prefix_query_tokens=scheduler.num_prefix_query_tokens,
+                           num_offload_hit_tokens=scheduler.num_offload_hit_tokens,
+                           num_offload_query_tokens=scheduler.num_offload_query_tokens,
                            iteration_tokens=self.iteration_tokens.snapshot())
 
     def check_health(self) -> None:

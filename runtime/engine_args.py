@@ -8,6 +8,7 @@ from typing import Literal
 
 from shardserve.planner.hub import HubOptions
 from shardserve.planner.model_source import local_weights, model_path
+from shardserve.planner.rules import offload_problem
 from shardserve.planner.settings import (ENGINE, SettingError, check_fields, check_names, default,
                                          resolved_max_num_batched_tokens)
 from shardserve.runtime.config import (CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, load_model_config,
@@ -43,6 +44,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = default("max_num_batched_tokens")
     enable_chunked_prefill: bool = default("enable_chunked_prefill")
     enable_prefix_caching: bool = default("enable_prefix_caching")
+    kv_offloading_size: float | None = default("kv_offloading_size")
     enforce_eager: bool = default("enforce_eager")
     async_scheduling: bool = default("async_scheduling")
     seed: int = default("seed")
@@ -88,6 +90,9 @@ class EngineArgs:
         return folder if os.path.isdir(folder) else str(local_weights(self.model, self.hub, self.load_format))
 
     def create_engine_config(self) -> EngineConfig:
+        problem = offload_problem(self.enable_prefix_caching, self.kv_offloading_size)
+        if problem:
+            raise SettingError(problem)
         folder = self.local_folder()
         device = resolve_device(self.device)
         loaded = load_model_config(folder, self.dtype, self.max_model_len, self.skip_tokenizer_init,
@@ -100,6 +105,7 @@ class EngineArgs:
             cache=CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
                               kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                               enable_prefix_caching=self.enable_prefix_caching,
+                              kv_offloading_size=self.kv_offloading_size,
                               kv_cache_dtype=self.kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=resolved_max_num_batched_tokens(

@@ -24,7 +24,8 @@ class Executor(ABC):
         """Bytes one KV block costs on the worker that needs most per block."""
 
     @abstractmethod
-    def initialize_kv_cache(self, num_blocks: int) -> None: ...
+    def initialize_kv_cache(self, num_blocks: int, num_offload_blocks: int = 0) -> None:
+        """The GPU pool on every worker, and the CPU tier's share of each (0: no tier)."""
 
     @abstractmethod
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
@@ -66,8 +67,8 @@ class InProcessExecutor(Executor):
     def bytes_per_block(self) -> int:
         return self.worker.bytes_per_block
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.worker.initialize_kv_cache(num_blocks)
+    def initialize_kv_cache(self, num_blocks: int, num_offload_blocks: int = 0) -> None:
+        self.worker.initialize_kv_cache(num_blocks, num_offload_blocks)
 
     def execute_model(self, output: SchedulerOutput) -> ModelRunnerOutput:
         result = self.worker.execute(output)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from shardserve.planner.memory import longest_fitting_len, max_blocks_per_request
+from shardserve.planner.memory import longest_fitting_len, max_blocks_per_request, offload_blocks
 from shardserve.runtime.config import EngineConfig, KVCacheInfo
 from shardserve.runtime.executor import Executor
 
@@ -32,14 +32,29 @@ def size_kv_cache(config: EngineConfig, executor: Executor) -> KVCacheInfo:
             + (f"set max_model_len <= {fitting} (or auto) " if fitting else "")
             + "or give the KV cache more memory (gpu_memory_utilization, or kv_cache_memory_bytes)")
     info = KVCacheInfo(num_blocks=num_blocks, block_size=block_size, bytes_per_block=per_block,
-                       max_model_len=max_model_len, blocks_per_request=needed)
+                       max_model_len=max_model_len, blocks_per_request=needed,
+                       num_offload_blocks=_offload_blocks(config, per_block))
     logger.info("KV cache: %.2f GiB, %d blocks of %d tokens", info.memory_bytes / 1024**3, num_blocks, block_size)
+    if info.num_offload_blocks:
+        logger.info("CPU tier of the KV cache: %d blocks (%d tokens) in %.2f GiB of host memory", info.num_offload_blocks,
+                    info.num_offload_blocks * block_size,
+                    info.num_offload_blocks * per_block * config.parallel.world_size / 1024**3)
     logger.info("KV cache size: %d tokens", info.num_tokens)
     if window is not None:
         logger.info("every layer attends over %d tokens: blocks behind the window are freed (at most %d "
                     "blocks per request)", window, needed)
     logger.info("Maximum concurrency for %d tokens per request: %.2fx", max_model_len, info.max_concurrency)
     return info
+
+
+def _offload_blocks(config: EngineConfig, per_block: int) -> int:
+    """The CPU tier's blocks, by the planner's rule; a size too small for one block is refused."""
+    size = config.cache.kv_offloading_size
+    num_blocks = offload_blocks(size, per_block, config.parallel.world_size)
+    if size is not None and num_blocks == 0:
+        raise ValueError(f"kv_offloading_size {size:g} GiB holds no KV block ({per_block} bytes on each of "
+                         f"{config.parallel.world_size} rank(s)): raise it")
+    return num_blocks
 
 
 def with_measured_len(config: EngineConfig, info: KVCacheInfo) -> EngineConfig:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from shardserve.runtime.kv_offload import KVTransfer
 from shardserve.runtime.outputs import SampleTimes
 from shardserve.runtime.pooling_params import PoolingParams
 from shardserve.runtime.sampling_params import SamplingParams
@@ -50,6 +51,7 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]  # request id -> tokens computed this step
     finished_request_ids: frozenset[str]  # the worker drops these (finished, aborted, preempted)
     grammar_bitmask: GrammarBitmask | None = None  # the engine's, for the requests under a grammar
+    kv_transfers: tuple[KVTransfer, ...] = ()  # copies to and from the CPU tier, run in order before the step
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -50,6 +50,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prefix_hit_tokens = 0  # prompt tokens served from the prefix cache
         self.num_prefix_query_tokens = 0  # prompt tokens looked up in it
+        self.num_offload_hit_tokens = 0  # prompt tokens loaded from the CPU tier instead of computed
+        self.num_offload_query_tokens = 0  # prompt tokens looked up there (past the GPU pool's hits)
 
     def add_request(self, request: Request) -> None:
         self.check_can_ever_fit(request)
@@ -168,18 +170,19 @@ class Scheduler:
             request = self.waiting[0]
             # NOTE: a request that scores or pools its whole prompt recomputes it all: cached positions
             # would go unscored (or unpooled)
-            hits = [] if request.needs_every_prompt_token else self.block_manager.find_cached_prefix(request)
-            num_cached = len(hits) * self.block_manager.block_size
+            pool = self.block_manager
+            hits = [] if request.needs_every_prompt_token else pool.find_cached_prefix(request)
+            loads = [] if request.needs_every_prompt_token else pool.find_offloaded(request, len(hits))
+            num_cached = (len(hits) + len(loads)) * pool.block_size
             num_new = min(request.num_tokens - num_cached, budget)
-            if not self.block_manager.allocate_slots(request, num_cached + num_new, hits):
+            if not pool.allocate_slots(request, num_cached + num_new, hits, loads):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens is None:  # the first admission's (a preempted request comes back)
                 request.num_cached_tokens = num_cached
-            self.num_prefix_hit_tokens += num_cached
-            self.num_prefix_query_tokens += request.num_tokens
+            self._count_hits(request, len(hits), len(loads))
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             request.num_synced_tokens = request.num_tokens
@@ -190,6 +193,15 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             budget -= num_new
         return new
+
+    def _count_hits(self, request: Request, num_hits: int, num_loads: int) -> None:
+        """The prefix cache's counters, per tier, for an admitted request."""
+        block_size = self.block_manager.block_size
+        self.num_prefix_hit_tokens += num_hits * block_size
+        self.num_prefix_query_tokens += request.num_tokens
+        if self.block_manager.offload is not None:
+            self.num_offload_hit_tokens += num_loads * block_size
+            self.num_offload_query_tokens += request.num_tokens - num_hits * block_size
 
     def _new_data(self, request: Request) -> NewRequestData:
         return NewRequestData(
@@ -211,12 +223,16 @@ class Scheduler:
         return CachedRequestData(request.request_id, new_tokens, new_blocks, request.num_computed_tokens)
 
     def _finish_output(self, new, cached, num_scheduled) -> SchedulerOutput:
+        transfers = tuple(self.block_manager.transfers)  # made only by allocations, which schedule tokens
+        self.block_manager.transfers.clear()
         if not num_scheduled and self.in_flight:  # the engine sends no empty batch behind others:
+            assert not transfers, "KV copies in a batch that is not sent"
             return SchedulerOutput((), (), {}, frozenset())  # the finished ids wait for the next one
         finished = frozenset(self._finished_ids)
         self._finished_ids.clear()
         return SchedulerOutput(new_requests=tuple(new), cached_requests=tuple(cached),
-                               num_scheduled_tokens=num_scheduled, finished_request_ids=finished)
+                               num_scheduled_tokens=num_scheduled, finished_request_ids=finished,
+                               kv_transfers=transfers)
 
     def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestUpdate]:
         """Append the tokens the step sampled (its work was counted when it was scheduled), finish

@@ -18,6 +18,7 @@ from shardserve.runtime.cuda_graphs import DecodeGraphRunner, static_intermediat
 from shardserve.runtime.forward_context import ForwardContext, forward_context
 from shardserve.runtime.inputs import (HostInputs, RequestState, apply_scheduler_output, build_host_inputs,
                                        count_samples, to_device)
+from shardserve.runtime.kv_offload import available_host_bytes
 from shardserve.runtime.loader import load_model
 from shardserve.runtime.messages import ModelRunnerOutput, SchedulerOutput
 from shardserve.runtime.parallel_state import get_parallel_state
@@ -51,6 +52,30 @@ def check_uniform_window(attention_layers: list[Attention], window: int | None) 
                          f"attention layers use {others}: the KV cache would free blocks they still read")
 
 
+def host_tier(kv_cache: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """[num_slots, layers, 2, block_size, kv_heads, head_dim] in host memory, like the pool's blocks
+    (pinned beside a GPU, so copies run on the stream without blocking the host)."""
+    layers, two, _, block_size, heads, head_dim = kv_cache.shape
+    shape = (num_slots, layers, two, block_size, heads, head_dim)
+    needed = num_slots * layers * two * block_size * heads * head_dim * kv_cache.element_size()
+    available = available_host_bytes()
+    if available is not None and needed > available:
+        raise ValueError(f"kv_offloading_size: this rank's share of the CPU tier is {needed / 1024**3:.2f} GiB "
+                         f"but the host has {available / 1024**3:.2f} GiB available; lower --kv-offloading-size")
+    logger.info("CPU tier of the KV cache: %d blocks, %.2f GiB on this rank", num_slots, needed / 1024**3)
+    return torch.empty(shape, dtype=kv_cache.dtype, pin_memory=kv_cache.is_cuda)
+
+
+def run_transfers(kv_cache: torch.Tensor, host: torch.Tensor, transfers) -> None:
+    """The step's copies between the pool and the tier, in the order the block manager issued them
+    (one stream on a GPU, so each copy sees the ones before it and the step after sees them all)."""
+    for to_host, block_id, slot in transfers:
+        if to_host:
+            host[slot].copy_(kv_cache[:, :, block_id], non_blocking=True)
+        else:
+            kv_cache[:, :, block_id].copy_(host[slot], non_blocking=True)
+
+
 class Worker:
     """In a multi-rank engine, distributed.init_distributed has set the parallel state (and groups)
     before this is built; alone, the default single-rank state applies."""
@@ -69,6 +94,7 @@ class Worker:
         check_uniform_window(self.attention_layers, config.model.uniform_sliding_window)
         self.states: dict[str, RequestState] = {}
         self.kv_cache: torch.Tensor | None = None
+        self.offload_cache: torch.Tensor | None = None  # the CPU tier's share of this rank (host memory)
         self.cuda_graphs: DecodeGraphRunner | None = None  # built with the KV cache
         self.staging = StagingBuffer(self.device)  # every step's inputs go to the device through it
         self.token_buffers = SampledTokenBuffers(config.scheduler.max_num_seqs, self.device)
@@ -151,9 +177,10 @@ class Worker:
         """What the KV budget leaves for this rank's CUDA graphs (read from the checkpoint once)."""
         return reserved_graph_bytes(self.config, len(self.attention_layers))
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def initialize_kv_cache(self, num_blocks: int, num_offload_blocks: int = 0) -> None:
         """The pool of num_blocks blocks, plus one scratch block after them where CUDA graphs write
-        the padding rows of a decode step (the block manager never hands it out)."""
+        the padding rows of a decode step (the block manager never hands it out), and this rank's
+        share of the CPU tier's blocks."""
         decision = agreed_decision(self.config, self.device, self.model)  # a collective: every rank is here
         num_scratch = 1 if decision.captures else 0
         layer = self.attention_layers[0]
@@ -162,6 +189,8 @@ class Worker:
         self.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
         for index, attention in enumerate(self.attention_layers):
             attention.kv_cache = self.kv_cache[index]  # [2, num_blocks, block_size, kv_heads, head_dim]
+        if num_offload_blocks:
+            self.offload_cache = host_tier(self.kv_cache, num_offload_blocks)
         if not decision.captures:
             logger.info("decode runs eagerly, without CUDA graphs: %s", decision.reason)
             return
@@ -182,7 +211,7 @@ class Worker:
             attention.kv_cache = None
         self.attention_layers = []
         self.states.clear()
-        self.kv_cache = self.cuda_graphs = None
+        self.kv_cache = self.cuda_graphs = self.offload_cache = None
         self.model = None  # type: ignore[assignment]  # released: no step runs after this
         self.last_sampled = None
         self.sampling_cache = SamplingCache()
@@ -204,6 +233,9 @@ class Worker:
         return None if step is None else step.to_runner_output()
 
     def _step(self, output: SchedulerOutput) -> StepOutput | None:
+        if output.kv_transfers:
+            assert self.kv_cache is not None and self.offload_cache is not None  # the engine has a CPU tier
+            run_transfers(self.kv_cache, self.offload_cache, output.kv_transfers)
         batch = apply_scheduler_output(self.states, output)
         if not batch:
             return StepOutput() if self.parallel_state.is_output_rank else None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import typing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -38,7 +39,7 @@ class RankStartup:
 class WorkerMethod(enum.Enum):
     AVAILABLE_KV_CACHE_BYTES = "available_kv_cache_bytes"
     BYTES_PER_BLOCK = "bytes_per_block"
-    INITIALIZE_KV_CACHE = "initialize_kv_cache"  # argument: num_blocks
+    INITIALIZE_KV_CACHE = "initialize_kv_cache"  # argument: (num_blocks, num_offload_blocks)
     EXECUTE_MODEL = "execute_model"  # argument: SchedulerOutput; only the output rank replies
     SHUTDOWN = "shutdown"
 
@@ -65,7 +66,8 @@ def call_worker(worker, call: WorkerCall) -> object:
     if call.method is WorkerMethod.BYTES_PER_BLOCK:
         return worker.bytes_per_block
     if call.method is WorkerMethod.INITIALIZE_KV_CACHE:
-        return worker.initialize_kv_cache(call.argument)
+        num_blocks, num_offload_blocks = typing.cast(tuple[int, int], call.argument)
+        return worker.initialize_kv_cache(num_blocks, num_offload_blocks)
     raise ValueError(f"no worker call {call.method}")
 
 

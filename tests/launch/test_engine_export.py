@@ -259,3 +259,16 @@ def test_the_cli_prints_the_export(engine, variable, program):
     assert f"\n    {flag} \\\n" in result.output
     help_text = " ".join(CliRunner().invoke(app, ["plan", "--help"]).output.split())
     assert "vllm or sglang: that engine's equivalent serve command" in help_text
+
+
+def test_the_cpu_tier_of_the_kv_cache():
+    """kv_offloading_size is vLLM's own flag; SGLang's hierarchical cache takes whole GB per rank."""
+    plan = record(LLAMA_8B, "8xH100-80GB", tensor_parallel_size=2, kv_offloading_size=64)
+    vllm, sglang = export_plan(plan, "vllm").options, export_plan(plan, "sglang")
+    assert vllm["--kv-offloading-size"] == "64" and vllm["--kv-offloading-backend"] == "native"
+    assert sglang.options["--hicache-size"] == str(int(64 * 2**30 / 2 / 1e9)) == "34"
+    assert "--enable-hierarchical-cache" in sglang.options
+    small = export_plan(record(LLAMA_8B, "8xH100-80GB", tensor_parallel_size=8, kv_offloading_size=4), "sglang")
+    assert "--hicache-size" not in small.options
+    assert small.unsupported == ("kv_offloading_size=4 (under 1 GB per rank over 8 ranks: SGLang's --hicache-size "
+                                 "takes whole GB per rank)",)

@@ -296,7 +296,8 @@ def test_metrics_carry_vllms_names_types_labels_and_buckets(server, client):
     text = http(f"{server}/metrics")[1]
     for name, kind in (("vllm:num_requests_running", "gauge"), ("vllm:kv_cache_usage_perc", "gauge"),
                        ("vllm:prompt_tokens", "counter"), ("vllm:request_success", "counter"),
-                       ("vllm:prefix_cache_hits", "counter"), ("vllm:time_to_first_token_seconds", "histogram"),
+                       ("vllm:prefix_cache_hits", "counter"), ("vllm:external_prefix_cache_hits", "counter"),
+                       ("vllm:external_prefix_cache_queries", "counter"), ("vllm:time_to_first_token_seconds", "histogram"),
                        ("vllm:request_decode_time_seconds", "histogram"),
                        ("vllm:request_generation_tokens", "histogram")):
         assert re.search(rf"^# TYPE {name}(_total)? {kind}$", text, re.M), name

@@ -30,6 +30,7 @@ VALUES = {
     "dtype": "bfloat16", "quantization": "fp8", "kv_cache_dtype": "fp8", "gpu_memory_utilization": 0.5, "kv_cache_memory_bytes": SMALL_POOL,
     "enable_expert_parallel": False,  # the default is None (the planner's choice); True needs a MoE model
     "block_size": 32, "max_num_seqs": 8, "max_num_batched_tokens": 1024, "enable_prefix_caching": False,
+    "kv_offloading_size": 0.25,
     "load_format": "safetensors", "enable_chunked_prefill": True,  # the only value served (False is refused)
     "enforce_eager": True, "async_scheduling": True, "seed": 7, "chat_template": "{{ messages[0].content }}", "generation_config": "vllm",
     "runner": "pooling", "pooling_type": "MEAN", "normalize": False,
@@ -65,6 +66,7 @@ PLAN_READBACK = {
     "max_num_seqs": lambda p: p.runtime.max_num_seqs,
     "max_num_batched_tokens": lambda p: p.runtime.max_num_batched_tokens,
     "enable_prefix_caching": lambda p: p.runtime.enable_prefix_caching,
+    "kv_offloading_size": lambda p: p.runtime.kv_offloading_size,
     "enforce_eager": lambda p: p.runtime.enforce_eager,
     # the plan keeps KV room for target_concurrency full-length requests
     "target_concurrency": lambda p: min(3, int(p.memory.max_concurrency)),
@@ -88,7 +90,8 @@ ENGINE_READBACK = {
     "kv_cache_memory_bytes": lambda c: c.cache.kv_cache_memory_bytes, "block_size": lambda c: c.cache.block_size,
     "max_num_seqs": lambda c: c.scheduler.max_num_seqs,
     "max_num_batched_tokens": lambda c: c.scheduler.max_num_batched_tokens,
-    "enable_prefix_caching": lambda c: c.cache.enable_prefix_caching, "enforce_eager": lambda c: c.model.enforce_eager,
+    "enable_prefix_caching": lambda c: c.cache.enable_prefix_caching,
+    "kv_offloading_size": lambda c: c.cache.kv_offloading_size, "enforce_eager": lambda c: c.model.enforce_eager,
     "load_format": lambda c: c.model.load_format,
     "enable_chunked_prefill": lambda c: c.scheduler.enable_chunked_prefill,
     "async_scheduling": lambda c: c.scheduler.async_scheduling, "seed": lambda c: c.seed, "skip_tokenizer_init": lambda c: c.model.skip_tokenizer_init,

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from shardserve.planner import InfeasibleError
+from shardserve.planner import InfeasibleError, PlanError
 from shardserve.planner.memory import kv_heads_per_rank
 
 from tests.planner.factories import plan_for
@@ -92,3 +92,28 @@ def test_cpu_plan_uses_the_runtime_kv_pool():
     assert d["runtime"]["device"] == "cpu" and d["runtime"]["dtype"] == "float32"
     kv_per_token = 2 * 12 * 12 * 64 * 4
     assert d["memory"]["kv_cache_tokens"] == (2 * 2**30 // (kv_per_token * 16)) * 16
+
+
+def test_the_cpu_tier_is_counted_in_host_memory_and_tokens():
+    """kv_offloading_size: GiB per replica over its ranks; a block costs every rank its share."""
+    plan = plan_for(LLAMA_8B, "8xH100-80GB", tensor_parallel_size=2, pipeline_parallel_size=1, data_parallel_size=1,
+                    kv_offloading_size=16)
+    d = plan.to_dict()
+    per_rank_block = 16 * 2 * 32 * 4 * 128 * 2  # 16 tokens x K and V x 32 layers x 4 KV heads a rank x 128 x bf16
+    blocks = 16 * 2**30 // (per_rank_block * 2)
+    assert d["memory"]["offload_tokens"] == blocks * 16 == 131072
+    assert d["memory"]["offload_bytes"] == blocks * per_rank_block * 2 <= 16 * 2**30
+    assert d["runtime"]["kv_offloading_size"] == 16
+    assert any(line.startswith("CPU tier (kv_offloading_size 16 GiB): 131072 tokens per replica")
+               for line in d["rationale"])
+    plain = plan_for(LLAMA_8B, "8xH100-80GB", tensor_parallel_size=2, pipeline_parallel_size=1,
+                     data_parallel_size=1).to_dict()
+    assert "offload_tokens" not in plain["memory"] and "kv_offloading_size" not in plain["runtime"]
+    assert plain["memory"]["kv_cache_tokens"] == d["memory"]["kv_cache_tokens"]  # GPU memory is untouched
+
+
+def test_a_cpu_tier_that_holds_nothing_or_serves_nothing_is_refused():
+    with pytest.raises(PlanError, match=r"^kv_offloading_size 1e-06 GiB holds no KV block \(2097152 bytes across"):
+        plan_for(LLAMA_8B, "H100", kv_offloading_size=1e-6)
+    with pytest.raises(PlanError, match="kv_offloading_size needs enable_prefix_caching"):
+        plan_for(LLAMA_8B, "H100", kv_offloading_size=1.0, enable_prefix_caching=False)
