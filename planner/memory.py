@@ -8,6 +8,7 @@ from shardserve.planner.graph_memory import GraphShape, cuda_graph_bytes
 from shardserve.planner.hardware import GIB, GpuSpec
 from shardserve.planner.model_spec import ModelSpec
 from shardserve.planner.options import RuntimeSettings
+from shardserve.planner.rules import offload_blocks
 
 # NOTE: outside torch's allocator a CUDA process holds its context, cuBLAS workspaces and
 # NCCL's buffers. These are the sizes seen on Hopper-class GPUs with recent drivers; the runtime
@@ -76,15 +77,6 @@ def longest_fitting_len(num_blocks: int, block_size: int, window: int | None, ma
         middle = (low + high + 1) // 2
         low, high = (middle, high) if fits(middle) else (low, middle - 1)
     return low
-
-
-def offload_blocks(size_gib: float | None, rank_block_bytes: int, num_ranks: int) -> int:
-    """Blocks in the CPU tier of the KV cache (kv_offloading_size, GiB per replica summed over its
-    ranks, as vLLM counts it): a block is kept on every rank, each costed as the rank that needs most
-    per block, so no rank's share exceeds size / num_ranks (planner and runtime share this rule)."""
-    if not size_gib:
-        return 0
-    return int(size_gib * GIB) // (rank_block_bytes * num_ranks)
 
 
 @dataclass(frozen=True)

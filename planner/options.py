@@ -8,7 +8,7 @@ from typing import Literal
 from shardserve.planner.errors import PlanError
 from shardserve.planner.hardware import GpuSpec
 from shardserve.planner.model_spec import DTYPE_BYTES, ModelSpec, canonical_dtype
-from shardserve.planner.rules import fp8_kv_problem, offload_problem
+from shardserve.planner.rules import fp8_kv_problem, offload_problem, offload_size_problem
 from shardserve.planner.workload import Targets, Workload
 from shardserve.planner.settings import (DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN,
                                          SettingError, check_fields, default, resolved_max_num_batched_tokens)
@@ -98,7 +98,10 @@ def resolve_settings(options: PlanOptions, spec: ModelSpec, gpu: GpuSpec) -> Run
     kv_pool = options.kv_cache_memory_bytes
     if gpu.is_cpu and kv_pool is None:
         kv_pool = DEFAULT_CPU_KV_CACHE_BYTES
-    _check_offload_size(options, spec, dtype)
+    kv_bytes = 1 if is_fp8_kv else DTYPE_BYTES[dtype]  # a block of every layer and KV head: the least a tier needs
+    problem = offload_size_problem(options.kv_offloading_size, options.block_size * spec.kv_bytes_per_token(kv_bytes), 1)
+    if problem:
+        raise PlanError(problem)
     return RuntimeSettings(
         dtype=dtype, quantization=options.quantization, kv_cache_dtype=options.kv_cache_dtype if is_fp8_kv else dtype,
         max_model_len=max_len, max_num_seqs=options.max_num_seqs,
@@ -107,16 +110,6 @@ def resolve_settings(options: PlanOptions, spec: ModelSpec, gpu: GpuSpec) -> Run
         enable_prefix_caching=options.enable_prefix_caching, kv_cache_memory_bytes=kv_pool,
         enforce_eager=options.enforce_eager, is_max_model_len_auto=is_auto,
         kv_offloading_size=options.kv_offloading_size)
-
-
-def _check_offload_size(options: PlanOptions, spec: ModelSpec, dtype: str) -> None:
-    """A CPU tier smaller than one block of the whole model (every layer and KV head) holds nothing."""
-    size = options.kv_offloading_size
-    kv_bytes = 1 if options.kv_cache_dtype.startswith("fp8") else DTYPE_BYTES[dtype]
-    block = options.block_size * spec.kv_bytes_per_token(kv_bytes)
-    if size is not None and size * 2**30 < block:
-        raise PlanError(f"kv_offloading_size {size:g} GiB holds no KV block ({block} bytes across a replica's "
-                        "ranks): raise it")
 
 
 def _resolve_dtype(requested: str, spec: ModelSpec, gpu: GpuSpec) -> str:

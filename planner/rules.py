@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardserve.planner.hardware import Hardware
+from shardserve.planner.hardware import GIB, Hardware
 from shardserve.planner.model_spec import ModelSpec
 
 
@@ -83,6 +83,23 @@ def fp8_kv_problem(kv_cache_dtype: str, device: str, has_fp8: bool) -> str | Non
         return None
     return (f"kv_cache_dtype {kv_cache_dtype} needs a GPU with fp8 support (compute capability "
             f"{'.'.join(map(str, FP8_COMPUTE_CAPABILITY))} or newer); {device} has none: use kv_cache_dtype auto")
+
+
+def offload_blocks(size_gib: float | None, rank_block_bytes: int, num_ranks: int) -> int:
+    """Blocks in the CPU tier of the KV cache (kv_offloading_size, GiB per replica summed over its
+    ranks, as vLLM counts it): a block is kept on every rank, each costed as the rank that needs most
+    per block, so no rank's share exceeds size / num_ranks (planner and runtime share this rule)."""
+    if not size_gib:
+        return 0
+    return int(size_gib * GIB) // (rank_block_bytes * num_ranks)
+
+
+def offload_size_problem(size_gib: float | None, rank_block_bytes: int, num_ranks: int) -> str | None:
+    """A CPU tier too small for one block (offload_blocks' rule) would hold nothing."""
+    if size_gib is None or offload_blocks(size_gib, rank_block_bytes, num_ranks):
+        return None
+    return (f"kv_offloading_size {size_gib:g} GiB holds no KV block ({rank_block_bytes * num_ranks} bytes across "
+            "a replica's ranks): raise it")
 
 
 def offload_problem(enable_prefix_caching: bool, kv_offloading_size: float | None) -> str | None:

@@ -9,7 +9,8 @@ from shardserve.planner.memory import MemoryPlan, plan_memory
 from shardserve.planner.model_source import ModelInfo
 from shardserve.planner.options import PlanOptions, RuntimeSettings
 from shardserve.planner.rules import (Layout, expert_parallel_problem, expert_parallel_reason, max_replicas,
-                                      placement_problem, replica_spans_nodes, tensor_parallel_problem)
+                                      offload_size_problem, placement_problem, replica_spans_nodes,
+                                      tensor_parallel_problem)
 from shardserve.planner.serving import Replica
 from shardserve.planner.speed import Estimates, estimate, replica_model
 from shardserve.planner.workload import Targets, Workload
@@ -128,7 +129,7 @@ class Search:
         if settings.is_max_model_len_auto:  # this layout's own longest; the model's limit if none fits
             fitting = memory.longest_fitting_len(spec.max_context_len, self.options.target_concurrency)
             settings = replace(settings, max_model_len=fitting or settings.max_model_len)
-        problem = _memory_problem(memory, settings, self.options, self.hardware)
+        problem = _memory_problem(memory, settings, self.options, self.hardware, tp * pp)
         replica = replica_model(spec, split, tp, ep, self.hardware, settings, memory.kv_cache_tokens)
         rate = replica.max_request_rate(self.workload.per_replica(1), self._meets) if with_rate else 0.0
         return Candidate(layout, problem, tuple(split), memory, None, ep, settings, rule8), replica, rate
@@ -157,11 +158,10 @@ class Search:
 
 
 def _memory_problem(memory: MemoryPlan, settings: RuntimeSettings, options: PlanOptions,
-                    hardware: Hardware) -> str | None:
-    if settings.kv_offloading_size and not memory.num_offload_blocks:
-        per_block = max(s.kv_bytes_per_token for s in memory.stages) * memory.block_size
-        return (f"kv_offloading_size {settings.kv_offloading_size:g} GiB holds no KV block ({per_block} bytes "
-                "on each rank of a replica): raise it")
+                    hardware: Hardware, num_ranks: int) -> str | None:
+    if settings.kv_offloading_size and not memory.num_offload_blocks:  # (replicated KV heads, an uneven split)
+        rank_block = max(s.kv_bytes_per_token for s in memory.stages) * memory.block_size
+        return offload_size_problem(settings.kv_offloading_size, rank_block, num_ranks)
     needed = memory.blocks_per_request(settings.max_model_len) * options.target_concurrency
     if memory.tightest.kv_budget_bytes <= 0:
         t = memory.tightest

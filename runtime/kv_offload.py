@@ -38,9 +38,6 @@ class OffloadTier:
         self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
         self.pinned: set[int] = set()
 
-    def __len__(self) -> int:
-        return len(self._slots)
-
     def lookup(self, block_hash: bytes) -> int | None:
         """The slot holding this content, now the most recently used; None when the tier lacks it."""
         slot = self._slots.get(block_hash)

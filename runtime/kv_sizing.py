@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from shardserve.planner.memory import longest_fitting_len, max_blocks_per_request, offload_blocks
+from shardserve.planner.memory import longest_fitting_len, max_blocks_per_request
+from shardserve.planner.rules import offload_blocks, offload_size_problem
 from shardserve.runtime.config import EngineConfig, KVCacheInfo
 from shardserve.runtime.executor import Executor
 
@@ -49,12 +50,11 @@ def size_kv_cache(config: EngineConfig, executor: Executor) -> KVCacheInfo:
 
 def _offload_blocks(config: EngineConfig, per_block: int) -> int:
     """The CPU tier's blocks, by the planner's rule; a size too small for one block is refused."""
-    size = config.cache.kv_offloading_size
-    num_blocks = offload_blocks(size, per_block, config.parallel.world_size)
-    if size is not None and num_blocks == 0:
-        raise ValueError(f"kv_offloading_size {size:g} GiB holds no KV block ({per_block} bytes on each of "
-                         f"{config.parallel.world_size} rank(s)): raise it")
-    return num_blocks
+    size, num_ranks = config.cache.kv_offloading_size, config.parallel.world_size
+    problem = offload_size_problem(size, per_block, num_ranks)
+    if problem:
+        raise ValueError(problem)
+    return offload_blocks(size, per_block, num_ranks)
 
 
 def with_measured_len(config: EngineConfig, info: KVCacheInfo) -> EngineConfig:

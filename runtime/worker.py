@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 
 import torch
 
@@ -57,7 +58,7 @@ def host_tier(kv_cache: torch.Tensor, num_slots: int) -> torch.Tensor:
     (pinned beside a GPU, so copies run on the stream without blocking the host)."""
     layers, two, _, block_size, heads, head_dim = kv_cache.shape
     shape = (num_slots, layers, two, block_size, heads, head_dim)
-    needed = num_slots * layers * two * block_size * heads * head_dim * kv_cache.element_size()
+    needed = math.prod(shape) * kv_cache.element_size()
     available = available_host_bytes()
     if available is not None and needed > available:
         raise ValueError(f"kv_offloading_size: this rank's share of the CPU tier is {needed / 1024**3:.2f} GiB "
