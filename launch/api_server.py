@@ -18,6 +18,7 @@ from shardserve.launch.anthropic_messages import MESSAGES_PATH, add_messages_rou
 from shardserve.launch.body_limit import BodyLimit
 from shardserve.launch.chat_batch import add_chat_batch_routes
 from shardserve.launch.embeddings import add_embedding_routes
+from shardserve.launch.lora_routes import add_lora_routes
 from shardserve.launch.metrics import ServerMetrics
 from shardserve.launch.openai_serving import OpenAIServing, PreparedRequest
 from shardserve.launch.prefix_router import session_key
@@ -116,7 +117,13 @@ def _add_info_routes(app: FastAPI, replicas: ReplicaSet, serving: OpenAIServing)
                             "created": 0, "allow_create_engine": False, "allow_sampling": True,
                             "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
                             "allow_fine_tuning": False, "organization": "*", "group": None,
-                            "is_blocking": False}]}]}
+                            "is_blocking": False}]}, *[{
+            "id": name, "object": "model", "created": 0, "owned_by": "shardserve", "root": name,
+            "parent": serving.served_model_name, "max_model_len": replicas.max_model_len, "permission": []}
+            for name in serving.loras.adapters]]}
+
+    if serving.options.enable_runtime_lora_updating:  # as vLLM: any client may add adapters, so off unless asked
+        add_lora_routes(app, serving)
 
     if serving.options.enable_tokenizer_info_endpoint:  # as vLLM: it shows the chat template, so off unless asked
         @app.get("/tokenizer_info")

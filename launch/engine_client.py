@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from shardserve.runtime.config import KVCacheInfo, ModelConfig
     from shardserve.runtime.engine import EngineStats
     from shardserve.runtime.input_processor import ProcessedPrompt
+    from shardserve.runtime.lora_request import LoRARequest
     from shardserve.runtime.outputs import PromptDelta
     from shardserve.runtime.pooling_params import PoolingParams
     from shardserve.runtime.sampling_params import SamplingParams
@@ -38,9 +39,10 @@ class EngineClient(Protocol):
         """Why the replica is dead (health), or None; once set it stays."""
 
     def generate(self, prompt: ProcessedPrompt, sampling_params: SamplingParams | PoolingParams,
-                 prompt_id: str) -> AsyncIterator[PromptDelta]:
+                 prompt_id: str, lora_request: LoRARequest | None = None) -> AsyncIterator[PromptDelta]:
         """The prompt's deltas, the last one finished; closing the iterator early aborts the prompt. With
-        PoolingParams (a replica whose runner is pooling) one delta comes, carrying the prompt's vector."""
+        PoolingParams (a replica whose runner is pooling) one delta comes, carrying the prompt's vector.
+        With a lora_request, generated with that adapter (the server checked it when it was added)."""
 
     async def abort(self, prompt_id: str) -> None:
         """End the prompt's stream and free what it holds."""

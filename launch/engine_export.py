@@ -44,7 +44,8 @@ HANDLED_SETTINGS = frozenset({
     "distributed_executor_backend", "enable_expert_parallel",
     "device", "dtype", "quantization", "kv_cache_dtype", "max_model_len", "gpu_memory_utilization",
     "max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
-    "kv_cache_memory_bytes", "enforce_eager", "kv_offloading_size", *LATENCY_TARGETS, *TRAFFIC,
+    "kv_cache_memory_bytes", "enforce_eager", "kv_offloading_size", "enable_lora", "max_loras", "max_lora_rank",
+    *LATENCY_TARGETS, *TRAFFIC,
 })
 
 
@@ -212,6 +213,11 @@ def _vllm_runtime(plan: PlanFile, draft: _Draft) -> None:
     if rt.kv_offloading_size is not None:
         draft.add("--kv-offloading-size", f"{rt.kv_offloading_size:g}")
         draft.add("--kv-offloading-backend", "native")
+    if rt.enable_lora:
+        draft.add("--enable-lora")
+        draft.add("--max-loras", rt.max_loras)
+        draft.add("--max-lora-rank", rt.max_lora_rank)
+        draft.notes.append("the adapters themselves: --lora-modules name=path ... (as for shardserve launch)")
     if rt.enforce_eager:
         draft.add("--enforce-eager")
     if rt.device == "cpu":
@@ -263,6 +269,11 @@ def _sglang_runtime(plan: PlanFile, draft: _Draft) -> None:
         draft.add("--disable-radix-cache")
     if rt.kv_offloading_size is not None:
         _sglang_host_cache(plan, draft)
+    if rt.enable_lora:
+        draft.add("--enable-lora")
+        draft.add("--max-loras-per-batch", rt.max_loras)
+        draft.add("--max-lora-rank", rt.max_lora_rank)
+        draft.notes.append("the adapters themselves: --lora-paths name=path ... (shardserve's --lora-modules)")
     if rt.enforce_eager:
         draft.add("--disable-cuda-graph")
     if rt.device == "cpu":

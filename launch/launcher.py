@@ -28,6 +28,7 @@ from shardserve.planner.yaml_file import read_yaml
 
 if TYPE_CHECKING:
     from shardserve.launch.engine_client import EngineClient
+    from shardserve.launch.lora_registry import LoRARegistry
 
 logger = logging.getLogger("shardserve.launch")
 
@@ -221,18 +222,23 @@ def serve(config: DeployConfig, plan: PlanFile, listener: socket.socket, api_key
           served_model_name: str | None, restarts: int = 0) -> int:
     """Serve on `listener` (bind_port's); when the engine dies (a rank or a node lost), start the
     whole gang again, up to `restarts` times. Returns the process exit code."""
+    from shardserve.launch.lora_registry import registry_from_settings
     from shardserve.launch.plan_check import for_traffic
 
     log_plan(plan)
     export_env(config.env or {})
-    expected = for_traffic(plan, load_model(config.model, config.quantization))  # the self-check's model, once
+    model = load_model(config.model, config.quantization)
+    expected = for_traffic(plan, model)  # the self-check's model, once
+    loras = registry_from_settings(served_model_name or served_name(config), model.spec, setting(config, "enable_lora"),
+                                   setting(config, "max_lora_rank"), config.lora_modules,
+                                   setting(config, "enable_runtime_lora_updating"))
     with listener:
         for attempt in range(restarts + 1):
             if attempt:
                 logger.warning("restarting every replica and rank (restart %d of %d)", attempt,
                                restarts)
             # NOTE: the server closes the socket it is given when it stops: each run gets a duplicate
-            code, engine_died = serve_once(config, plan, listener.dup(), api_key, served_model_name, expected)
+            code, engine_died = serve_once(config, plan, listener.dup(), api_key, loras, expected)
             if not engine_died:
                 return code
     if restarts:
@@ -277,7 +283,7 @@ def model_folder(model: str) -> str:
 
 
 def serve_once(config: DeployConfig, plan: PlanFile, listener: socket.socket, api_key: str | None,
-               served_model_name: str | None, expected=None) -> tuple[int, bool]:
+               loras: LoRARegistry, expected=None) -> tuple[int, bool]:
     """Start the replicas and the server on `listener`; (exit code, whether the engine died).
     `expected`: the plan's speed for the traffic seen (plan_check.for_traffic), for the self-check."""
     import uvicorn
@@ -291,7 +297,7 @@ def serve_once(config: DeployConfig, plan: PlanFile, listener: socket.socket, ap
     from shardserve.launch.server_loop import ENDING_SECONDS, Drain, run, server_class
 
     host, port = setting(config, "host"), listener.getsockname()[1]
-    name = served_model_name or served_name(config)
+    name = loras.base_name
     path = model_folder(config.model)
     if uses_ray_cluster(config):
         from shardserve.launch.ray_nodes import check_cluster
@@ -308,7 +314,7 @@ def serve_once(config: DeployConfig, plan: PlanFile, listener: socket.socket, ap
     metrics = ServerMetrics(name, replicas.stats, replicas.max_model_len)
     replicas.metrics = metrics
     limit = config.max_queued_requests or 4 * setting(config, "max_num_seqs") * len(engines)
-    serving = OpenAIServing(replicas, name, ServingOptions.from_config(config))
+    serving = OpenAIServing(replicas, name, ServingOptions.from_config(config), loras)
     app = build_app(replicas, serving, metrics, api_key, limit, config.allowed_origins,
                     max_request_body_bytes=setting(config, "max_request_body_bytes"))
     warn_exposure(host, api_key)

@@ -11,6 +11,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 
 from shardserve.launch import tokenization
 from shardserve.launch.api_error import APIError, as_api_error
+from shardserve.launch.lora_registry import LoRARegistry
 from shardserve.launch.chat_render import template_arguments, template_conversation, template_kwargs
 from shardserve.launch.prepared_request import PreparedRequest, ResponseOptions
 from shardserve.launch.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
@@ -22,6 +23,7 @@ from shardserve.launch.serving_options import ServingOptions
 from shardserve.launch.tokenization import DetokenizeRequest, TokenizeRequest
 from shardserve.launch.tool_calls import ToolCallError, ToolPlan, plan_tools
 from shardserve.runtime.input_processor import InputProcessor, ProcessedPrompt
+from shardserve.runtime.lora_request import LoRARequest
 from shardserve.runtime.outputs import PromptDelta
 from shardserve.runtime.sampling_params import SamplingParams
 
@@ -30,20 +32,23 @@ logger = logging.getLogger("shardserve.launch.serving")
 
 
 class OpenAIServing:
-    def __init__(self, replicas: ReplicaSet, served_model_name: str, options: ServingOptions = ServingOptions()):
+    def __init__(self, replicas: ReplicaSet, served_model_name: str, options: ServingOptions = ServingOptions(),
+                 loras: LoRARegistry | None = None):
         self.replicas = replicas
         self.served_model_name = served_model_name
         self.options = options
+        self.loras = loras or LoRARegistry(served_model_name, None, False, 0)
 
     # ---- API request -> prompts ------------------------------------------------------------
-    def check_ready(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
-            raise APIError(404, f"model {model!r} does not exist; this server serves "
-                           f"{self.served_model_name!r}", "model", "not_found_error")
+    def check_ready(self, model: str | None) -> LoRARequest | None:
+        """The adapter `model` names (None: the base model); a 404 for a name not served, a 503 while
+        the engine is down."""
+        lora = self.loras.resolve(model)
         dead = self.replicas.public_dead_reason()
         if dead:
             raise APIError(503, f"the engine is not running ({dead})",
                            error_type="service_unavailable")
+        return lora
 
     def _response_options(self, body: _SamplingFields) -> ResponseOptions:
         include_usage = body.stream and (body.include_usage or self.options.enable_force_include_usage)
@@ -57,7 +62,7 @@ class OpenAIServing:
         return self.options.num_logprobs(asked, field, self.replicas.input_processor.vocab_size)
 
     def prepare_completion(self, body: CompletionRequest) -> PreparedRequest:
-        self.check_ready(body.model)
+        lora = self.check_ready(body.model)
         body.check_fields()
         if body.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
@@ -78,9 +83,13 @@ class OpenAIServing:
                           for p in prompts]
         if scored:
             first_texts = [processor.decode(p.prompt_token_ids[:1]) for p in prompts]
-        return PreparedRequest("completion", f"cmpl-{uuid.uuid4().hex}", self.served_model_name,
+        return PreparedRequest("completion", f"cmpl-{uuid.uuid4().hex}", self._model_name(lora),
                                prompts, params, echo_texts, first_texts, prompt_logprobs,
-                               grammar_param=body.structured_field, options=self._response_options(body))
+                               grammar_param=body.structured_field, options=self._response_options(body), lora=lora)
+
+    def _model_name(self, lora: LoRARequest | None) -> str:
+        """The model a response names: the adapter's when the request asked for one."""
+        return self.served_model_name if lora is None else lora.lora_name
 
     def tokenize(self, body: TokenizeRequest) -> dict:
         return tokenization.tokenize(self, body)
@@ -89,7 +98,7 @@ class OpenAIServing:
         return tokenization.detokenize(self, body)
 
     def prepare_chat(self, body: ChatCompletionRequest) -> PreparedRequest:
-        self.check_ready(body.model)
+        lora = self.check_ready(body.model)
         body.check_fields()
         processor = self.replicas.input_processor
         plan = self._tool_plan(body)
@@ -117,10 +126,10 @@ class OpenAIServing:
         reasoning = self._reasoning(processor, prompt)
         if reasoning is not None and reasoning.starts_inside and params.structured_outputs is not None:
             params = _after_reasoning(processor, params)
-        return PreparedRequest("chat", f"chatcmpl-{uuid.uuid4().hex}", self.served_model_name,
+        return PreparedRequest("chat", f"chatcmpl-{uuid.uuid4().hex}", self._model_name(lora),
                                [prompt], params, prompt_logprobs=prompt_logprobs, tool_plan=plan, reasoning=reasoning,
                                grammar_param=grammar_param, role=role, echo_message=echo,
-                               options=self._response_options(body))
+                               options=self._response_options(body), lora=lora)
 
     def _reasoning(self, processor: InputProcessor, prompt: ProcessedPrompt) -> ReasoningMode | None:
         """The reasoning split of a chat request's output, when the server has a parser: it starts inside
@@ -162,7 +171,7 @@ class OpenAIServing:
         async def pump(prompt_index: int, prompt: ProcessedPrompt) -> None:
             try:
                 async for delta in self.replicas.generate(prompt, request.params, request.prompt_id(prompt_index),
-                                                          request.session):
+                                                          request.session, request.lora):
                     queue.put_nowait((prompt_index, delta))
             except BaseException as e:  # noqa: BLE001 - handed to the consumer
                 queue.put_nowait(e)

@@ -101,6 +101,9 @@ def render_plan(plan: PlanFile, console: Console) -> None:
     if mem.offload_tokens:
         console.print(f"CPU tier of the KV cache: [bold]{mem.offload_tokens:,}[/] tokens per replica in "
                       f"{_gib(mem.offload_bytes or 0)} of host memory", highlight=False)
+    if rt.enable_lora:
+        console.print(f"LoRA: [bold]{rt.max_loras}[/] adapter slot(s) of rank up to {rt.max_lora_rank}, "
+                      f"{_gib(mem.per_gpu.lora_bytes or 0)} per GPU", highlight=False)
     render_estimates(plan, console)
     console.print("[bold]Why[/]")
     for line in plan.rationale:

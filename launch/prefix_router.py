@@ -84,12 +84,14 @@ class PrefixRouter:
         self.caches = [CachedBlocks(capacity_blocks) for _ in range(num_replicas)]
         self.sessions: OrderedDict[str, int] = OrderedDict()
 
-    def choose(self, loads: Sequence[int], token_ids: Sequence[int], session: str | None = None) -> Route:
-        """The replica for a prompt, given each replica's prompts in flight."""
+    def choose(self, loads: Sequence[int], token_ids: Sequence[int], session: str | None = None,
+               seed: int | None = None) -> Route:
+        """The replica for a prompt, given each replica's prompts in flight; `seed` keeps an adapter's
+        blocks (its lora_int_id) apart from the base model's."""
         least = min(range(len(loads)), key=lambda i: (loads[i], i))
         if not self.is_active:
             return Route(least, "least_loaded")
-        hashes = tuple(block_hashes(token_ids, self.block_size))
+        hashes = tuple(block_hashes(token_ids, self.block_size, seed))
         bound = loads[least] + max(LOAD_SLACK, loads[least])
         if session is not None and session in self.sessions and loads[self.sessions[session]] <= bound:
             return Route(self.sessions[session], "session", hashes=hashes)
@@ -99,14 +101,15 @@ class PrefixRouter:
             return Route(least, "least_loaded", hashes=hashes)
         return Route(best, "prefix", matched[best], hashes)
 
-    def record(self, route: Route, token_ids: Sequence[int], session: str | None = None) -> None:
+    def record(self, route: Route, token_ids: Sequence[int], session: str | None = None,
+               seed: int | None = None) -> None:
         """The replica chosen holds (or will) these tokens' blocks; the conversation goes on there.
         token_ids: the prompt the route was chosen for, maybe with tokens after it (only blocks past the
         route's own hashes are hashed)."""
         if not self.is_active:
             return
         known = route.hashes
-        after = block_hashes(token_ids[len(known) * self.block_size:], self.block_size, known[-1] if known else None)
+        after = block_hashes(token_ids[len(known) * self.block_size:], self.block_size, known[-1] if known else seed)
         self.caches[route.index].add((*known, *after))
         if session is not None:
             self.sessions[session] = route.index

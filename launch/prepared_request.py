@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from shardserve.launch.reasoning import ReasoningMode
 from shardserve.launch.tool_calls import ToolPlan
 from shardserve.runtime.input_processor import ProcessedPrompt
+from shardserve.runtime.lora_request import LoRARequest
 from shardserve.runtime.sampling_params import SamplingParams
 
 
@@ -43,6 +44,7 @@ class PreparedRequest:
     echo_message: str = ""  # chat's echo: the reply starts with the last message's content
     options: ResponseOptions = field(default_factory=ResponseOptions)
     session: str | None = None  # the conversation's key for routing (x-session-id header, or the user field)
+    lora: LoRARequest | None = None  # the adapter its model field names; None: the base model
     created: int = field(default_factory=lambda: int(time.time()))
 
     def prompt_id(self, prompt_index: int) -> str:

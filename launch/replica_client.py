@@ -155,7 +155,7 @@ class ReplicaClient:
         for stream in self._streams.values():
             stream.put_nowait(error)
 
-    async def generate(self, prompt, sampling_params, prompt_id: str) -> AsyncIterator:
+    async def generate(self, prompt, sampling_params, prompt_id: str, lora_request=None) -> AsyncIterator:
         """The prompt's deltas from the replica (a ProcessedPrompt: the server processed it); with
         PoolingParams, the one delta carrying its vector."""
         if self.error is not None:
@@ -170,7 +170,7 @@ class ReplicaClient:
         self._streams[prompt_id] = stream
         finished = False
         try:
-            writer.write(frame(AddPrompt(prompt_id, prompt, sampling_params)))
+            writer.write(frame(AddPrompt(prompt_id, prompt, sampling_params, lora_request)))
             while not finished:
                 item = await stream.get()
                 if item is _ABORTED:

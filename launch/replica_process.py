@@ -86,7 +86,7 @@ class ReplicaServer:
 
     async def _run(self, add: AddPrompt) -> None:
         try:
-            async for delta in self.engine.generate(add.prompt, add.params, add.prompt_id):
+            async for delta in self.engine.generate(add.prompt, add.params, add.prompt_id, add.lora):
                 self._send_delta(delta)
         except asyncio.CancelledError:
             pass

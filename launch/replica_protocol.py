@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from shardserve.runtime.config import KVCacheInfo, ModelConfig
     from shardserve.runtime.engine import EngineStats
     from shardserve.runtime.input_processor import ProcessedPrompt
+    from shardserve.runtime.lora_request import LoRARequest
     from shardserve.runtime.outputs import PromptDelta
     from shardserve.runtime.pooling_params import PoolingParams
     from shardserve.runtime.sampling_params import SamplingParams
@@ -63,6 +64,7 @@ class AddPrompt:
     prompt_id: str
     prompt: ProcessedPrompt
     params: SamplingParams | PoolingParams
+    lora: LoRARequest | None = None  # the adapter to generate with; None: the base model
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ from shardserve.launch.plan_check import FinishedRequest, PlanCheck
 from shardserve.launch.prefix_router import CACHE_AWARE, PrefixRouter, Route
 from shardserve.launch.protocol import shutting_down
 from shardserve.runtime.input_processor import InputProcessor, ProcessedPrompt
+from shardserve.runtime.lora_request import LoRARequest
 from shardserve.runtime.outputs import EmbeddingRequestOutput, PromptDelta, embedding_output
 from shardserve.runtime.pooling_params import PoolingParams
 from shardserve.runtime.sampling_params import SamplingParams
@@ -89,21 +90,23 @@ class ReplicaSet:
     def pick(self) -> Replica:
         return min(self.replicas, key=lambda r: (r.num_active, r.index))
 
-    def route(self, prompt: ProcessedPrompt, session: str | None) -> Route:
-        """The replica for a prompt (the router's choice, counted), which now holds its blocks."""
-        route = self.router.choose([r.num_active for r in self.replicas], prompt.prompt_token_ids, session)
-        self.router.record(route, prompt.prompt_token_ids, session)
+    def route(self, prompt: ProcessedPrompt, session: str | None, lora: LoRARequest | None = None) -> Route:
+        """The replica for a prompt (the router's choice, counted), which now holds its blocks (an adapter's
+        apart from the base model's)."""
+        seed = None if lora is None else lora.lora_int_id
+        route = self.router.choose([r.num_active for r in self.replicas], prompt.prompt_token_ids, session, seed)
+        self.router.record(route, prompt.prompt_token_ids, session, seed)
         if self.metrics is not None:
             self.metrics.routed.labels(self.metrics.model, str(route.index), route.reason).inc()
         return route
 
     async def generate(self, prompt: ProcessedPrompt, params: SamplingParams, prompt_id: str,
-                       session: str | None = None) -> AsyncIterator[PromptDelta]:
+                       session: str | None = None, lora: LoRARequest | None = None) -> AsyncIterator[PromptDelta]:
         """The prompt's deltas from the replica the router chose (`session`: the conversation's key), timed
         for metrics. A prompt that stop() ended raises a 503."""
         if self.is_stopping:
             raise shutting_down()
-        route = self.route(prompt, session)
+        route = self.route(prompt, session, lora)
         replica = self.replicas[route.index]
         replica.num_active += 1
         self.prompts[prompt_id] = replica
@@ -111,7 +114,7 @@ class ReplicaSet:
         is_finished = False
         output: list[int] = []  # the first sample's tokens: cached after the prompt's
         try:
-            async for delta in replica.engine.generate(prompt, params, prompt_id):
+            async for delta in replica.engine.generate(prompt, params, prompt_id, lora):
                 is_finished = delta.finished
                 output.extend(t for s in delta.samples if s.sample_index == 0 for t in s.new_token_ids)
                 if timer is not None:
@@ -120,7 +123,7 @@ class ReplicaSet:
             if not is_finished and self.is_stopping:
                 raise shutting_down()
             if self.router.is_active:
-                self.router.record(route, [*prompt.prompt_token_ids, *output])
+                self.router.record(route, [*prompt.prompt_token_ids, *output], seed=None if lora is None else lora.lora_int_id)
             if timer is not None:
                 self._finished(timer)
         finally:

@@ -24,6 +24,7 @@ class ServingOptions:
     enable_tokenizer_info_endpoint: bool = default("enable_tokenizer_info_endpoint")
     enable_server_load_tracking: bool = default("enable_server_load_tracking")
     root_path: str | None = default("root_path")
+    enable_runtime_lora_updating: bool = default("enable_runtime_lora_updating")
 
     @classmethod
     def from_config(cls, config: Any) -> ServingOptions:

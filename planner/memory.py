@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from shardserve.planner.graph_memory import GraphShape, cuda_graph_bytes
 from shardserve.planner.hardware import GIB, GpuSpec
+from shardserve.planner.lora import slot_bytes
 from shardserve.planner.model_spec import ModelSpec
 from shardserve.planner.options import RuntimeSettings
 from shardserve.planner.rules import offload_blocks
@@ -31,6 +32,7 @@ class StageMemory:
     kv_budget_bytes: int       # what is left for the KV cache; negative when over budget
     kv_bytes_per_token: int    # this GPU's layers and KV heads
     num_layers: int
+    lora_bytes: int = 0        # the LoRA adapter slots (enable_lora)
 
     def num_blocks_fit(self, block_size: int) -> int:
         return max(0, self.kv_budget_bytes) // (self.kv_bytes_per_token * block_size)
@@ -171,15 +173,17 @@ def plan_memory(spec: ModelSpec, stage_weights: list[float], split: list[int], t
     for s, (weights, layers) in enumerate(zip(stage_weights, split)):
         act = activation_bytes(spec, tp, settings, is_last=s == pp - 1, expert_parallel=expert_parallel)
         over = overhead_bytes(gpu, tp, pp)
-        if not gpu.is_cpu and not settings.enforce_eager:
+        if not gpu.is_cpu and settings.graphs_captured:
             over += cuda_graph_bytes(graph_shape(spec, tp, settings, layers, s == 0, expert_parallel))
-        budget = usable - int(weights) - act - over
+        lora = settings.max_loras * slot_bytes(spec, tp, layers, settings.max_lora_rank, settings.dtype_bytes) \
+            if settings.enable_lora else 0
+        budget = usable - int(weights) - act - over - lora
         if settings.kv_cache_memory_bytes is not None:
             budget = min(budget, settings.kv_cache_memory_bytes)
         per_token = 2 * layers * kv_heads_per_rank(spec, tp) * spec.head_dim
         per_token *= settings.kv_dtype_bytes
         stages.append(StageMemory(gpu.memory_bytes, int(weights), act, over, budget,
-                                  per_token, layers))
+                                  per_token, layers, lora))
     num_blocks = min(s.num_blocks_fit(settings.block_size) for s in stages)
     rank_block = max(s.kv_bytes_per_token for s in stages) * settings.block_size
     offloaded = offload_blocks(settings.kv_offloading_size, rank_block, tp * pp)

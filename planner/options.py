@@ -7,6 +7,7 @@ from typing import Literal
 
 from shardserve.planner.errors import PlanError
 from shardserve.planner.hardware import GpuSpec
+from shardserve.planner.lora import lora_problem
 from shardserve.planner.model_spec import DTYPE_BYTES, ModelSpec, canonical_dtype
 from shardserve.planner.rules import fp8_kv_problem, offload_problem, offload_size_problem
 from shardserve.planner.workload import Targets, Workload
@@ -36,6 +37,9 @@ class PlanOptions:
     max_num_batched_tokens: int | None = default("max_num_batched_tokens")
     enable_prefix_caching: bool = default("enable_prefix_caching")
     kv_offloading_size: float | None = default("kv_offloading_size")
+    enable_lora: bool = default("enable_lora")
+    max_loras: int = default("max_loras")
+    max_lora_rank: int = default("max_lora_rank")
     enforce_eager: bool = default("enforce_eager")
     target_concurrency: int = default("target_concurrency")
     input_len: int | None = default("input_len")
@@ -68,6 +72,14 @@ class RuntimeSettings:
     enforce_eager: bool = False
     is_max_model_len_auto: bool = False  # max_model_len is the model's limit until a layout fits it
     kv_offloading_size: float | None = None  # GiB of host memory per replica for the CPU tier
+    enable_lora: bool = False
+    max_loras: int = 1  # adapter slots on every rank (with enable_lora)
+    max_lora_rank: int = 16  # each slot's rank
+
+    @property
+    def graphs_captured(self) -> bool:
+        """Decode CUDA graphs on a GPU (LoRA steps run eagerly: their adapters change per batch)."""
+        return not self.enforce_eager and not self.enable_lora
 
     @property
     def dtype_bytes(self) -> int:
@@ -86,7 +98,8 @@ def resolve_settings(options: PlanOptions, spec: ModelSpec, gpu: GpuSpec) -> Run
     dtype = _resolve_dtype(options.dtype, spec, gpu)
     is_fp8_kv = options.kv_cache_dtype.startswith("fp8")
     problem = (fp8_kv_problem(options.kv_cache_dtype, gpu.name, gpu.has_fp8 or gpu.is_cpu)
-               or offload_problem(options.enable_prefix_caching, options.kv_offloading_size))
+               or offload_problem(options.enable_prefix_caching, options.kv_offloading_size)
+               or (lora_problem(spec.architecture, options.max_loras, None) if options.enable_lora else None))
     if problem:
         raise PlanError(problem)
     is_auto = options.max_model_len == "auto"
@@ -109,7 +122,8 @@ def resolve_settings(options: PlanOptions, spec: ModelSpec, gpu: GpuSpec) -> Run
         gpu_memory_utilization=options.gpu_memory_utilization,
         enable_prefix_caching=options.enable_prefix_caching, kv_cache_memory_bytes=kv_pool,
         enforce_eager=options.enforce_eager, is_max_model_len_auto=is_auto,
-        kv_offloading_size=options.kv_offloading_size)
+        kv_offloading_size=options.kv_offloading_size, enable_lora=options.enable_lora,
+        max_loras=options.max_loras, max_lora_rank=options.max_lora_rank)
 
 
 def _resolve_dtype(requested: str, spec: ModelSpec, gpu: GpuSpec) -> str:

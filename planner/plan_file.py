@@ -90,6 +90,7 @@ class StageSection:
     activation_bytes: int
     overhead_bytes: int
     kv_cache_bytes: int
+    lora_bytes: int | None = None  # the LoRA adapter slots (enable_lora); None: none
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,9 @@ class RuntimeSection:
     kv_cache_memory_bytes: int | None
     enforce_eager: bool
     kv_offloading_size: float | None = None  # GiB per replica for the CPU tier; None: none (older plans)
+    enable_lora: bool = False  # (older plans: none)
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
 
 @dataclass(frozen=True)

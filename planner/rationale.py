@@ -148,6 +148,12 @@ def _kv_cache_lines(mem, settings: RuntimeSettings, model_limit: int) -> list[st
                      f"tokens per replica in {mem.offload_bytes / 2**30:.2f} GiB of host memory; full prefix "
                      "blocks evicted from the KV cache wait there, and a prompt sharing them loads them back "
                      "instead of computing them")
+    if settings.enable_lora:
+        lora = mem.tightest.lora_bytes
+        lines.append(f"LoRA: {settings.max_loras} adapter slot(s) of rank up to {settings.max_lora_rank} take "
+                     f"{lora / 2**20:.1f} MiB per GPU of the tightest stage before the KV cache; a batch serves at "
+                     f"most {settings.max_loras} adapters (others wait for a slot), and decode runs without CUDA "
+                     "graphs")
     if settings.is_max_model_len_auto:
         lines.append(f"max_model_len auto: {length}, the longest for which target_concurrency requests fit "
                      f"the KV cache (the model's limit: {model_limit})")

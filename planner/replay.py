@@ -44,7 +44,8 @@ def settings_of(plan: PlanFile) -> RuntimeSettings:
         max_num_batched_tokens=rt.max_num_batched_tokens, block_size=rt.block_size,
         gpu_memory_utilization=rt.gpu_memory_utilization, enable_prefix_caching=rt.enable_prefix_caching,
         kv_cache_memory_bytes=rt.kv_cache_memory_bytes, enforce_eager=rt.enforce_eager,
-        kv_offloading_size=rt.kv_offloading_size)
+        kv_offloading_size=rt.kv_offloading_size, enable_lora=rt.enable_lora, max_loras=rt.max_loras,
+        max_lora_rank=rt.max_lora_rank)
 
 
 def predict(plan: PlanFile, model: ModelInfo, workload: Workload) -> Estimates:

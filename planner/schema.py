@@ -17,7 +17,7 @@ def plan_record(plan) -> PlanFile:
     def per_gpu(stage) -> StageSection:
         return StageSection(total_bytes=stage.total_bytes, weights_bytes=stage.weights_bytes,
                            activation_bytes=stage.activation_bytes, overhead_bytes=stage.overhead_bytes,
-                           kv_cache_bytes=mem.kv_cache_bytes(stage))
+                           kv_cache_bytes=mem.kv_cache_bytes(stage), lora_bytes=stage.lora_bytes or None)
 
     record = PlanFile(
         version=SCHEMA_VERSION,
@@ -47,7 +47,8 @@ def plan_record(plan) -> PlanFile:
             "max_num_seqs": s.max_num_seqs, "max_num_batched_tokens": s.max_num_batched_tokens,
             "block_size": s.block_size, "enable_prefix_caching": s.enable_prefix_caching,
             "kv_cache_memory_bytes": s.kv_cache_memory_bytes, "enforce_eager": s.enforce_eager,
-            "kv_offloading_size": s.kv_offloading_size,
+            "kv_offloading_size": s.kv_offloading_size, "enable_lora": s.enable_lora, "max_loras": s.max_loras,
+            "max_lora_rank": s.max_lora_rank,
         }),
         service=_service_section(plan.search),
         estimates=_estimates_section(est),

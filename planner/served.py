@@ -30,14 +30,15 @@ class ServedArchitecture:
     # True: a multimodal checkpoint whose language model is served (config.json's text_config, the
     # weights under language_model.), its vision tower left unloaded
     has_text_config: bool = False
+    serves_lora: bool = False  # True: LoRA adapters on q/k/v/o and gate/up/down (planner/lora.py)
 
 
 # config.json `architectures` entry -> what the runtime serves of it
 ARCHITECTURES: dict[str, ServedArchitecture] = {
-    "LlamaForCausalLM": ServedArchitecture("llama"),
-    "MistralForCausalLM": ServedArchitecture("mistral"),
-    "Qwen2ForCausalLM": ServedArchitecture("qwen2"),
-    "Qwen3ForCausalLM": ServedArchitecture("qwen3"),
+    "LlamaForCausalLM": ServedArchitecture("llama", serves_lora=True),
+    "MistralForCausalLM": ServedArchitecture("mistral", serves_lora=True),
+    "Qwen2ForCausalLM": ServedArchitecture("qwen2", serves_lora=True),
+    "Qwen3ForCausalLM": ServedArchitecture("qwen3", serves_lora=True),
     "MixtralForCausalLM": ServedArchitecture("mixtral", has_experts=True),
     "Qwen2MoeForCausalLM": ServedArchitecture("qwen2_moe", has_experts=True),
     "Qwen3MoeForCausalLM": ServedArchitecture("qwen3_moe", has_experts=True),

@@ -192,6 +192,22 @@ SETTINGS: tuple[Setting, ...] = (
        "counts it) for a CPU tier of the prefix cache: full blocks evicted from the GPU pool are kept there, "
        "and a later prompt with that prefix loads them back instead of computing them again. Default: no tier.",
        "plan engine", above=0.0),
+    _s("enable_lora", bool, False, "Serve LoRA adapters (PEFT checkpoints) beside the base model: a request names "
+       "one in its model field, and requests for different adapters share a batch. The plan counts max_loras "
+       "adapter slots of max_lora_rank on every rank before the KV cache; decode runs without CUDA graphs.",
+       "plan engine"),
+    _s("max_loras", int, 1, "Most adapters in one batch (the adapter slots each rank keeps on the GPU).",
+       "plan engine", minimum=1),
+    _s("max_lora_rank", int, 16, "Largest adapter rank served (each slot's size); a larger adapter is refused.",
+       "plan engine", choices=(1, 8, 16, 32, 64, 128, 256, 320, 512)),
+    _s("max_cpu_loras", int, None, "Adapters each rank keeps in host memory, ready for a slot without reading "
+       "their files again (default: max_loras; at least max_loras).", "engine", minimum=1),
+    _s("lora_modules", list, None, "Adapters served from the start, as name=path (a PEFT folder with "
+       "adapter_config.json and adapter_model.safetensors); each is checked against the model before anything "
+       "loads.", "server"),
+    _s("enable_runtime_lora_updating", bool, False, "Serve POST /v1/load_lora_adapter and "
+       "/v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): any client may then add adapters "
+       "from paths on this machine.", "server"),
     _s("enforce_eager", bool, False, "No CUDA graphs: every decode step runs eagerly (the plan then reserves "
        "no graph memory).", "plan engine"),
     _s("async_scheduling", bool, False, "Overlap the host with the device: step N+1 is scheduled and "

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from shardserve.runtime.engine import LLMEngine
 from shardserve.runtime.engine_args import EngineArgs
 from shardserve.runtime.input_processor import ProcessedPrompt, PromptType
+from shardserve.runtime.lora_request import LoRARequest
 from shardserve.runtime.outputs import EmbeddingRequestOutput, PromptDelta, embedding_output
 from shardserve.runtime.pooling_params import PoolingParams
 from shardserve.runtime.sampling_params import SamplingParams
@@ -22,6 +23,7 @@ class _PendingAdd:
     prompt_id: str
     prompt: ProcessedPrompt
     params: SamplingParams | PoolingParams
+    lora: LoRARequest | None = None
 
 
 class AsyncEngine:
@@ -69,7 +71,7 @@ class AsyncEngine:
         return embedding_output(prompt_id, prompt, last)
 
     async def generate(self, prompt: PromptType | ProcessedPrompt, sampling_params: SamplingParams | PoolingParams,
-                       prompt_id: str) -> AsyncIterator[PromptDelta]:
+                       prompt_id: str, lora_request: LoRARequest | None = None) -> AsyncIterator[PromptDelta]:
         """Yield the prompt's delta after every step that advanced it; the last one is finished (with
         PoolingParams, on a pooling runner: one delta, carrying the vector). A prompt not yet processed is
         processed here, so a bad one raises before anything is queued."""
@@ -79,12 +81,13 @@ class AsyncEngine:
             raise ValueError(f"prompt id {prompt_id!r} is already in use")
         if not isinstance(prompt, ProcessedPrompt):
             prompt = self.input_processor.process(prompt, sampling_params)
+        self.engine.adapter_checks.check(lora_request)  # a bad adapter fails here, before anything is queued
         if isinstance(sampling_params, SamplingParams) and sampling_params.structured_outputs is not None:
             # compiled now, off the loop, not in a step
             await self.input_processor.compile_grammar(sampling_params.structured_outputs)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[prompt_id] = stream
-        self._pending_adds.append(_PendingAdd(prompt_id, prompt, sampling_params))
+        self._pending_adds.append(_PendingAdd(prompt_id, prompt, sampling_params, lora_request))
         self._ensure_loop()
         finished = False
         try:
@@ -169,7 +172,7 @@ class AsyncEngine:
         adds, self._pending_adds = self._pending_adds, []
         for add in adds:
             try:
-                self.engine.add_request(add.prompt_id, add.prompt, add.params)
+                self.engine.add_request(add.prompt_id, add.prompt, add.params, add.lora)
             except Exception as error:  # a prompt the pool cannot hold fails its own stream only
                 stream = self._streams.get(add.prompt_id)
                 if stream is not None:

@@ -223,7 +223,8 @@ class BlockManager:
         num_full = request.num_tokens // size
         while len(hashes) < num_full:
             start = len(hashes) * size
-            parent = hashes[-1] if hashes else None
+            # an adapter's KV differs from the base model's for the same tokens: its chain starts apart
+            parent = hashes[-1] if hashes else (request.lora.hash_seed if request.lora is not None else None)
             hashes.append(hash_block(parent, request.token_ids_slice(start, start + size)))
 
     def check_integrity(self) -> None:

@@ -167,6 +167,13 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    max_loras: int  # adapter slots on every rank: the most adapters in one batch
+    max_lora_rank: int  # each slot's rank
+    max_cpu_loras: int  # adapters each rank keeps in host memory (at least max_loras)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -174,6 +181,7 @@ class EngineConfig:
     parallel: ParallelConfig
     device: str  # "cuda" or "cpu", resolved from "auto"
     seed: int = 0
+    lora: LoRAConfig | None = None  # enable_lora's slots; None: no adapters
 
 
 def resolve_device(device: str) -> str:

@@ -44,6 +44,8 @@ def local_decision(config: EngineConfig, device: torch.device, model: torch.nn.M
         return CaptureDecision(f"the device is {device.type}")
     if config.model.enforce_eager:
         return CaptureDecision("enforce_eager=True")
+    if config.lora is not None:
+        return CaptureDecision("enable_lora: each batch's adapters are chosen on the host")
     if config.model.runner == "pooling":
         return CaptureDecision("runner='pooling' prefills prompts and never decodes")
     if not getattr(model, "supports_cuda_graphs", False):

@@ -15,6 +15,8 @@ from shardserve.runtime.executor import make_executor
 from shardserve.runtime.generation_config import sampling_defaults
 from shardserve.runtime.input_processor import InputProcessor, ProcessedPrompt, PromptType, check_runner
 from shardserve.runtime.kv_sizing import size_kv_cache, with_measured_len
+from shardserve.runtime.lora_request import AdapterChecks, LoRARequest
+from shardserve.runtime.lora_slots import LoRASlots
 from shardserve.runtime.messages import ModelRunnerOutput, RequestUpdate, SchedulerOutput
 from shardserve.runtime.output_processor import OutputProcessor
 from shardserve.runtime.output_thread import OutputThread
@@ -55,7 +57,9 @@ class LLMEngine:
         self.executor.initialize_kv_cache(info.num_blocks, info.num_offload_blocks)
         self.block_manager = BlockManager(info.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                           config.model.uniform_sliding_window, info.num_offload_blocks)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, config.model.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, config.model.max_model_len,
+                                   None if config.lora is None else LoRASlots(config.lora.max_loras))
+        self.adapter_checks = AdapterChecks(config)
         self.input_processor = InputProcessor(config.model, self.tokenizer, config.scheduler.async_scheduling)
         self.output_processor = OutputProcessor(self.tokenizer)
         # with async scheduling, output processing leaves the step loop for a thread of its own
@@ -67,10 +71,12 @@ class LLMEngine:
         self.iteration_tokens = StepHistogram()
 
     def add_request(self, prompt_id: str, prompt: PromptType | ProcessedPrompt,
-                    params: SamplingParams | PoolingParams) -> None:
+                    params: SamplingParams | PoolingParams, lora_request: LoRARequest | None = None) -> None:
         """Queue a prompt: it fans out to n requests, one per sample, that share its cached blocks.
         A ProcessedPrompt was checked with these params already; anything else is checked here.
-        With PoolingParams (a pooling runner) it is one request whose one delta carries its vector."""
+        With PoolingParams (a pooling runner) it is one request whose one delta carries its vector.
+        With a lora_request its samples run with that adapter (enable_lora; checked here once per adapter)."""
+        self.adapter_checks.check(lora_request)
         with self._output_lock():
             if self.output_processor.has_prompt(prompt_id) or prompt_id in self._draining_ids:
                 # (aborted, but deltas made before the abort are still on the way: they would reach this one)
@@ -89,7 +95,7 @@ class LLMEngine:
         request_ids = [prompt_id] if params.n == 1 else [f"{prompt_id}#{i}" for i in range(params.n)]
         for sample_index, request_id in enumerate(request_ids):  # the first refusal comes before any is queued
             self.scheduler.add_request(Request(request_id, list(prompt.prompt_token_ids), params,
-                                               base_seed + sample_index, self.eos_token_ids))
+                                               base_seed + sample_index, self.eos_token_ids, lora=lora_request))
         with self._output_lock():
             self.output_processor.add_prompt(prompt_id, params, request_ids)
 

@@ -8,11 +8,12 @@ from typing import Literal
 
 from shardserve.planner.hub import HubOptions
 from shardserve.planner.model_source import local_weights, model_path
+from shardserve.planner.lora import lora_problem
 from shardserve.planner.rules import offload_problem
 from shardserve.planner.settings import (ENGINE, SettingError, check_fields, check_names, default,
                                          resolved_max_num_batched_tokens)
-from shardserve.runtime.config import (CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, load_model_config,
-                                       resolve_device)
+from shardserve.runtime.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig,
+                                       SchedulerConfig, load_model_config, resolve_device)
 from shardserve.runtime.pooling_params import PoolerConfig, pooler_config
 
 
@@ -45,6 +46,10 @@ class EngineArgs:
     enable_chunked_prefill: bool = default("enable_chunked_prefill")
     enable_prefix_caching: bool = default("enable_prefix_caching")
     kv_offloading_size: float | None = default("kv_offloading_size")
+    enable_lora: bool = default("enable_lora")
+    max_loras: int = default("max_loras")
+    max_lora_rank: int = default("max_lora_rank")
+    max_cpu_loras: int | None = default("max_cpu_loras")
     enforce_eager: bool = default("enforce_eager")
     async_scheduling: bool = default("async_scheduling")
     seed: int = default("seed")
@@ -119,4 +124,18 @@ class EngineArgs:
                                     enable_expert_parallel=bool(self.enable_expert_parallel)),
             device=device,
             seed=self.seed,
+            lora=self._lora_config(model),
         )
+
+    def _lora_config(self, model: ModelConfig) -> LoRAConfig | None:
+        """enable_lora's slots; its settings without it are refused by name rather than ignored."""
+        if not self.enable_lora:
+            for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+                if getattr(self, name) != default(name):
+                    raise SettingError(f"{name} applies with enable_lora=True (--enable-lora)")
+            return None
+        problem = lora_problem(model.architecture, self.max_loras, self.max_cpu_loras) or (
+            "enable_lora serves generation, not runner='pooling'" if model.runner == "pooling" else None)
+        if problem:
+            raise SettingError(problem)
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras or self.max_loras)

@@ -5,9 +5,12 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from shardserve.runtime.layers.lora_ops import LoRABatch
 
 
 @dataclass(slots=True)
@@ -54,6 +57,7 @@ class AttentionBackend(Protocol):
 class ForwardContext:
     attn_metadata: AttentionMetadata | None  # None during weight-free dry runs
     backend: AttentionBackend
+    lora: LoRABatch | None = None  # each token's adapter slot (enable_lora); None: no adapter this step
 
 
 # NOTE: per thread, so engines stepping in different threads of one process (data-parallel

@@ -34,6 +34,7 @@ class RequestState:
     pooling_params: PoolingParams | None = None  # a pooling request's (resolved): pooled, never sampled
     # the output rank's pooling so far, over the chunks computed: the sum of rows (MEAN) or row 0 (CLS)
     pooled: torch.Tensor | None = None
+    lora_slot: int = -1  # the adapter slot its tokens use (enable_lora); -1: the base model
 
     def __post_init__(self) -> None:
         self.block_ids = np.asarray(self.block_ids, dtype=np.int32)
@@ -42,7 +43,7 @@ class RequestState:
     def from_new(cls, data: NewRequestData) -> RequestState:
         return cls(data.request_id, list(data.token_ids), data.num_prompt_tokens, data.sampling_params,
                    data.seed, data.stop_token_ids, np.asarray(data.block_ids, dtype=np.int32), data.num_computed_tokens,
-                   pooling_params=data.pooling_params)
+                   pooling_params=data.pooling_params, lora_slot=data.lora_slot)
 
     @property
     def num_output_tokens(self) -> int:

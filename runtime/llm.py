@@ -9,6 +9,7 @@ from shardserve.runtime.config import KVCacheInfo
 from shardserve.runtime.engine import LLMEngine
 from shardserve.runtime.engine_args import EngineArgs
 from shardserve.runtime.input_processor import ProcessedPrompt, PromptType
+from shardserve.runtime.lora_request import LoRARequest
 from shardserve.runtime.outputs import (EmbeddingRequestOutput, PromptDelta, RequestOutput, RequestOutputBuilder,
                                        embedding_output)
 from shardserve.runtime.pooling_params import PoolingParams
@@ -38,9 +39,11 @@ class LLM:
         return self.engine.default_sampling_params()
 
     def generate(self, prompts: str | dict | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order. One prompt of token ids
-        goes in a list ([ids]) or as {"prompt_token_ids": ids}."""
+        goes in a list ([ids]) or as {"prompt_token_ids": ids}. lora_request: one adapter for every prompt,
+        or one per prompt (None: the base model), as vLLM's."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
@@ -48,8 +51,11 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
         processor = self.engine.input_processor
-        return self._run([processor.process(p, sp) for p, sp in zip(prompts, params)], params)
+        return self._run([processor.process(p, sp) for p, sp in zip(prompts, params)], params, loras)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
@@ -88,22 +94,24 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-    def _run(self, prompts: list[ProcessedPrompt], params: Sequence[SamplingParams]) -> list[RequestOutput]:
+    def _run(self, prompts: list[ProcessedPrompt], params: Sequence[SamplingParams],
+             loras: Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Queue every prompt, step until all finish, assemble their deltas."""
-        prompt_ids = self._queue(prompts, params)
+        prompt_ids = self._queue(prompts, params, loras)
         builders = {i: RequestOutputBuilder(i, prompt, prompt_params)
                     for i, prompt, prompt_params in zip(prompt_ids, prompts, params)}
         self._step_until_done(prompt_ids, lambda delta: builders[delta.prompt_id].add(delta))
         return [builder.build() for builder in builders.values()]
 
-    def _queue(self, prompts: list[ProcessedPrompt], params: Sequence[SamplingParams | PoolingParams]) -> list[str]:
+    def _queue(self, prompts: list[ProcessedPrompt], params: Sequence[SamplingParams | PoolingParams],
+               loras: Sequence[LoRARequest | None] | None = None) -> list[str]:
         """Add every prompt to the engine (one refused: none); their ids, in order."""
         prompt_ids: list[str] = []
         try:
-            for prompt, prompt_params in zip(prompts, params):
+            for prompt, prompt_params, lora in zip(prompts, params, loras or [None] * len(prompts)):
                 prompt_id = str(self._next_id)
                 self._next_id += 1
-                self.engine.add_request(prompt_id, prompt, prompt_params)
+                self.engine.add_request(prompt_id, prompt, prompt_params, lora)
                 prompt_ids.append(prompt_id)
         except Exception:
             for prompt_id in prompt_ids:

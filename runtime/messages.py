@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from shardserve.runtime.kv_offload import KVTransfer
+from shardserve.runtime.lora_request import LoRARequest
 from shardserve.runtime.outputs import SampleTimes
 from shardserve.runtime.pooling_params import PoolingParams
 from shardserve.runtime.sampling_params import SamplingParams
@@ -28,6 +29,7 @@ class NewRequestData:
     block_ids: tuple[int, ...]
     num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hits)
     pooling_params: PoolingParams | None = None  # resolved: the output rank pools the prompt, samples nothing
+    lora_slot: int = -1  # the adapter slot it runs with (lora_loads fill slots); -1: the base model
 
 
 @dataclass(slots=True)
@@ -52,6 +54,7 @@ class SchedulerOutput:
     finished_request_ids: frozenset[str]  # the worker drops these (finished, aborted, preempted)
     grammar_bitmask: GrammarBitmask | None = None  # the engine's, for the requests under a grammar
     kv_transfers: tuple[KVTransfer, ...] = ()  # copies to and from the CPU tier, run in order before the step
+    lora_loads: tuple[tuple[int, LoRARequest], ...] = ()  # (slot, adapter) to fill before the step, in order
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
+from shardserve.runtime.lora_request import LoRARequest
 from shardserve.runtime.pooling_params import PoolingParams
 from shardserve.runtime.sampling_params import SamplingParams
 
@@ -36,11 +37,11 @@ class Request:
                  "eos_token_ids", "stop_token_ids", "status", "stop_reason", "num_computed_tokens",
                  "num_pending_tokens", "num_synced_tokens", "num_synced_blocks", "block_hashes", "num_preemptions",
                  "arrival_time", "first_scheduled_time", "num_prompt_logprobs_sent", "grammar_matcher",
-                 "pooling_params", "num_cached_tokens")
+                 "pooling_params", "num_cached_tokens", "lora", "lora_slot")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  seed: int, eos_token_ids: frozenset[int] = frozenset(),
-                 pooling_params: PoolingParams | None = None) -> None:
+                 pooling_params: PoolingParams | None = None, lora: LoRARequest | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -66,6 +67,8 @@ class Request:
         self.grammar_matcher = None  # xgrammar's, under a grammar: made when first scheduled (structured_output.py)
         # resolved (every field set) for a pooling request: its prompt's vector comes back instead of a token
         self.pooling_params = pooling_params
+        self.lora = lora  # the adapter it is served with; None: the base model
+        self.lora_slot = -1  # its adapter's slot while running (the scheduler's LoRASlots)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -8,6 +8,7 @@ from collections import deque
 from shardserve.planner.memory import max_blocks_per_request
 from shardserve.runtime.block_manager import BlockManager
 from shardserve.runtime.config import SchedulerConfig
+from shardserve.runtime.lora_slots import LoRASlots
 from shardserve.runtime.messages import (CachedRequestData, ModelRunnerOutput, NewRequestData, RequestUpdate,
                                          SchedulerOutput)
 from shardserve.runtime.outputs import SampleTimes
@@ -38,8 +39,10 @@ class Scheduler:
     in flight, and its sampled token is dropped (recomputed, it samples the same: see sampler.py).
     """
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
+                 lora_slots: LoRASlots | None = None) -> None:
         self.config = config
+        self.lora_slots = lora_slots  # enable_lora's: a batch holds at most that many adapters
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
@@ -153,6 +156,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)
+        self._release_lora(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_pending_tokens = 0  # a token still in flight is dropped when it lands
@@ -167,7 +171,9 @@ class Scheduler:
         new = []
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
                and len(num_scheduled) < limit):
-            request = self.waiting[0]
+            request = self._next_waiting()
+            if request is None:
+                break  # every waiting request's adapter waits for a slot
             # NOTE: a request that scores or pools its whole prompt recomputes it all: cached positions
             # would go unscored (or unpooled)
             pool = self.block_manager
@@ -176,8 +182,11 @@ class Scheduler:
             num_cached = (len(hits) + len(loads)) * pool.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             if not pool.allocate_slots(request, num_cached + num_new, hits, loads):
-                break  # FCFS: nobody overtakes the head of the queue
-            self.waiting.popleft()
+                break  # FCFS: nobody overtakes the head of the queue (but for a request waiting for a slot)
+            self.waiting.remove(request)
+            if request.lora is not None:
+                assert self.lora_slots is not None  # the engine refuses adapters without enable_lora
+                request.lora_slot = self.lora_slots.take(request.lora)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens is None:  # the first admission's (a preempted request comes back)
@@ -209,7 +218,8 @@ class Scheduler:
             num_prompt_tokens=request.num_prompt_tokens, sampling_params=request.sampling_params,
             seed=request.seed, stop_token_ids=request.stop_token_ids,
             block_ids=tuple(self.block_manager.block_ids(request.request_id)),
-            num_computed_tokens=request.num_computed_tokens, pooling_params=request.pooling_params)
+            num_computed_tokens=request.num_computed_tokens, pooling_params=request.pooling_params,
+            lora_slot=request.lora_slot)
 
     def _cached_data(self, request: Request) -> CachedRequestData:
         num_tokens = request.num_tokens
@@ -225,14 +235,35 @@ class Scheduler:
     def _finish_output(self, new, cached, num_scheduled) -> SchedulerOutput:
         transfers = tuple(self.block_manager.transfers)  # made only by allocations, which schedule tokens
         self.block_manager.transfers.clear()
+        lora_loads = self._take_lora_loads()  # made only by admissions, which schedule tokens
         if not num_scheduled and self.in_flight:  # the engine sends no empty batch behind others:
-            assert not transfers, "KV copies in a batch that is not sent"
+            assert not transfers and not lora_loads, "KV copies or adapter loads in a batch that is not sent"
             return SchedulerOutput((), (), {}, frozenset())  # the finished ids wait for the next one
         finished = frozenset(self._finished_ids)
         self._finished_ids.clear()
         return SchedulerOutput(new_requests=tuple(new), cached_requests=tuple(cached),
                                num_scheduled_tokens=num_scheduled, finished_request_ids=finished,
-                               kv_transfers=transfers)
+                               kv_transfers=transfers, lora_loads=lora_loads)
+
+    def _take_lora_loads(self) -> tuple:
+        if self.lora_slots is None or not self.lora_slots.loads:
+            return ()
+        loads = tuple(self.lora_slots.loads)
+        self.lora_slots.loads.clear()
+        return loads
+
+    def _next_waiting(self) -> Request | None:
+        """The head of the queue, or with adapters the first waiting request whose adapter has a slot."""
+        if self.lora_slots is None:
+            return self.waiting[0]
+        slots = self.lora_slots
+        return next((r for r in self.waiting if r.lora is None or slots.can_take(r.lora)), None)
+
+    def _release_lora(self, request: Request) -> None:
+        if request.lora_slot >= 0:
+            assert self.lora_slots is not None  # a slot was taken from it
+            self.lora_slots.release(request.lora_slot)
+            request.lora_slot = -1
 
     def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestUpdate]:
         """Append the tokens the step sampled (its work was counted when it was scheduled), finish
@@ -304,6 +335,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self.block_manager.free(request)
+        self._release_lora(request)
         self._finished_ids.add(request.request_id)
         del self.requests[request.request_id]
 

@@ -20,7 +20,9 @@ from shardserve.runtime.forward_context import ForwardContext, forward_context
 from shardserve.runtime.inputs import (HostInputs, RequestState, apply_scheduler_output, build_host_inputs,
                                        count_samples, to_device)
 from shardserve.runtime.kv_offload import available_host_bytes
+from shardserve.runtime.layers.lora_ops import LoRABatch
 from shardserve.runtime.loader import load_model
+from shardserve.runtime.lora_adapters import RankAdapters, step_lora_batch
 from shardserve.runtime.messages import ModelRunnerOutput, SchedulerOutput
 from shardserve.runtime.parallel_state import get_parallel_state
 from shardserve.runtime.pipeline import (IntermediateTensors, recv_intermediate, recv_intermediate_into,
@@ -88,6 +90,9 @@ class Worker:
         self._check_kv_cache_dtype()
         torch.manual_seed(config.seed)
         self.model = load_model(config.model, self.device)
+        # enable_lora's slots on this rank's layers, before the KV budget is measured
+        self.adapters = None if config.lora is None else \
+            RankAdapters(self.model, config.lora, config.model.dtype, self.device)
         self.backend = select_attention_backend(self.device)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for attention in self.attention_layers:
@@ -237,6 +242,9 @@ class Worker:
         if output.kv_transfers:
             assert self.kv_cache is not None and self.offload_cache is not None  # the engine has a CPU tier
             run_transfers(self.kv_cache, self.offload_cache, output.kv_transfers)
+        for slot, lora in output.lora_loads:  # in order, before the step that first uses them
+            assert self.adapters is not None  # the engine has enable_lora
+            self.adapters.load(slot, lora)
         batch = apply_scheduler_output(self.states, output)
         if not batch:
             return StepOutput() if self.parallel_state.is_output_rank else None
@@ -250,7 +258,8 @@ class Worker:
         # NOTE: laid out on the host before the forward is queued, so it overlaps the device's work
         sampled_ids = [s.request_id for s in host.sampled_states]
         bitmask = sampling_bitmask(grammar, sampled_ids, self.config.model.vocab_size) if state.is_output_rank else None
-        hidden, logits_indices = self._forward(host)  # [num_tokens, hidden_size]
+        lora = None if self.adapters is None else step_lora_batch(batch, host, self.adapters.num_slots, self.device)
+        hidden, logits_indices = self._forward(host, lora)  # [num_tokens, hidden_size]
         if not state.is_last_stage:
             assert isinstance(hidden, IntermediateTensors)  # the hand-off to the next stage
             send_intermediate(hidden)
@@ -273,7 +282,8 @@ class Worker:
         return StepOutput(sampled_ids, self.token_buffers.start_copy(tokens),
                           sampled_logprobs(logits, host.sampled_states, tokens, self.sampling_cache), prompt_logprobs)
 
-    def _forward(self, host: HostInputs) -> tuple[torch.Tensor | IntermediateTensors, torch.Tensor | None]:
+    def _forward(self, host: HostInputs,
+                 lora: LoRABatch | None = None) -> tuple[torch.Tensor | IntermediateTensors, torch.Tensor | None]:
         """A captured graph for a decode step that has one (every row samples), the model run eagerly
         otherwise. Returns the hidden states (a later stage's hand-off before the last stage) and the
         rows that sample, on the device."""
@@ -292,5 +302,5 @@ class Worker:
             assert self.last_sampled is not None  # pending ids are the last step's samples
             inputs.pending.fill(inputs.input_ids, self.last_sampled)
         intermediate = None if state.is_first_stage else recv_intermediate(self.config.model.dtype, self.device)
-        with forward_context(ForwardContext(inputs.attn_metadata, self.backend)):
+        with forward_context(ForwardContext(inputs.attn_metadata, self.backend, lora)):
             return self.model(inputs.input_ids, inputs.positions, intermediate), inputs.logits_indices

@@ -11,6 +11,8 @@ output and input features lie, so the same slicing serves float and packed weigh
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,6 +24,9 @@ from shardserve.runtime.layers.weights import (COLUMN_BIAS, FLOAT_WEIGHT, WHOLE,
 from shardserve.runtime.parallel_state import (get_parallel_state, tensor_parallel_all_gather,
                                                tensor_parallel_all_reduce)
 
+if TYPE_CHECKING:
+    from shardserve.runtime.layers.lora import LoRASlotWeights
+
 
 class LinearBase(nn.Module):
     """y = x W^T + b with W of shape [output_size_per_rank, input_size_per_rank] (or its packed form)."""
@@ -32,7 +37,8 @@ class LinearBase(nn.Module):
         state = get_parallel_state()
         self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
         self.quant_method = current_linear_method()  # None: float weights
-        self.output_size_per_rank = output_size
+        self.input_size_per_rank, self.output_size_per_rank = input_size, output_size
+        self.lora: LoRASlotWeights | None = None  # enable_lora's slots (layers/lora.py), added after loading
         self.packed_dims: dict[str, PackedDims] = {}
         if self.quant_method is None:
             self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
@@ -51,9 +57,19 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_method is None:
-            return F.linear(x, self.weight, self.bias)
-        y = self.quant_method.apply(self, x)
-        return y if self.bias is None else y + self.bias
+            y = F.linear(x, self.weight, self.bias)
+        else:
+            y = self.quant_method.apply(self, x)
+            y = y if self.bias is None else y + self.bias
+        return y if self.lora is None else self.lora.add(x, y)
+
+    def part_rows(self, index: int) -> tuple[int, int]:
+        """(start, size) of this rank's rows in the checkpoint's matrix of output part `index`."""
+        raise NotImplementedError
+
+    def input_columns(self) -> tuple[int, int]:
+        """(start, size) of this rank's columns of the checkpoint's input features."""
+        return 0, self.input_size_per_rank
 
     def output_parts(self) -> list[tuple[int, int]]:
         """(offset, size) of each merged matrix in this rank's output features."""
@@ -79,6 +95,9 @@ class ReplicatedLinear(LinearBase):
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, *shard) -> None:
         self.load(param, loaded)
 
+    def part_rows(self, index: int) -> tuple[int, int]:
+        return 0, self.output_size_per_rank
+
 
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; each rank's output is a slice unless gather_output."""
@@ -94,9 +113,11 @@ class ColumnParallelLinear(LinearBase):
         y = super().forward(x)
         return tensor_parallel_all_gather(y) if self.gather_output else y
 
+    def part_rows(self, index: int) -> tuple[int, int]:
+        return shard_range(self.output_size, self.tp_rank, self.tp_size)
+
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, *shard) -> None:
-        start, size = shard_range(self.output_size, self.tp_rank, self.tp_size)
-        self.load(param, loaded, out_range=(0, start, size))
+        self.load(param, loaded, out_range=(0, *self.part_rows(0)))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -112,12 +133,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         return [(sum(self.output_sizes[:i]) // self.tp_size, size // self.tp_size)
                 for i, size in enumerate(self.output_sizes)]
 
+    def part_rows(self, index: int) -> tuple[int, int]:
+        return shard_range(self.output_sizes[index], self.tp_rank, self.tp_size)
+
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_index: int | None = None) -> None:
         indices = range(len(self.output_sizes)) if shard_index is None else [shard_index]
         for index in indices:  # all of them when already fused in the checkpoint
             base = sum(self.output_sizes[:index]) if shard_index is None else 0
             offset = sum(self.output_sizes[:index]) // self.tp_size
-            start, size = shard_range(self.output_sizes[index], self.tp_rank, self.tp_size)
+            start, size = self.part_rows(index)
             self.load(param, loaded, out_range=(offset, base + start, size))
 
 
@@ -145,19 +169,20 @@ class QKVParallelLinear(ColumnParallelLinear):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         return [(0, q_size), (q_size, kv_size), (q_size + kv_size, kv_size)]
 
-    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: str | None = None) -> None:
+    def part_rows(self, index: int) -> tuple[int, int]:
+        """q (0) by this rank's heads; k (1) and v (2) by its KV heads, shared by kv_replicas ranks."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        total_q, total_kv = q_size * self.tp_size, self.total_num_kv_heads * self.head_dim
+        return (self.tp_rank * q_size, q_size) if index == 0 else \
+            (self.tp_rank // self.kv_replicas * kv_size, kv_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: str | None = None) -> None:
+        total_q, total_kv = self.num_heads * self.head_dim * self.tp_size, self.total_num_kv_heads * self.head_dim
         bases = {"q": 0, "k": total_q, "v": total_q + total_kv}  # fused q|k|v in the checkpoint (GPT-2's c_attn)
         for part in ("q", "k", "v") if shard_id is None else (shard_id,):
+            index = "qkv".index(part)
+            start, size = self.part_rows(index)
             base = bases[part] if shard_id is None else 0
-            if part == "q":
-                offset, size, start = 0, q_size, self.tp_rank * q_size
-            else:
-                kv_rank = self.tp_rank // self.kv_replicas
-                offset = q_size if part == "k" else q_size + kv_size
-                size, start = kv_size, kv_rank * kv_size
-            self.load(param, loaded, out_range=(offset, base + start, size))
+            self.load(param, loaded, out_range=(self.output_parts()[index][0], base + start, size))
 
 
 class RowParallelLinear(LinearBase):
@@ -172,9 +197,17 @@ class RowParallelLinear(LinearBase):
             self.packed_dims["bias"] = WHOLE
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = tensor_parallel_all_reduce(self.matmul(x))
+        y = self.matmul(x)
+        if self.lora is not None:  # its partial product over this rank's columns joins the reduction
+            y = self.lora.add(x, y)
+        y = tensor_parallel_all_reduce(y)
         return y if self.bias is None else y + self.bias
 
+    def part_rows(self, index: int) -> tuple[int, int]:
+        return 0, self.output_size_per_rank
+
+    def input_columns(self) -> tuple[int, int]:
+        return shard_range(self.input_size, self.tp_rank, self.tp_size)
+
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, *shard) -> None:
-        start, size = shard_range(self.input_size, self.tp_rank, self.tp_size)
-        self.load(param, loaded, in_range=(start, size))
+        self.load(param, loaded, in_range=self.input_columns())

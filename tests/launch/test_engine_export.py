@@ -272,3 +272,12 @@ def test_the_cpu_tier_of_the_kv_cache():
     assert "--hicache-size" not in small.options
     assert small.unsupported == ("kv_offloading_size=4 (under 1 GB per rank over 8 ranks: SGLang's --hicache-size "
                                  "takes whole GB per rank)",)
+
+
+def test_lora_slots_map_to_both_engines():
+    plan = record(LLAMA_8B, "8xH100-80GB", tensor_parallel_size=2, enable_lora=True, max_loras=4, max_lora_rank=64)
+    vllm, sglang = export_plan(plan, "vllm"), export_plan(plan, "sglang")
+    assert "--enable-lora" in vllm.options and vllm.options["--max-loras"] == "4"
+    assert vllm.options["--max-lora-rank"] == "64" and not vllm.unsupported
+    assert sglang.options["--max-loras-per-batch"] == "4" and sglang.options["--max-lora-rank"] == "64"
+    assert "--enable-lora" not in export_plan(record(LLAMA_8B, "8xH100-80GB", tensor_parallel_size=2), "vllm").options

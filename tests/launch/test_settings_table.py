@@ -31,6 +31,8 @@ VALUES = {
     "enable_expert_parallel": False,  # the default is None (the planner's choice); True needs a MoE model
     "block_size": 32, "max_num_seqs": 8, "max_num_batched_tokens": 1024, "enable_prefix_caching": False,
     "kv_offloading_size": 0.25,
+    "enable_lora": True, "max_loras": 2, "max_lora_rank": 8, "max_cpu_loras": 3, "lora_modules": ["a=/x"],
+    "enable_runtime_lora_updating": True,
     "load_format": "safetensors", "enable_chunked_prefill": True,  # the only value served (False is refused)
     "enforce_eager": True, "async_scheduling": True, "seed": 7, "chat_template": "{{ messages[0].content }}", "generation_config": "vllm",
     "runner": "pooling", "pooling_type": "MEAN", "normalize": False,
@@ -51,7 +53,9 @@ VALUES = {
 # settings that only make sense together (a split needs its stages)
 COMPANIONS = {"pooling_type": {"runner": "pooling"}, "normalize": {"runner": "pooling"},
               "layer_split": {"pipeline_parallel_size": 2}, "distributed_executor_backend": {"tensor_parallel_size": 2},
-              "ttft_ms": {"concurrency": 2.0}, "tpot_ms": {"request_rate": 1.0}}
+              "ttft_ms": {"concurrency": 2.0}, "tpot_ms": {"request_rate": 1.0},
+              **{name: {"enable_lora": True} for name in ("max_loras", "max_lora_rank", "max_cpu_loras",
+                                                          "lora_modules", "enable_runtime_lora_updating")}}
 PLAN_READBACK = {
     "tensor_parallel_size": lambda p: p.parallel.tensor_parallel_size,
     "pipeline_parallel_size": lambda p: p.parallel.pipeline_parallel_size,
@@ -68,6 +72,8 @@ PLAN_READBACK = {
     "enable_prefix_caching": lambda p: p.runtime.enable_prefix_caching,
     "kv_offloading_size": lambda p: p.runtime.kv_offloading_size,
     "enforce_eager": lambda p: p.runtime.enforce_eager,
+    "enable_lora": lambda p: p.runtime.enable_lora, "max_loras": lambda p: p.runtime.max_loras,
+    "max_lora_rank": lambda p: p.runtime.max_lora_rank,
     # the plan keeps KV room for target_concurrency full-length requests
     "target_concurrency": lambda p: min(3, int(p.memory.max_concurrency)),
     **{name: (lambda n: lambda p: getattr(p.service, n))(name) for name in (
@@ -98,6 +104,8 @@ ENGINE_READBACK = {
     "chat_template": lambda c: c.model.chat_template, "generation_config": lambda c: c.model.generation_config,
     "runner": lambda c: c.model.runner, "pooling_type": lambda c: c.model.pooler.pooling_type,
     "normalize": lambda c: c.model.pooler.normalize,
+    "enable_lora": lambda c: c.lora is not None, "max_loras": lambda c: c.lora.max_loras,
+    "max_lora_rank": lambda c: c.lora.max_lora_rank, "max_cpu_loras": lambda c: c.lora.max_cpu_loras,
 }
 
 

@@ -117,3 +117,27 @@ def test_a_cpu_tier_that_holds_nothing_or_serves_nothing_is_refused():
         plan_for(LLAMA_8B, "H100", kv_offloading_size=1e-6)
     with pytest.raises(PlanError, match="kv_offloading_size needs enable_prefix_caching"):
         plan_for(LLAMA_8B, "H100", kv_offloading_size=1.0, enable_prefix_caching=False)
+
+
+def test_lora_slots_come_out_of_the_kv_cache_and_turn_graphs_off():
+    """max_loras slots of max_lora_rank on every rank, q|k|v and gate|up split as the runtime keeps them:
+    per layer A over the rank's inputs of each part and B over its outputs, in bf16."""
+    plain = plan_for(LLAMA_8B, "8xH100-80GB", tensor_parallel_size=2, pipeline_parallel_size=1, data_parallel_size=1)
+    lora = plan_for(LLAMA_8B, "8xH100-80GB", tensor_parallel_size=2, pipeline_parallel_size=1, data_parallel_size=1,
+                    enable_lora=True, max_loras=4, max_lora_rank=64)
+    d, p = lora.to_dict(), plain.to_dict()
+    a = 3 * 4096 + 4096 // 2 + 2 * 4096 + 14336 // 2  # qkv's parts, o_proj's half, gate|up, down_proj's half
+    b = (4096 // 2 + 2 * 4 * 128) + 4096 + 2 * 14336 // 2 + 4096
+    assert d["memory"]["per_gpu"]["lora_bytes"] == 4 * (a + b) * 64 * 32 * 2 == 905969664
+    assert "lora_bytes" not in p["memory"]["per_gpu"]
+    assert d["runtime"]["enable_lora"] and d["runtime"]["max_loras"] == 4 and d["runtime"]["max_lora_rank"] == 64
+    # the slots come out of the KV cache, but the CUDA graphs LoRA runs without give memory back
+    graphs = p["memory"]["per_gpu"]["overhead_bytes"] - d["memory"]["per_gpu"]["overhead_bytes"]
+    assert graphs > 0
+    kv_change = p["memory"]["per_gpu"]["kv_cache_bytes"] - d["memory"]["per_gpu"]["kv_cache_bytes"]
+    block = 16 * 2 * 32 * 4 * 128 * 2
+    assert abs(kv_change - (905969664 - graphs)) < block
+    assert any(line.startswith("LoRA: 4 adapter slot(s) of rank up to 64 take 864.0 MiB per GPU")
+               for line in d["rationale"])
+    with pytest.raises(PlanError, match="MixtralForCausalLM is not served with LoRA adapters"):
+        plan_for("mistralai/Mixtral-8x7B-Instruct-v0.1", "8xH100-80GB", enable_lora=True)

@@ -20,7 +20,7 @@ from triton.compiler import compile as triton_compile
 
 from shardserve.runtime.attention import triton_decode, triton_prefill, triton_rotary_kv
 from shardserve.runtime.attention import triton_kernels as kernels
-from shardserve.runtime.layers import triton_activation, triton_moe, triton_norm
+from shardserve.runtime.layers import triton_activation, triton_lora, triton_moe, triton_norm
 from shardserve.runtime.layers.quantization import triton_packed_int, triton_quant_moe
 
 INDEX = {"query_start_ptr": "*i32", "seq_lens_ptr": "*i32", "tables_ptr": "*i32", "table_stride": "i32",
@@ -138,6 +138,23 @@ def compile_moe(dtype: str, is_fp32: bool) -> None:
                              wgmma=block_m == 64)
 
 
+def compile_lora(dtype: str, is_fp32: bool) -> None:
+    """The batched LoRA gathered matmul at the tiles it launches with: shrink (hidden 4096 -> rank 16, a fresh
+    output) and expand (rank 16 -> 4096, added in place), decode-sized (16-row) and prefill (64-row) blocks;
+    in bf16 without spills."""
+    types = {"x_ptr": dtype, "w_ptr": dtype, "out_ptr": dtype, "sorted_tokens_ptr": "*i32", "slot_starts_ptr": "*i32",
+             "num_outputs": "i32", "num_inputs": "i32", "stride_xt": "i32", "stride_wl": "i32", "stride_wn": "i32",
+             "stride_wk": "i32", "stride_ot": "i32"}
+    for name, num_outputs, num_inputs, add in (("shrink", 16, 4096, False), ("expand", 4096, 16, True)):
+        for max_tokens in (1, 4096):
+            block_m, block_n, block_k = triton_lora.block_sizes(max_tokens, num_outputs, num_inputs, is_fp32)
+            kernel = compile_kernel(triton_lora._gathered_matmul_kernel, types,
+                                    {"ADD": add, "IS_FP32": is_fp32, "BLOCK_M": block_m, "BLOCK_N": block_n,
+                                     "BLOCK_K": block_k}, num_warps=4)
+            if not is_fp32:
+                require_fast(kernel, f"LoRA {name} BLOCK_M {block_m}", wgmma=False)
+
+
 def main() -> None:
     for dtype, is_fp32 in (("*bf16", False), ("*fp32", True)):
         for cache in (dtype, "*fp8e4nv", "*fp8e5"):
@@ -146,6 +163,7 @@ def main() -> None:
         compile_kernel(triton_activation._silu_and_mul_kernel,
                        {"x_ptr": dtype, "out_ptr": dtype, "x_stride": "i64", "size": "i32"}, {"BLOCK": 1024})
         compile_moe(dtype, is_fp32)
+        compile_lora(dtype, is_fp32)
         for has_residual in (False, True):
             compile_kernel(triton_norm._rms_norm_kernel,
                            {"x_ptr": dtype, "residual_ptr": dtype, "weight_ptr": dtype, "out_ptr": dtype,
