@@ -73,8 +73,8 @@ class RuntimeSettings:
     is_max_model_len_auto: bool = False  # max_model_len is the model's limit until a layout fits it
     kv_offloading_size: float | None = None  # GiB of host memory per replica for the CPU tier
     enable_lora: bool = False
-    max_loras: int = 1  # adapter slots on every rank (with enable_lora)
-    max_lora_rank: int = 16  # each slot's rank
+    max_loras: int = default("max_loras")  # adapter slots on every rank (with enable_lora)
+    max_lora_rank: int = default("max_lora_rank")  # each slot's rank
 
     @property
     def graphs_captured(self) -> bool:

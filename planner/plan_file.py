@@ -120,9 +120,10 @@ class RuntimeSection:
     kv_cache_memory_bytes: int | None
     enforce_eager: bool
     kv_offloading_size: float | None = None  # GiB per replica for the CPU tier; None: none (older plans)
-    enable_lora: bool = False  # (older plans: none)
-    max_loras: int = 1
-    max_lora_rank: int = 16
+    # LoRA's slots; None without enable_lora (so a plan without adapters reads as older plans do)
+    enable_lora: bool | None = None
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
 
 
 @dataclass(frozen=True)

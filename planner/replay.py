@@ -14,6 +14,7 @@ from shardserve.planner.hardware import GpuSpec, Hardware, Node
 from shardserve.planner.model_source import ModelInfo
 from shardserve.planner.options import RuntimeSettings
 from shardserve.planner.plan_file import GpuSection, PlanFile
+from shardserve.planner.settings import default
 from shardserve.planner.speed import Estimates, estimate, replica_model
 from shardserve.planner.workload import Targets, Workload
 
@@ -44,8 +45,8 @@ def settings_of(plan: PlanFile) -> RuntimeSettings:
         max_num_batched_tokens=rt.max_num_batched_tokens, block_size=rt.block_size,
         gpu_memory_utilization=rt.gpu_memory_utilization, enable_prefix_caching=rt.enable_prefix_caching,
         kv_cache_memory_bytes=rt.kv_cache_memory_bytes, enforce_eager=rt.enforce_eager,
-        kv_offloading_size=rt.kv_offloading_size, enable_lora=rt.enable_lora, max_loras=rt.max_loras,
-        max_lora_rank=rt.max_lora_rank)
+        kv_offloading_size=rt.kv_offloading_size, enable_lora=bool(rt.enable_lora),
+        max_loras=rt.max_loras or default("max_loras"), max_lora_rank=rt.max_lora_rank or default("max_lora_rank"))
 
 
 def predict(plan: PlanFile, model: ModelInfo, workload: Workload) -> Estimates:

@@ -47,8 +47,9 @@ def plan_record(plan) -> PlanFile:
             "max_num_seqs": s.max_num_seqs, "max_num_batched_tokens": s.max_num_batched_tokens,
             "block_size": s.block_size, "enable_prefix_caching": s.enable_prefix_caching,
             "kv_cache_memory_bytes": s.kv_cache_memory_bytes, "enforce_eager": s.enforce_eager,
-            "kv_offloading_size": s.kv_offloading_size, "enable_lora": s.enable_lora, "max_loras": s.max_loras,
-            "max_lora_rank": s.max_lora_rank,
+            "kv_offloading_size": s.kv_offloading_size,
+            **({"enable_lora": True, "max_loras": s.max_loras, "max_lora_rank": s.max_lora_rank} if s.enable_lora
+               else {}),
         }),
         service=_service_section(plan.search),
         estimates=_estimates_section(est),
