@@ -118,7 +118,7 @@ def test_step_n_plus_1_is_queued_before_step_n_is_read(llama):
         worker.submit = lambda output: log.append("submit") or submit(output)
         worker.collect = lambda step: log.append("collect") or collect(step)
         pending, threads, process = [], set(), llm.engine.output_processor.process
-        worker._forward = lambda host: pending.append(len(host.pending_rows)) or forward(host)
+        worker._forward = lambda host, *rest: pending.append(len(host.pending_rows)) or forward(host, *rest)
         llm.engine.output_processor.process = lambda updates: threads.add(threading.current_thread()) or \
             process(updates)
         llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:6]], SamplingParams(temperature=0.0, max_tokens=8))
