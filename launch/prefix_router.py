@@ -70,6 +70,7 @@ class Route:
     reason: str  # "session", "prefix" or "least_loaded"
     matched_blocks: int = 0
     hashes: tuple[int, ...] = field(default=(), compare=False)  # the prompt's blocks, as choose hashed them
+    seed: int | None = field(default=None, compare=False)  # where the hash chain starts (an adapter's)
 
 
 class PrefixRouter:
@@ -94,22 +95,21 @@ class PrefixRouter:
         hashes = tuple(block_hashes(token_ids, self.block_size, seed))
         bound = loads[least] + max(LOAD_SLACK, loads[least])
         if session is not None and session in self.sessions and loads[self.sessions[session]] <= bound:
-            return Route(self.sessions[session], "session", hashes=hashes)
+            return Route(self.sessions[session], "session", hashes=hashes, seed=seed)
         matched = [cache.matched(hashes) if loads[i] <= bound else 0 for i, cache in enumerate(self.caches)]
         best = max(range(len(loads)), key=lambda i: (matched[i], -loads[i], -i))
         if matched[best] == 0:
-            return Route(least, "least_loaded", hashes=hashes)
-        return Route(best, "prefix", matched[best], hashes)
+            return Route(least, "least_loaded", hashes=hashes, seed=seed)
+        return Route(best, "prefix", matched[best], hashes, seed)
 
-    def record(self, route: Route, token_ids: Sequence[int], session: str | None = None,
-               seed: int | None = None) -> None:
+    def record(self, route: Route, token_ids: Sequence[int], session: str | None = None) -> None:
         """The replica chosen holds (or will) these tokens' blocks; the conversation goes on there.
         token_ids: the prompt the route was chosen for, maybe with tokens after it (only blocks past the
         route's own hashes are hashed)."""
         if not self.is_active:
             return
         known = route.hashes
-        after = block_hashes(token_ids[len(known) * self.block_size:], self.block_size, known[-1] if known else seed)
+        after = block_hashes(token_ids[len(known) * self.block_size:], self.block_size, known[-1] if known else route.seed)
         self.caches[route.index].add((*known, *after))
         if session is not None:
             self.sessions[session] = route.index

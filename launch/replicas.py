@@ -93,9 +93,9 @@ class ReplicaSet:
     def route(self, prompt: ProcessedPrompt, session: str | None, lora: LoRARequest | None = None) -> Route:
         """The replica for a prompt (the router's choice, counted), which now holds its blocks (an adapter's
         apart from the base model's)."""
-        seed = None if lora is None else lora.lora_int_id
-        route = self.router.choose([r.num_active for r in self.replicas], prompt.prompt_token_ids, session, seed)
-        self.router.record(route, prompt.prompt_token_ids, session, seed)
+        route = self.router.choose([r.num_active for r in self.replicas], prompt.prompt_token_ids, session,
+                                   None if lora is None else lora.lora_int_id)
+        self.router.record(route, prompt.prompt_token_ids, session)
         if self.metrics is not None:
             self.metrics.routed.labels(self.metrics.model, str(route.index), route.reason).inc()
         return route
@@ -123,7 +123,7 @@ class ReplicaSet:
             if not is_finished and self.is_stopping:
                 raise shutting_down()
             if self.router.is_active:
-                self.router.record(route, [*prompt.prompt_token_ids, *output], seed=None if lora is None else lora.lora_int_id)
+                self.router.record(route, [*prompt.prompt_token_ids, *output])
             if timer is not None:
                 self._finished(timer)
         finally:

@@ -16,13 +16,13 @@ from __future__ import annotations
 import json
 import math
 import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from shardserve.planner.errors import PlanError
 from shardserve.planner.model_spec import ModelSpec
 from shardserve.planner.served import ARCHITECTURES
+from shardserve.planner.tensors import safetensors_header
 
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -41,7 +41,6 @@ class AdapterSpec:
     """One PEFT LoRA folder, read without its weights."""
 
     name: str
-    path: str
     rank: int
     alpha: float
     use_rslora: bool
@@ -51,10 +50,6 @@ class AdapterSpec:
     @property
     def scaling(self) -> float:
         return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
-
-    @property
-    def target_modules(self) -> tuple[str, ...]:
-        return tuple(sorted({name.rpartition(".")[2] for name in self.modules}))
 
 
 def read_adapter(name: str, path: str) -> AdapterSpec:
@@ -73,7 +68,7 @@ def read_adapter(name: str, path: str) -> AdapterSpec:
     for key, plain in _PLAIN.items():
         if config.get(key) not in (None, [], {}) and config[key] != plain:
             raise AdapterError(f"LoRA adapter {name!r}: {key}={config[key]!r} is not served (only {plain!r})")
-    return AdapterSpec(name, str(folder), rank, alpha, bool(config.get("use_rslora", False)),
+    return AdapterSpec(name, rank, alpha, bool(config.get("use_rslora", False)),
                        _module_shapes(name, folder / WEIGHTS_FILE))
 
 
@@ -86,20 +81,19 @@ def adapted_module(tensor: str) -> tuple[str, str] | None:
 
 def _module_shapes(name: str, weights: Path) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
     try:
-        with open(weights, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-    except (OSError, struct.error, ValueError):
+        header = safetensors_header(weights)
+    except (OSError, PlanError):
         raise AdapterError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} is not a safetensors file") from None
     pairs: dict[str, dict[str, tuple[int, ...]]] = {}
     for tensor, info in header.items():
         if tensor == "__metadata__":
             continue
-        match = _TENSOR.match(tensor)
-        if match is None:
+        adapted = adapted_module(tensor)
+        if adapted is None:
             raise AdapterError(f"LoRA adapter {name!r}: tensor {tensor} is not a LoRA A or B of a layer's "
                                f"attention or MLP projection; served modules: {', '.join(LORA_MODULES)}")
-        pairs.setdefault(match.group(1), {})[match.group(4)] = tuple(info["shape"])
+        module, which = adapted
+        pairs.setdefault(module, {})[which] = tuple(info["shape"])
     if not pairs:
         raise AdapterError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} holds no LoRA tensors")
     for module, pair in pairs.items():

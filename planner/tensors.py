@@ -20,19 +20,23 @@ def read_safetensors_headers(folder: Path) -> list[TensorInfo] | None:
         return None
     tensors = []
     for path in files:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) != 8:
-                raise PlanError(f"{path} is not a safetensors file (too short)")
-            (size,) = struct.unpack("<Q", head)
-            try:
-                header = json.loads(f.read(size))
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise PlanError(f"{path} has a malformed safetensors header") from None
-        for name, info in header.items():
+        for name, info in safetensors_header(path).items():
             if name != "__metadata__":
                 tensors.append(TensorInfo(name, prod(info["shape"]), info["dtype"]))
     return tensors
+
+
+def safetensors_header(path: Path) -> dict:
+    """One safetensors file's header (tensor name -> dtype, shape, offsets; and __metadata__)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise PlanError(f"{path} is not a safetensors file (too short)")
+        (size,) = struct.unpack("<Q", head)
+        try:
+            return json.loads(f.read(size))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise PlanError(f"{path} has a malformed safetensors header") from None
 
 
 # a multimodal checkpoint's language model tensors (transformers 5, then 4) -> the text model's names

@@ -51,9 +51,11 @@ class RankAdapters:
         spec = read_adapter(lora.lora_name, lora.lora_path)
         shard: AdapterShard = {}
         for tensor_name, tensor in iterate_file(os.path.join(lora.lora_path, WEIGHTS_FILE)):
-            module, which = adapted_module(tensor_name) or ("", "")
+            adapted = adapted_module(tensor_name)
+            assert adapted is not None  # read_adapter refused any other tensor
+            module, which = adapted
             target = self.model.checkpoint_target(module + ".weight")  # type: ignore[operator]  # every family's
-            layer_name = target.param_name.rpartition(".")[0] if target is not None else ""
+            layer_name = target.param_name.rpartition(".")[0]
             if layer_name not in self.slots:
                 continue  # a layer of another pipeline stage
             layer = cast(LinearBase, self.model.get_submodule(layer_name))
@@ -68,7 +70,11 @@ class RankAdapters:
         return shard
 
 
-def step_lora_batch(batch: list[RequestState], host: HostInputs, num_slots: int, device: torch.device) -> LoRABatch:
-    """Each token's slot for this step (its request's; -1 for the base model), sorted for the kernels."""
+def step_lora_batch(batch: list[RequestState], host: HostInputs, num_slots: int,
+                    device: torch.device) -> LoRABatch | None:
+    """Each token's slot for this step (its request's; -1 for the base model), sorted for the kernels;
+    None when no request has an adapter (nothing to copy to the device, no layer adds anything)."""
     slots = np.fromiter((state.lora_slot for state in batch), np.int64, len(batch))
+    if (slots < 0).all():
+        return None
     return lora_batch(np.repeat(slots, np.diff(host.query_start_loc)), num_slots, device)

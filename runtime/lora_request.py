@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -48,9 +49,14 @@ class AdapterChecks:
         if self.config.lora is None:
             raise AdapterError(f"LoRA adapter {lora.lora_name!r} asked for, but this engine serves none: "
                                "start it with enable_lora=True (--enable-lora)")
-        model = self.config.model
-        spec = ModelSpec.from_config(model.architecture, model.hf_config.to_dict())
-        problem = adapter_problem(read_adapter(lora.lora_name, lora.lora_path), spec, self.config.lora.max_lora_rank)
+        problem = adapter_problem(read_adapter(lora.lora_name, lora.lora_path), self._spec,
+                                  self.config.lora.max_lora_rank)
         if problem:
             raise AdapterError(problem)
         self._checked[lora.lora_int_id] = lora
+
+    @functools.cached_property
+    def _spec(self) -> ModelSpec:
+        """The planner's spec of the loaded model, made for the first adapter checked."""
+        model = self.config.model
+        return ModelSpec.from_config(model.architecture, model.hf_config.to_dict())

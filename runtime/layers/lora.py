@@ -45,7 +45,7 @@ class LoRASlotWeights(nn.Module):
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y plus the adapters' products for this step's tokens (y itself when no token has one)."""
         batch = get_forward_context().lora
-        if batch is None or not batch.active_slots:
+        if batch is None:  # no token of this step has an adapter
             return y
         x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
         slots, parts, rank = self.a.shape[:3]
