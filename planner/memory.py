@@ -123,10 +123,19 @@ def kv_heads_per_rank(spec: ModelSpec, tp: int) -> int:
     return max(1, spec.num_kv_heads // tp)
 
 
+def attention_width_per_token(spec: ModelSpec, tp: int) -> int:
+    """One token's attention activations on a rank: q, k and v; under MLA the query, the cache entry,
+    the absorbed query and the latent output of each head (attention/mla.py)."""
+    if spec.mla:
+        m = spec.mla
+        return spec.num_attention_heads // tp * (m.qk_nope_head_dim + m.qk_rope_head_dim + 2 * m.cache_width) \
+            + m.cache_width
+    return (spec.num_attention_heads // tp + 2 * kv_heads_per_rank(spec, tp)) * spec.head_dim
+
+
 def activation_bytes_per_token(spec: ModelSpec, tp: int, dtype_bytes: int, expert_parallel: bool = False) -> int:
     """One token's share of a forward's peak activations on one rank."""
-    d = spec.head_dim
-    qkv = (spec.num_attention_heads // tp + 2 * kv_heads_per_rank(spec, tp)) * d
+    qkv = attention_width_per_token(spec, tp)
     if spec.is_moe:
         # the fused MoE kernel's buffers, a row per (token, k) pair: SiLU(gate) * up over the rank's
         # features of an expert (all of them when experts are whole per rank) and the down output
@@ -180,8 +189,7 @@ def plan_memory(spec: ModelSpec, stage_weights: list[float], split: list[int], t
         budget = usable - int(weights) - act - over - lora
         if settings.kv_cache_memory_bytes is not None:
             budget = min(budget, settings.kv_cache_memory_bytes)
-        per_token = 2 * layers * kv_heads_per_rank(spec, tp) * spec.head_dim
-        per_token *= settings.kv_dtype_bytes
+        per_token = layers * spec.kv_values_per_layer(tp) * settings.kv_dtype_bytes
         stages.append(StageMemory(gpu.memory_bytes, int(weights), act, over, budget,
                                   per_token, layers, lora))
     num_blocks = min(s.num_blocks_fit(settings.block_size) for s in stages)

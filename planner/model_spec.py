@@ -99,6 +99,27 @@ class TensorInfo:
 
 
 @dataclass(frozen=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek-V2/V3): config.json's widths."""
+
+    kv_lora_rank: int  # the latent each token caches
+    qk_rope_head_dim: int  # the rotated key, shared by the heads, cached beside the latent
+    qk_nope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None  # None: q_proj straight from the hidden state (V2-Lite)
+
+    @property
+    def cache_width(self) -> int:
+        """Values one token caches per layer, whole on every tensor-parallel rank."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @staticmethod
+    def from_config(read: ConfigReader) -> "MLASpec":
+        return MLASpec(read.count("kv_lora_rank"), read.count("qk_rope_head_dim"), read.count("qk_nope_head_dim"),
+                       read.count("v_head_dim"), read.int("q_lora_rank", default=None) or None)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     id: str
     architecture: str
@@ -125,6 +146,7 @@ class ModelSpec:
     uniform_sliding_window: int | None = None  # the window of every layer (KV behind it is freed); None: none
     # per layer "sliding_attention" (config.json's sliding_window) or "full_attention"; None: all alike
     layer_types: tuple[str, ...] | None = None
+    mla: MLASpec | None = None  # multi-head latent attention (then num_kv_heads and head_dim do not apply)
 
     @property
     def is_moe(self) -> bool:
@@ -134,9 +156,16 @@ class ModelSpec:
     def is_gated_mlp(self) -> bool:
         return self.family not in ("gpt2", "opt")
 
+    def kv_values_per_layer(self, tp: int = 1) -> int:
+        """Values one token caches in one layer on one of tp ranks: K and V of the rank's KV heads (one
+        head per rank once tp exceeds them), or MLA's latent and rotated key, whole on every rank."""
+        if self.mla:
+            return self.mla.cache_width
+        return 2 * max(1, self.num_kv_heads // tp) * self.head_dim
+
     def kv_bytes_per_token(self, kv_dtype_bytes: int) -> int:
         """KV bytes per token for the whole unsharded model."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * kv_dtype_bytes
+        return self.num_layers * self.kv_values_per_layer() * kv_dtype_bytes
 
     @staticmethod
     def from_config(model_id: str, config: dict, quantization: str | None = None) -> "ModelSpec":
@@ -157,11 +186,13 @@ class ModelSpec:
             raise read.bad("quantization_config", quant, "a mapping")
         max_positions = read.count(*names.get("max_position_embeddings", ("max_position_embeddings",)))
         rope = read.rope_parameters() if family not in ("gpt2", "opt") else None
+        mla = MLASpec.from_config(read) if family in MLA_FAMILIES else None
         return ModelSpec(
             id=model_id, architecture=arch, family=family, num_layers=num_layers,
             hidden_size=hidden, num_attention_heads=heads,
             num_kv_heads=read.count("num_key_value_heads", default=heads),
-            head_dim=read.count("head_dim", default=max(1, hidden // heads)), intermediate_size=inter,
+            head_dim=mla.qk_nope_head_dim + mla.qk_rope_head_dim if mla else read.count("head_dim", default=max(1, hidden // heads)),
+            intermediate_size=inter,
             vocab_size=read.count("vocab_size"),
             max_position_embeddings=max_positions,
             max_context_len=max_context_length(max_positions, rope, family),
@@ -171,9 +202,11 @@ class ModelSpec:
             rope_type=rope["rope_type"] if rope else None,
             sliding_window=_sliding_window(read),
             uniform_sliding_window=uniform_sliding_window({**config, "architectures": [arch]}),
-            layer_types=layer_types(config, model_id, family), **_moe_fields(family, read, num_layers))
+            layer_types=layer_types(config, model_id, family), **_moe_fields(family, read, num_layers),
+            mla=mla)
 
 
+MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 _TIED_BY_DEFAULT = ("gpt2", "opt", "gemma2", "gemma3_text")  # transformers' default when config.json omits it
 _FIELD_NAMES: dict[str, dict[str, tuple[str, ...]]] = {
     "gpt2": {"hidden_size": ("n_embd", "hidden_size"), "num_attention_heads": ("n_head",),
@@ -233,4 +266,20 @@ def _moe_fields(family: str, read: ConfigReader, num_layers: int) -> dict:
                 "shared_expert_intermediate_size":
                     read.int("shared_expert_intermediate_size", default=0) or None,
                 "moe_layers": layers}
+    if family in MLA_FAMILIES:
+        return _deepseek_moe_fields(read, num_layers)
     return {}
+
+
+def _deepseek_moe_fields(read: ConfigReader, num_layers: int) -> dict:
+    """DeepSeek's rule: experts from first_k_dense_replace on, every moe_layer_freq-th layer, each with
+    n_shared_experts always-on experts (one MLP of their summed width)."""
+    experts = read.int("n_routed_experts", default=0)
+    if not experts:
+        return {}
+    first, frequency = read.int("first_k_dense_replace", default=0), read.int("moe_layer_freq", default=1) or 1
+    inter = read.count("moe_intermediate_size")
+    return {"num_experts": experts, "num_experts_per_tok": read.count("num_experts_per_tok"),
+            "moe_intermediate_size": inter,
+            "shared_expert_intermediate_size": inter * read.int("n_shared_experts", default=0) or None,
+            "moe_layers": tuple(i for i in range(num_layers) if i >= first and i % frequency == 0)}

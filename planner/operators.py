@@ -8,6 +8,8 @@ context they attend over). Per decoder layer (Megatron tensor parallel, shapes p
     o GEMM [T, heads * head_dim / tp] x [.., hidden]        all-reduce T * hidden
     MLP: gate_up / down GEMMs, or routed experts (grouped)   all-reduce T * hidden
     norms, rotary + KV write, activation: memory-bound element-wise kernels
+    (MLA: the q and kv down/up projections, the absorbed per-head products, and attention over the
+    cached latent of kv_lora_rank + qk_rope_head_dim values per token, whole on every rank)
 
 then embedding (first stage), final norm, LM head, logits gather and sampling (last stage).
 Each operator is looked up in the GPU's measured tables (perf_tables) and falls back to a
@@ -165,6 +167,8 @@ def stage_step_ms(ops: Operators, shape: StageShape, num_decode: int, decode_con
 def _layer_ms(ops: Operators, shape: StageShape, tokens: int) -> float:
     """A decoder layer without its attention kernel and its MLP: projections, all-reduces, element-wise."""
     spec, tp = shape.spec, shape.tp
+    if spec.mla:
+        return _mla_layer_ms(ops, shape, tokens)
     q_width = spec.num_attention_heads * spec.head_dim // tp
     kv_width = kv_heads_per_rank(spec, tp) * spec.head_dim
     hidden, g, bits = spec.hidden_size, shape.gemm_dtype, shape.weight_bits
@@ -176,6 +180,28 @@ def _layer_ms(ops: Operators, shape: StageShape, tokens: int) -> float:
     t += ops.elementwise(tokens * (q_width + 2 * kv_width) * act * 2)  # rotary + KV write
     t += ops.elementwise(4 * tokens * hidden * act)  # post-attention norm
     return t
+
+
+def _mla_layer_ms(ops: Operators, shape: StageShape, tokens: int) -> float:
+    """_layer_ms under MLA (attention/mla.py): q (through q_lora_rank or not), the cache entry, W_UK
+    into each head's query and W_UV out of its latent output, o; two all-reduces; norms and rotary."""
+    spec, m = shape.spec, shape.spec.mla
+    assert m is not None  # an MLA model's layer
+    heads, hidden, g, bits = spec.num_attention_heads // shape.tp, spec.hidden_size, shape.gemm_dtype, shape.weight_bits
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    if m.q_lora_rank:
+        t = ops.gemm(tokens, m.q_lora_rank, hidden, g, bits) + ops.gemm(tokens, heads * qk, m.q_lora_rank, g, bits)
+    else:
+        t = ops.gemm(tokens, heads * qk, hidden, g, bits)
+    t += ops.gemm(tokens, m.cache_width, hidden, g, bits)
+    # the per-head products: as one GEMM of the same FLOPs and weight bytes (model dtype)
+    t += ops.gemm(tokens, heads * m.kv_lora_rank, m.qk_nope_head_dim, "bfloat16", 16)
+    t += ops.gemm(tokens, heads * m.v_head_dim, m.kv_lora_rank, "bfloat16", 16)
+    t += ops.gemm(tokens, hidden, heads * m.v_head_dim, g, bits)
+    t += 2 * ops.allreduce(tokens * hidden * shape.act_bytes, shape.tp)
+    act = shape.act_bytes
+    t += ops.elementwise(8 * tokens * hidden * act)  # input and post-attention norms
+    return t + ops.elementwise(tokens * (heads * qk + 2 * m.cache_width) * act * 2)  # latent norm, rotary, write
 
 
 def _mlp_ms(ops: Operators, shape: StageShape, tokens: int, inter: int) -> float:
@@ -221,6 +247,11 @@ def _attention_ms(ops: Operators, shape: StageShape, num_decode: int, decode_con
     window = spec.sliding_window if windowed and spec.sliding_window else None
     heads, kv_heads = spec.num_attention_heads // tp, kv_heads_per_rank(spec, tp)
     context = min(decode_context, window) if window else decode_context
+    if spec.mla:  # multi-query over the cache entries: each read once for all heads; absorbed widths
+        nbytes = num_decode * max(1, context) * spec.mla.cache_width * shape.kv_bytes
+        t = ops.elementwise(nbytes) if num_decode else 0.0
+        width = (spec.mla.cache_width + spec.mla.kv_lora_rank) // 2  # scores over the entry, outputs over the latent
+        return t + sum(ops.prefill_attention(c.tokens, c.end, heads, width, shape.kv_dtype) for c in chunks)
     t = ops.decode_attention(num_decode, max(1, context), kv_heads, spec.head_dim, shape.kv_dtype, shape.kv_bytes)
     for c in chunks:
         if window and c.end > window:

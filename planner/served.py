@@ -42,6 +42,8 @@ ARCHITECTURES: dict[str, ServedArchitecture] = {
     "MixtralForCausalLM": ServedArchitecture("mixtral", has_experts=True),
     "Qwen2MoeForCausalLM": ServedArchitecture("qwen2_moe", has_experts=True),
     "Qwen3MoeForCausalLM": ServedArchitecture("qwen3_moe", has_experts=True),
+    "DeepseekV2ForCausalLM": ServedArchitecture("deepseek_v2", has_experts=True),
+    "DeepseekV3ForCausalLM": ServedArchitecture("deepseek_v3", has_experts=True),
     "Gemma2ForCausalLM": ServedArchitecture("gemma2"),
     "Gemma3ForCausalLM": ServedArchitecture("gemma3_text"),
     "Gemma3ForConditionalGeneration": ServedArchitecture("gemma3_text", has_text_config=True),

@@ -23,7 +23,7 @@ class Shard(Enum):
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")
 _COLUMN = {"q_proj", "gate_proj", "up_proj", "w1", "w3", "c_fc", "fc1", "c_attn", "qkv_proj",
-           "gate_up_proj", "query_key_value"}
+           "gate_up_proj", "query_key_value", "q_b_proj", "kv_b_proj"}  # MLA's down-projections: replicated
 _ROW = {"o_proj", "down_proj", "w2", "fc2", "c_proj", "out_proj", "dense"}
 _EMBED = {"embed_tokens", "wte"}
 _POSITIONS = {"wpe", "embed_positions"}

@@ -143,8 +143,26 @@ def _llama_like_tensors(spec: ModelSpec, t: _Tensors) -> None:
         t.add("lm_head.weight", spec.vocab_size * h)
 
 
+def _mla_tensors(spec: ModelSpec, t: _Tensors, p: str) -> None:
+    m, h, heads = spec.mla, spec.hidden_size, spec.num_attention_heads
+    assert m is not None  # an MLA model's attention
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    if m.q_lora_rank:
+        t.linear(f"{p}.self_attn.q_a_proj", h, m.q_lora_rank)
+        t.add(f"{p}.self_attn.q_a_layernorm.weight", m.q_lora_rank)
+        t.linear(f"{p}.self_attn.q_b_proj", m.q_lora_rank, heads * qk)
+    else:
+        t.linear(f"{p}.self_attn.q_proj", h, heads * qk)
+    t.linear(f"{p}.self_attn.kv_a_proj_with_mqa", h, m.cache_width)
+    t.add(f"{p}.self_attn.kv_a_layernorm.weight", m.kv_lora_rank)
+    t.linear(f"{p}.self_attn.kv_b_proj", m.kv_lora_rank, heads * (m.qk_nope_head_dim + m.v_head_dim))
+    t.linear(f"{p}.self_attn.o_proj", heads * m.v_head_dim, h)
+
+
 def _attention_tensors(spec: ModelSpec, t: _Tensors, p: str, q_out: int, kv_out: int) -> None:
     h, d = spec.hidden_size, spec.head_dim
+    if spec.mla:
+        return _mla_tensors(spec, t, p)
     if spec.family == "phi3":  # q, k and v fused in the checkpoint
         t.linear(f"{p}.self_attn.qkv_proj", h, q_out + 2 * kv_out)
     else:
@@ -175,13 +193,24 @@ def _moe_tensors(spec: ModelSpec, prefix: str, linear, dtype: str) -> list[Tenso
             linear(f"{p}.gate_proj", h, inter)
             linear(f"{p}.up_proj", h, inter)
             linear(f"{p}.down_proj", inter, h)
-        if spec.shared_expert_intermediate_size:
+        if spec.mla:  # DeepSeek: always-on shared experts, no gate; V3's router correction bias
+            _deepseek_extras(spec, prefix, linear)
+        elif spec.shared_expert_intermediate_size:
             s = spec.shared_expert_intermediate_size
             linear(f"{prefix}.mlp.shared_expert.gate_proj", h, s)
             linear(f"{prefix}.mlp.shared_expert.up_proj", h, s)
             linear(f"{prefix}.mlp.shared_expert.down_proj", s, h)
             linear(f"{prefix}.mlp.shared_expert_gate", h, 1)
-    return [TensorInfo(f"{router}.weight", n * h, dtype)]
+    bias = [TensorInfo(f"{router}.e_score_correction_bias", n, "F32")] if spec.family == "deepseek_v3" else []
+    return [TensorInfo(f"{router}.weight", n * h, dtype)] + bias
+
+
+def _deepseek_extras(spec: ModelSpec, prefix: str, linear) -> None:
+    h, shared = spec.hidden_size, spec.shared_expert_intermediate_size
+    if shared:
+        linear(f"{prefix}.mlp.shared_experts.gate_proj", h, shared)
+        linear(f"{prefix}.mlp.shared_experts.up_proj", h, shared)
+        linear(f"{prefix}.mlp.shared_experts.down_proj", shared, h)
 
 
 def _linear_tensors(spec: ModelSpec, name: str, n_in: int, n_out: int, dtype: str):

@@ -109,9 +109,9 @@ class Worker:
 
     @property
     def bytes_per_block(self) -> int:
-        """K and V of one block across this worker's layers."""
+        """K and V (or MLA's latent alone) of one block across this worker's layers."""
         layer = self.attention_layers[0]
-        elements = 2 * self.config.cache.block_size * layer.num_kv_heads * layer.head_dim
+        elements = layer.cache_planes * self.config.cache.block_size * layer.num_kv_heads * layer.head_dim
         return elements * len(self.attention_layers) * self.kv_cache_dtype.itemsize
 
     def _check_kv_cache_dtype(self) -> None:
@@ -190,11 +190,11 @@ class Worker:
         decision = agreed_decision(self.config, self.device, self.model)  # a collective: every rank is here
         num_scratch = 1 if decision.captures else 0
         layer = self.attention_layers[0]
-        shape = (len(self.attention_layers), 2, num_blocks + num_scratch, self.config.cache.block_size,
+        shape = (len(self.attention_layers), layer.cache_planes, num_blocks + num_scratch, self.config.cache.block_size,
                  layer.num_kv_heads, layer.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
         for index, attention in enumerate(self.attention_layers):
-            attention.kv_cache = self.kv_cache[index]  # [2, num_blocks, block_size, kv_heads, head_dim]
+            attention.kv_cache = self.kv_cache[index]  # [planes, num_blocks, block_size, kv_heads, head_dim]
         if num_offload_blocks:
             self.offload_cache = host_tier(self.kv_cache, num_offload_blocks)
         if not decision.captures:

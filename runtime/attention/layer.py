@@ -11,7 +11,8 @@ from shardserve.runtime.forward_context import get_forward_context
 
 class Attention(nn.Module):
     """Holds this layer's slice of the KV pool, bound by the worker after start-up:
-    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim] (keys, values).
+    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim] (keys, values), or with cache_planes=1
+    [1, ...]: keys only, which the attention reads as values too (MLA's latent, attention/mla.py).
     sliding_window: a query at position i sees keys at positions (i - sliding_window, i]; None: all.
     logits_soft_cap: scores become cap * tanh(scores / cap) before the mask and softmax (Gemma 2).
     An fp8 pool stores k / k_scale and v / v_scale; k_scale and v_scale are 1.0 unless the checkpoint
@@ -21,8 +22,9 @@ class Attention(nn.Module):
     v_scale: torch.Tensor
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
-                 sliding_window: int | None = None, logits_soft_cap: float | None = None):
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None, cache_planes: int = 2):
         super().__init__()
+        self.cache_planes = cache_planes
         self.num_heads, self.head_dim, self.num_kv_heads, self.scale = num_heads, head_dim, num_kv_heads, scale
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
@@ -33,7 +35,8 @@ class Attention(nn.Module):
 
     def fix_kv_scales(self) -> None:
         """Read the loaded scales once, so that no step reads a tensor value on the host."""
-        self.kv_scales = (float(self.k_scale), float(self.v_scale))
+        k_scale = float(self.k_scale)
+        self.kv_scales = (k_scale, float(self.v_scale) if self.cache_planes == 2 else k_scale)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None,
                 rotary_emb=None) -> torch.Tensor:

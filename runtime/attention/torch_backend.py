@@ -32,10 +32,12 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype, kv_scale: float) -> torch.T
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
              kv_scales: tuple[float, float] = NO_SCALES) -> None:
-    """k, v: [num_tokens, num_kv_heads, head_dim] -> their slots in kv_cache[0] and kv_cache[1]."""
+    """k, v: [num_tokens, num_kv_heads, head_dim] -> their slots in kv_cache[0] and kv_cache[1]; a
+    one-plane cache [1, ...] (MLA's latent) stores k, which is also what its attention reads as values."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     kv_cache[0].view(-1, num_kv_heads, head_dim)[slot_mapping] = quantize_kv(k, kv_cache.dtype, kv_scales[0])
-    kv_cache[1].view(-1, num_kv_heads, head_dim)[slot_mapping] = quantize_kv(v, kv_cache.dtype, kv_scales[1])
+    if kv_cache.shape[0] == 2:  # a one-plane cache (MLA) holds K only, and V is read from it
+        kv_cache[1].view(-1, num_kv_heads, head_dim)[slot_mapping] = quantize_kv(v, kv_cache.dtype, kv_scales[1])
 
 
 def _read(cached: torch.Tensor, kv_scale: float) -> torch.Tensor:
@@ -50,7 +52,7 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
     block_size = kv_cache.shape[2]
     blocks = block_table[first_block: -(-seq_len // block_size)].long()
     keys = kv_cache[0, blocks].flatten(0, 1)[:seq_len - first_block * block_size]
-    values = kv_cache[1, blocks].flatten(0, 1)[:seq_len - first_block * block_size]
+    values = kv_cache[-1, blocks].flatten(0, 1)[:seq_len - first_block * block_size]
     return _read(keys, kv_scales[0]), _read(values, kv_scales[1])
 
 
@@ -113,7 +115,7 @@ def _decode_batch(q, kv_cache, meta, scale, rows: list[int], out, sliding_window
     columns = torch.minimum(torch.tensor(firsts)[:, None] + torch.arange(width)[None, :], torch.tensor(lasts)[:, None])
     tables = meta.block_tables[rows].gather(1, columns.to(meta.block_tables.device)).long()  # [batch, width]
     keys = _read(kv_cache[0][tables].flatten(1, 2), kv_scales[0])  # [batch, width * block_size, kv_heads, head_dim]
-    values = _read(kv_cache[1][tables].flatten(1, 2), kv_scales[1])
+    values = _read(kv_cache[-1][tables].flatten(1, 2), kv_scales[1])
     seq_lens = torch.tensor(lens, device=q.device)
     tokens = torch.tensor([meta.query_start_loc_cpu[r] for r in rows], device=q.device)
     query = _grouped(q[tokens], kv_cache.shape[3]).float()  # [batch, kv_heads, group, head_dim]

@@ -1,8 +1,8 @@
 """Paged attention on CUDA through the Triton kernels.
 
 Split-KV decode when every request in the step decodes; the prefill kernel (new tokens over the
-cached prefix) otherwise. Given positions and the layer's rotary embedding, q and k are rotated in
-the kernel that writes the cache (fuses_rotary)."""
+cached prefix) otherwise; over a one-plane cache (MLA), 16 heads per launch. Given positions and the
+layer's rotary embedding, q and k are rotated in the kernel that writes the cache (fuses_rotary)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,12 @@ from shardserve.runtime.attention.triton_kernels import store_kv
 from shardserve.runtime.attention.triton_prefill import paged_prefill
 from shardserve.runtime.attention.triton_rotary_kv import rotary_store_kv
 from shardserve.runtime.forward_context import AttentionMetadata
+
+
+# NOTE: MLA's query group is every head of the rank (one latent KV head): 128 at tp 1. The kernels hold a
+# program's whole group in one tile, so heads go 16 per launch (each launch reads the cache again; at tp 8,
+# DeepSeek-V3's 16 heads per rank are one launch)
+MLA_HEADS_PER_LAUNCH = 16
 
 
 class TritonAttentionBackend:
@@ -35,6 +41,12 @@ class TritonAttentionBackend:
                                 kv_scales)
         options: dict[str, Any] = dict(sliding_window=sliding_window, kv_scales=kv_scales,
                                        logits_soft_cap=logits_soft_cap)
-        if meta.is_decode_only:
-            return paged_decode(q, kv_cache, meta, scale, **options)
-        return paged_prefill(q, kv_cache, meta, scale, **options)
+        kernel = paged_decode if meta.is_decode_only else paged_prefill
+        if kv_cache.shape[0] == 2 or q.shape[1] <= MLA_HEADS_PER_LAUNCH:
+            return kernel(q, kv_cache, meta, scale, **options)
+        # one-plane cache (MLA, one KV head): a few heads per launch, so a program's query group stays small
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        for first in range(0, q.shape[1], MLA_HEADS_PER_LAUNCH):
+            heads = slice(first, first + MLA_HEADS_PER_LAUNCH)
+            out[:, heads] = kernel(q[:, heads], kv_cache, meta, scale, **options)
+        return out

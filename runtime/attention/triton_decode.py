@@ -139,13 +139,16 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, nu
     part_max = torch.empty(part_out.shape[:3], dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
     window = sliding_window or 0
+    # NOTE: MLA's 576-wide entries (BLOCK_D 1024) compile for sm_90 without spills only in 16-key tiles
+    # on 8 warps, 2 stages (tests/runtime/triton_compile_check.py); untimed on a GPU so far
+    block_n, warps, stages = (min(block_n, 16), 8, 2) if width > 256 else (block_n, 4, 3)
     _decode_kernel[(num_requests, num_kv_heads, num_splits)](
-        q.contiguous(), kv_cache[0], kv_cache[1], out, part_out, part_max, part_sum, meta.query_start_loc,
+        q.contiguous(), kv_cache[0], kv_cache[-1], out, part_out, part_max, part_sum, meta.query_start_loc,
         meta.seq_lens, meta.block_tables, meta.block_tables.stride(0), scale, logits_soft_cap or 0.0, num_heads,
         num_kv_heads, head_dim, kv_cache.shape[2], num_splits, window, kv_scales[0], kv_scales[1],
         BLOCK_G=max(16, triton.next_power_of_2(num_heads // num_kv_heads)), BLOCK_N=block_n, BLOCK_D=width,
-        SPLIT_MIN=split_min, NUM_STAGES=3, IS_FP32=q.dtype == torch.float32, HAS_WINDOW=sliding_window is not None,
-        IS_FP8=is_fp8(kv_cache.dtype), HAS_SOFT_CAP=logits_soft_cap is not None, num_warps=4)
+        SPLIT_MIN=split_min, NUM_STAGES=stages, IS_FP32=q.dtype == torch.float32, HAS_WINDOW=sliding_window is not None,
+        IS_FP8=is_fp8(kv_cache.dtype), HAS_SOFT_CAP=logits_soft_cap is not None, num_warps=warps)
     if num_splits > 1:
         _decode_reduce_kernel[(num_requests, num_heads)](
             part_out, part_max, part_sum, out, meta.query_start_loc, meta.seq_lens, num_heads, head_dim, num_splits,

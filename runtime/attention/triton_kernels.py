@@ -1,7 +1,8 @@
 """The paged KV cache seen from Triton: the store kernel and the helpers both attention kernels share.
 
 Layout of one layer's cache:
-[2, num_blocks, block_size, num_kv_heads, head_dim]; a slot is block_id * block_size + offset.
+[2, num_blocks, block_size, num_kv_heads, head_dim]; a slot is block_id * block_size + offset. A one-plane
+cache [1, ...] (MLA) passes its plane as both K and V: the store writes it twice, the kernels read V from it.
 An fp8 cache holds k / k_scale and v / v_scale: the store divides and saturates, the attention kernels
 multiply back (in fp32) before their dots. Prefill is in triton_prefill.py, decode in triton_decode.py,
 the rotary embedding fused with the store in triton_rotary_kv.py."""
@@ -50,7 +51,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     num_tokens, row_size = k.shape[0], k.shape[1] * k.shape[2]
     if num_tokens == 0:
         return
-    _store_kv_kernel[(num_tokens,)](k.contiguous(), v.contiguous(), kv_cache[0], kv_cache[1], slot_mapping,
+    _store_kv_kernel[(num_tokens,)](k.contiguous(), v.contiguous(), kv_cache[0], kv_cache[-1], slot_mapping,
                                     row_size, kv_scales[0], kv_scales[1], largest_value(kv_cache.dtype),
                                     BLOCK=triton.next_power_of_2(row_size), IS_FP8=is_fp8(kv_cache.dtype))
 

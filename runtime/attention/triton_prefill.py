@@ -81,8 +81,10 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_ptr, s
 def prefill_tile(dtype: torch.dtype, head_dim: int, group: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps). NOTE: 128 x 64 tiles with 8 warps compile to wgmma on sm_90 without
     spilling for head_dim <= 128 in bf16/fp16; head_dim 256 halves the rows, and fp32 (CUDA cores, no
-    tensor cores) keeps 64 x 32. BLOCK_M is at least the group so a tile holds one token."""
-    if dtype == torch.float32:
+    tensor cores) keeps 64 x 32; MLA's entries take 16 x 16. BLOCK_M is at least the group so a tile holds one token."""
+    if head_dim > 256:  # MLA's 576-wide entries: the only tile found without (much) spilling, 24 bytes
+        block_m, block_n, num_warps = 16, 16, 8
+    elif dtype == torch.float32:
         block_m, block_n, num_warps = 64, 32, 4
     elif head_dim > 128:
         block_m, block_n, num_warps = 64, 64, 8
@@ -102,7 +104,7 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, b
     block_m, block_n = max(block_m or tile_m, triton.next_power_of_2(group)), block_n or tile_n
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, whatever q's strides
     grid = (meta.num_requests, num_kv_heads, triton.cdiv(meta.max_query_len, block_m // group))
-    _prefill_kernel[grid](q.contiguous(), kv_cache[0], kv_cache[1], out, meta.query_start_loc, meta.seq_lens,
+    _prefill_kernel[grid](q.contiguous(), kv_cache[0], kv_cache[-1], out, meta.query_start_loc, meta.seq_lens,
                           meta.block_tables, meta.block_tables.stride(0), scale, logits_soft_cap or 0.0, num_heads,
                           num_kv_heads, head_dim, kv_cache.shape[2], sliding_window or 0, kv_scales[0], kv_scales[1],
                           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d(head_dim),

@@ -101,7 +101,7 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     q_rows, k_rows, v_rows = _rows(q, num_heads, head_dim), _rows(k, num_kv_heads, head_dim), _rows(
         v, num_kv_heads, head_dim)
     _rotary_kv_kernel[(num_tokens,)](
-        q_rows, k_rows, v_rows, positions, cos.contiguous(), sin.contiguous(), q_out, kv_cache[0], kv_cache[1],
+        q_rows, k_rows, v_rows, positions, cos.contiguous(), sin.contiguous(), q_out, kv_cache[0], kv_cache[-1],
         slot_mapping, q_rows.stride(0), k_rows.stride(0), v_rows.stride(0), num_heads, num_kv_heads, head_dim,
         rotary_dim, kv_scales[0], kv_scales[1], largest_value(kv_cache.dtype),
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KV=triton.next_power_of_2(num_kv_heads),

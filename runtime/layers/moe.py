@@ -97,6 +97,11 @@ class FusedMoE(nn.Module):
         """hidden: [num_tokens, hidden_size], router_logits: [num_tokens, num_experts]. On CUDA the Triton
         kernel (no host sync: capturable); elsewhere the torch loop, which is also its reference."""
         weights, experts = self.route(router_logits)  # [num_tokens, top_k]
+        return self.run(hidden, weights, experts)
+
+    def run(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The experts over tokens already routed (weights and expert ids, [num_tokens, top_k]): forward's
+        second half, called directly by a model with its own routing (DeepSeek's grouped top-k)."""
         if hidden.is_cuda and self.quant_method is not None:
             out = self.quant_method.apply(self, hidden, weights, experts)
         elif hidden.is_cuda:

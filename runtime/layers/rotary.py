@@ -71,11 +71,11 @@ def attention_factor(params: dict) -> float:
         return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_len))
     mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
     if mscale and mscale_all_dim:
-        return float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
-    return _yarn_mscale(factor)
+        return float(yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim))
+    return yarn_mscale(factor)
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
@@ -137,14 +137,18 @@ def _longrope_frequencies(dim: int, num_positions: int, params: dict) -> torch.T
 
 class RotaryEmbedding(nn.Module):
     """Rotates the first rotary_dim features of each head by position.
-    q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]."""
+    q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim].
+    interleaved: the pairs rotated together are (x0, x1), (x2, x3), ... (GPT-J, DeepSeek's rope), not
+    (x_i, x_{i + rotary_dim / 2}); the rotated features come out as NeoX's halves, the same order for q
+    and k, which is all their dot product sees."""
 
     cos: torch.Tensor  # [max_position, rotary_dim // 2] buffers, the attention factor folded in
     sin: torch.Tensor
 
-    def __init__(self, head_dim: int, max_position: int, params: dict, rotary_dim: int | None = None):
+    def __init__(self, head_dim: int, max_position: int, params: dict, rotary_dim: int | None = None,
+                 interleaved: bool = False):
         super().__init__()
-        self.head_dim = head_dim
+        self.head_dim, self.interleaved = head_dim, interleaved
         self.rotary_dim = rotary_dim or head_dim
         angles = rotation_angles(self.rotary_dim, max_position, params)  # [max_position, rotary_dim // 2]
         scale = attention_factor(params)
@@ -159,6 +163,6 @@ class RotaryEmbedding(nn.Module):
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        x1, x2 = rot.chunk(2, dim=-1)
+        x1, x2 = (rot[..., 0::2], rot[..., 1::2]) if self.interleaved else rot.chunk(2, dim=-1)
         rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         return torch.cat((rotated, rest), dim=-1) if rest.numel() else rotated

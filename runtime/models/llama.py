@@ -104,11 +104,17 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, variant: LlamaVariant, rotary_emb: RotaryEmbedding, mlp: nn.Module, index: int):
+    """self_attn is `attention` (forward(positions, hidden)) or, when None, the Llama attention."""
+
+    def __init__(self, config, variant: LlamaVariant, rotary_emb: RotaryEmbedding | None, mlp: nn.Module,
+                 index: int, attention: nn.Module | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        window = layer_sliding_window(config, index) if variant.has_sliding_window else None
-        self.self_attn = LlamaAttention(config, variant, rotary_emb, window)
+        if attention is None:
+            assert rotary_emb is not None  # the Llama attention rotates with the model's table
+            window = layer_sliding_window(config, index) if variant.has_sliding_window else None
+            attention = LlamaAttention(config, variant, rotary_emb, window)
+        self.self_attn = attention
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
 
@@ -157,16 +163,20 @@ def run_stage(model: DecoderStage, embedded: torch.Tensor | None, positions: tor
     return model.norm(hidden, residual)[0] if residual is not None else model.norm(hidden)
 
 
+AttentionBuilder = Callable[[int], nn.Module]  # layer index -> its attention (DeepSeek's MLA)
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, config, variant: LlamaVariant, max_position: int, build_mlp: Callable[[int], nn.Module]):
+    def __init__(self, config, variant: LlamaVariant, max_position: int, build_mlp: Callable[[int], nn.Module],
+                 build_attention: AttentionBuilder | None = None):
         super().__init__()
         state = get_parallel_state()
         self.is_first_stage, self.is_last_stage = state.is_first_stage, state.is_last_stage
         if self.is_first_stage:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        rotary_emb = llama_rotary(config, variant, max_position)
-        self.layers, self.start_layer, self.end_layer = make_layers(
-            config.num_hidden_layers, lambda i: LlamaDecoderLayer(config, variant, rotary_emb, build_mlp(i), i))
+        rotary_emb = llama_rotary(config, variant, max_position) if build_attention is None else None
+        self.layers, self.start_layer, self.end_layer = make_layers(config.num_hidden_layers, lambda i: LlamaDecoderLayer(
+            config, variant, rotary_emb, build_mlp(i), i, build_attention(i) if build_attention else None))
         if self.is_last_stage:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -180,12 +190,12 @@ class LlamaForCausalLM(nn.Module):
     supports_cuda_graphs = True  # the forward reads no tensor value on the host
 
     def __init__(self, model_config: ModelConfig, variant: LlamaVariant = LlamaVariant(),
-                 build_mlp: Callable[[int], nn.Module] | None = None):
+                 build_mlp: Callable[[int], nn.Module] | None = None, build_attention: AttentionBuilder | None = None):
         super().__init__()
         config = model_config.hf_config
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.model = LlamaModel(config, variant, model_config.max_model_len,
-                                build_mlp or (lambda i: LlamaMLP(config)))
+                                build_mlp or (lambda i: LlamaMLP(config)), build_attention)
         self.layer_range = (self.model.start_layer, self.model.end_layer)
         if get_parallel_state().is_last_stage:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)

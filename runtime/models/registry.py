@@ -9,6 +9,7 @@ from torch import nn
 
 from shardserve.planner.served import ARCHITECTURES
 from shardserve.runtime.config import ModelConfig
+from shardserve.runtime.models.deepseek import deepseek_v2, deepseek_v3
 from shardserve.runtime.models.gemma import gemma2, gemma3
 from shardserve.runtime.models.gpt2 import GPT2LMHeadModel
 from shardserve.runtime.models.llama import LlamaForCausalLM, LlamaVariant
@@ -25,6 +26,8 @@ MODEL_BUILDERS: dict[str, Callable[[ModelConfig], nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": qwen2_moe,
     "Qwen3MoeForCausalLM": qwen3_moe,
+    "DeepseekV2ForCausalLM": deepseek_v2,
+    "DeepseekV3ForCausalLM": deepseek_v3,
     "Gemma2ForCausalLM": gemma2,
     "Gemma3ForCausalLM": gemma3,
     "Gemma3ForConditionalGeneration": gemma3,  # its language model; images are not served

@@ -1,4 +1,4 @@
-"""Random Llama, Qwen3, Qwen3-MoE, Gemma 2, Gemma 3 and Phi-3 checkpoints for the GPU tests (transformers
+"""Random Llama, Qwen3, Qwen3-MoE, Gemma 2, Gemma 3, Phi-3 and DeepSeek-V3 checkpoints for the GPU tests (transformers
 save_pretrained), bigger than the CPU tests' so that the kernels see real head sizes, GQA groups and
 several KV blocks per request."""
 
@@ -32,6 +32,15 @@ def gpu_config(family: str, num_hidden_layers: int = 3):
     if family == "qwen3_moe":  # 16 experts, top 4: the fused MoE kernel in a whole model
         return tf.Qwen3MoeConfig(head_dim=128, tie_word_embeddings=False, num_experts=16, num_experts_per_tok=4,
                                  moe_intermediate_size=256, norm_topk_prob=True, **common)
+    if family == "deepseek_v3":  # MLA at serving widths (576-wide entries; 32 heads: two launches of 16), yarn,
+        # noaux_tc routing over 16 experts in 4 groups, a dense first layer, one shared expert
+        rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 512,
+                "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
+        return tf.DeepseekV3Config(**{**common, "num_attention_heads": 32, "num_key_value_heads": 32},
+                                   q_lora_rank=192, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                   v_head_dim=128, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                                   moe_intermediate_size=256, n_shared_experts=1, first_k_dense_replace=1,
+                                   rope_parameters=rope)
     raise KeyError(family)
 
 

@@ -22,7 +22,7 @@ from shardserve.runtime.loader import load_model
 from shardserve.runtime.messages import CachedRequestData, NewRequestData, SchedulerOutput
 
 CUDA = torch.device("cuda")
-FAMILIES = ["llama", "qwen3", "gemma2", "gemma3", "phi3"]
+FAMILIES = ["llama", "qwen3", "gemma2", "gemma3", "phi3", "deepseek_v3"]
 PROMPT_LENS, MAX_TOKENS = [5, 17, 40, 130, 600, 3], [24, 20, 16, 12, 8, 4]
 PROMPTS = [np.random.default_rng(n).integers(3, VOCAB_SIZE, n).tolist() for n in PROMPT_LENS]
 # bf16 against float32 transformers; the CPU torch path in bf16 differs by ~0.1 at most on these models
@@ -38,7 +38,8 @@ def make_llm(folder: str, enforce_eager: bool) -> LLM:
 def run_in_chunks(model, prompt: list[int], chunks: list[int]) -> torch.Tensor:
     """Logits for every position of `prompt`, fed in chunks through a bf16 paged cache on the GPU."""
     for layer in [m for m in model.modules() if isinstance(m, Attention)]:
-        layer.kv_cache = torch.zeros(2, 64, 16, layer.num_kv_heads, layer.head_dim, dtype=torch.bfloat16, device=CUDA)
+        layer.kv_cache = torch.zeros(layer.cache_planes, 64, 16, layer.num_kv_heads, layer.head_dim, dtype=torch.bfloat16,
+                                     device=CUDA)
     blocks = np.random.default_rng(0).permutation(64)[: -(-len(prompt) // 16)].tolist()
     state = RequestState("r", list(prompt), len(prompt), SamplingParams(), 0, frozenset(), blocks, 0)
     logits = []

@@ -22,7 +22,10 @@ HARDWARE = "2x8xH100-80GB"
 SMALL = {"hidden_size": 64, "n_embd": 64, "intermediate_size": 96, "ffn_dim": 96, "num_hidden_layers": 2,
          "n_layer": 2, "num_attention_heads": 4, "n_head": 4, "head_dim": 16, "vocab_size": 320,
          "word_embed_proj_dim": 64, "num_local_experts": 4, "num_experts": 4, "num_experts_per_tok": 2,
-         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "sliding_window": 8}
+         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "sliding_window": 8,
+         # MLA and DeepSeek's experts: 4 groups of 2 of the 8 routed experts, the first layer dense
+         "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8,
+         "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1, "n_shared_experts": 1}
 PROMPTS = [[5, 17, 42, 9], [300, 7, 7, 120, 64, 3, 88]]
 
 
@@ -68,6 +71,8 @@ def tiny_config(config: dict) -> dict:
     tiny.update({k: v for k, v in SMALL.items() if k in config})
     if "num_key_value_heads" in config:
         tiny["num_key_value_heads"] = 2 if grouped else 4
+    if config.get("q_lora_rank"):  # MLA's query compression (None: q_proj straight, V2-Lite)
+        tiny["q_lora_rank"] = 48
     rope = config.get("rope_scaling") or {}
     if "short_factor" in rope:  # longrope: one factor per rotated pair of the 16-wide heads
         tiny["rope_scaling"] = {**rope, "short_factor": rope["short_factor"][:8], "long_factor": rope["long_factor"][:8]}

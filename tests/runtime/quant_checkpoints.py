@@ -8,10 +8,12 @@ import os
 import shutil
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save_file
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-           "qkv_proj", "gate_up_proj")  # Phi-3 ships the last two fused
+           "qkv_proj", "gate_up_proj",  # Phi-3 ships these two fused
+           "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # MLA's (DeepSeek)
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ: nibble j of an int32 holds column AWQ_ORDER[j] of its 8
 FP8_MAX = 448.0  # largest float8_e4m3fn
 # projections of one input share an act-order permutation, as GPTQ's shared Hessian gives them ...
@@ -98,9 +100,10 @@ def fp8_tensors(w, qc, input_key: str) -> tuple[dict, torch.Tensor]:
     w = w.float()
     if qc["quant_method"] == "fp8":
         bo, bi = qc["weight_block_size"]
-        blocks = w.reshape(w.shape[0] // bo, bo, w.shape[1] // bi, bi)
-        scale = blocks.abs().amax(dim=(1, 3)) / FP8_MAX  # [out / bo, in / bi]
-        full = scale.repeat_interleave(bo, 0).repeat_interleave(bi, 1)
+        rows, cols = -(-w.shape[0] // bo), -(-w.shape[1] // bi)  # the last block row/column may be partial
+        padded = F.pad(w, (0, cols * bi - w.shape[1], 0, rows * bo - w.shape[0]))
+        scale = padded.reshape(rows, bo, cols, bi).abs().amax(dim=(1, 3)) / FP8_MAX  # [ceil(out / bo), ceil(in / bi)]
+        full = scale.repeat_interleave(bo, 0)[: w.shape[0]].repeat_interleave(bi, 1)[:, : w.shape[1]]
         weight = (w / full).to(torch.float8_e4m3fn)
         return {"weight": weight, "weight_scale_inv": scale}, weight.float() * full
     strategy = qc["config_groups"]["group_0"]["weights"]["strategy"]

@@ -88,6 +88,8 @@ def family_config(family: str, num_layers: int = 2, max_position_embeddings: int
     if family == "qwen3_moe":  # decoder_sparse_step 2: odd layers sparse; renormalized top-k
         return tf.Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                  decoder_sparse_step=2, norm_topk_prob=True, head_dim=24, **llama_like)
+    if family.startswith("deepseek"):
+        return _deepseek_config(tf, family, llama_like)
     if family in ("gemma2", "gemma3", "phi3", "phi3-longrope"):
         return _gemma_phi3_config(tf, family, llama_like)
     if family == "gpt2":
@@ -100,6 +102,24 @@ def family_config(family: str, num_layers: int = 2, max_position_embeddings: int
                             max_position_embeddings=256, word_embed_proj_dim=32, do_layer_norm_before=False,
                             **common)
     raise KeyError(family)
+
+
+def _deepseek_config(tf, family: str, llama_like: dict):
+    """MLA with a 32-wide latent and 8 rotated features; layer 0 dense, then 8 routed experts (top 2)
+    plus shared ones. deepseek_v2_lite: no q compression, softmax greedy routing (V2-Lite's shape);
+    deepseek_v2: group-limited routing; deepseek_v3: sigmoid noaux_tc over 4 groups, yarn with mscale."""
+    mla = dict(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, moe_intermediate_size=32,
+               n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1)
+    shape = {**llama_like, "num_key_value_heads": llama_like["num_attention_heads"]}
+    if family == "deepseek_v2_lite":
+        return tf.DeepseekV2Config(q_lora_rank=None, n_shared_experts=2, topk_method="greedy", **mla, **shape)
+    if family == "deepseek_v2":
+        return tf.DeepseekV2Config(q_lora_rank=48, n_shared_experts=1, topk_method="group_limited_greedy", n_group=4,
+                                   topk_group=2, routed_scaling_factor=1.5, **mla, **shape)
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+            "mscale": 0.8, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1}
+    return tf.DeepseekV3Config(q_lora_rank=48, n_shared_experts=1, n_group=4, topk_group=2, norm_topk_prob=True,
+                               routed_scaling_factor=2.5, rope_parameters=rope, **mla, **shape)
 
 
 def _gemma_phi3_config(tf, family: str, llama_like: dict):
@@ -121,7 +141,7 @@ def _gemma_phi3_config(tf, family: str, llama_like: dict):
 
 
 FAMILIES = ["llama3", "llama2-linear-tied", "mistral", "mistral-window", "qwen2", "qwen2-window", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
-            "gemma2", "gemma3", "phi3", "gpt2", "opt", "opt-postln-proj"]
+            "deepseek_v2_lite", "deepseek_v2", "deepseek_v3", "gemma2", "gemma3", "phi3", "gpt2", "opt", "opt-postln-proj"]
 
 
 def save_checkpoint(folder: str, family: str, with_tokenizer: bool = True, seed: int = 0,
@@ -155,6 +175,8 @@ def bytes_per_block(folder: str, block_size: int) -> int:
     hidden = getattr(c, "hidden_size", None) or c.n_embd
     head_dim = getattr(c, "head_dim", None) or hidden // heads
     layers = getattr(c, "num_hidden_layers", None) or c.n_layer
+    if getattr(c, "kv_lora_rank", None):  # MLA: one latent and rotated key per token and layer
+        return block_size * (c.kv_lora_rank + c.qk_rope_head_dim) * layers * 4
     return 2 * block_size * kv_heads * head_dim * layers * 4
 
 

@@ -40,6 +40,9 @@ LAYOUTS = [
     ("phi3", 2, 2, 1),  # the checkpoint's fused qkv_proj and gate_up_proj cut per rank
     ("phi3", 2, 1, 2),
     ("phi3", 2, 4, 1),  # 2 KV heads of the fused qkv_proj on 4 ranks: each cut out twice
+    ("deepseek_v3", 2, 2, 1),  # MLA heads split, the latent cache whole per rank; shared experts split
+    ("deepseek_v2_lite", 2, 2, 1),  # q_proj without q_lora_rank
+    ("deepseek_v2", 2, 1, 2),  # the dense layer and the MoE layer on different stages
 ]
 
 
@@ -61,7 +64,7 @@ def test_parallel_greedy_matches_transformers(family, num_layers, tp, pp, checkp
     assert rank_pids() == []
 
 
-EXPERT_PARALLEL = [("mixtral", 1), ("qwen2_moe", 1), ("qwen3_moe", 1), ("mixtral", 2)]
+EXPERT_PARALLEL = [("mixtral", 1), ("qwen2_moe", 1), ("qwen3_moe", 1), ("mixtral", 2), ("deepseek_v3", 1)]
 
 
 @pytest.mark.slow

@@ -57,8 +57,11 @@ def restore_parallel_state():
     set_parallel_state(saved)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("fmt", list(MOE_FORMATS))
+# DeepSeek's releases: V3/R1 ship fp8 blocks (kv_b_proj dequantized per step for MLA's absorption)
+DEEPSEEK = [("deepseek_v3", "fp8-block"), ("deepseek_v2_lite", "awq"), ("deepseek_v2", "gptq4")]
+
+
+@pytest.mark.parametrize("family, fmt", [(f, q) for f in FAMILIES for q in MOE_FORMATS] + DEEPSEEK)
 def test_greedy_and_logits_match_dequantized_transformers(family, fmt, quantized_moe):
     folder, hf_model, expected = quantized_moe(family, fmt)
     assert len({t for seq in expected for t in seq}) > 5
@@ -76,7 +79,7 @@ def test_greedy_and_logits_match_dequantized_transformers(family, fmt, quantized
 
 # (family, format, expert parallel): tp 2 splits each expert's features, or deals whole experts out
 PARALLEL = [("mixtral", "fp8-block", False), ("qwen3_moe", "awq", False), ("mixtral", "gptq4", True),
-            ("qwen2_moe", "fp8-tensor", True)]
+            ("qwen2_moe", "fp8-tensor", True), ("deepseek_v3", "fp8-block", False), ("deepseek_v3", "fp8-block", True)]
 
 
 @pytest.mark.slow

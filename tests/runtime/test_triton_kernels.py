@@ -77,6 +77,21 @@ def test_backend_matches_torch_backend(shapes, dtype):
     assert torch.equal(cache, reference_cache)
 
 
+@pytest.mark.parametrize("shapes", [[(0, 7), (5, 3), (9, 1)], [(20, 1), (3, 1), (37, 1)]])
+def test_a_one_plane_cache_is_read_as_keys_and_values(shapes):
+    """MLA's cache [1, ...]: one 40-wide entry per token (latent | rotated key), values = the entry; 20
+    heads over one KV head go 16 per launch."""
+    meta, q, k, _, cache = random_case(shapes, num_heads=20, num_kv_heads=1, head_dim=40, seed=6)
+    cache = cache[:1].clone()
+    reference_cache = cache.clone()
+    expected = TorchAttentionBackend().forward(q, k, k, reference_cache, meta, 0.3)
+    actual = TritonAttentionBackend().forward(q, k, k, cache, meta, 0.3)
+    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)
+    assert torch.equal(cache, reference_cache)
+    two_planes = torch.cat([reference_cache, reference_cache])  # the same entries as separate K and V
+    torch.testing.assert_close(paged_attention(q, two_planes, meta, 0.3), expected, atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("window", [1, 5, 16])
 def test_prefill_kernel_with_sliding_window_matches_reference(window):
     """Windows shorter than a tile, than the cached prefix, and than the whole sequence."""
@@ -119,7 +134,9 @@ def test_split_limit_comes_from_the_batch_shape():
 
 # strided q/k/v (no rotary); q/k norm then fused rotary, head_dim 24; window 8; llama3 rope scaling;
 # soft caps and local/global layers (Gemma 2); local rope base (Gemma 3); fused tensors, partial rotary (Phi-3)
-@pytest.mark.parametrize("family", ["gpt2", "qwen3", "mistral-window", "llama3", "gemma2", "gemma3", "phi3"])
+# MLA over its one-plane latent cache (DeepSeek-V3 with q compression and yarn; V2-Lite without)
+@pytest.mark.parametrize("family", ["gpt2", "qwen3", "mistral-window", "llama3", "gemma2", "gemma3", "phi3",
+                                    "deepseek_v3", "deepseek_v2_lite"])
 def test_models_on_the_triton_backend_match_transformers(family, checkpoint_factory):
     from runtime_forward import PROMPT, run_chunks
 

@@ -89,6 +89,26 @@ def compile_attention(dtype: str, cache: str, is_fp32: bool) -> None:
                        {"BLOCK_S": 4, "BLOCK_D": 128, "SPLIT_MIN": triton_decode.SPLIT_MIN, "HAS_WINDOW": has_window})
 
 
+def compile_mla_attention() -> None:
+    """MLA's 576-wide entries (BLOCK_D 1024) at the tiles the launchers pick for them, 16 heads per
+    launch: decode without spills, prefill within 64 spilled bytes; both within sm_90's shared memory."""
+    tensors = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16"}
+    scales = {"k_scale": "fp32", "v_scale": "fp32"}
+    flags = {"IS_FP32": False, "HAS_WINDOW": False, "IS_FP8": False, "HAS_SOFT_CAP": False}
+    block_m, block_n, num_warps = triton_prefill.prefill_tile(torch.bfloat16, 576, 16)
+    prefill = compile_kernel(triton_prefill._prefill_kernel, {**tensors, **INDEX, **scales},
+                             {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": 1024, **flags},
+                             divisible=("head_dim", "block_size"), num_warps=num_warps, num_stages=2)
+    decode = compile_kernel(triton_decode._decode_kernel,
+                            {**tensors, "part_out_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
+                             **INDEX, "max_splits": "i32", **scales},
+                            {"BLOCK_G": 16, "BLOCK_N": 16, "BLOCK_D": 1024, "SPLIT_MIN": triton_decode.SPLIT_MIN,
+                             "NUM_STAGES": 2, **flags}, divisible=("head_dim", "block_size"), num_warps=8)
+    assert spill_bytes(decode) == 0, "MLA decode spills registers"
+    assert spill_bytes(prefill) <= 64, "MLA prefill spills more than 64 bytes"
+    assert max(decode.metadata.shared, prefill.metadata.shared) <= 227 * 1024, "MLA tiles exceed shared memory"
+
+
 def compile_rotary_kv(dtype: str, cache: str, is_fp8: bool) -> None:
     for is_partial in (False, True):
         compile_kernel(triton_rotary_kv._rotary_kv_kernel,
@@ -164,6 +184,8 @@ def main() -> None:
                        {"x_ptr": dtype, "out_ptr": dtype, "x_stride": "i64", "size": "i32"}, {"BLOCK": 1024})
         compile_moe(dtype, is_fp32)
         compile_lora(dtype, is_fp32)
+        if not is_fp32:
+            compile_mla_attention()
         for has_residual in (False, True):
             compile_kernel(triton_norm._rms_norm_kernel,
                            {"x_ptr": dtype, "residual_ptr": dtype, "weight_ptr": dtype, "out_ptr": dtype,
