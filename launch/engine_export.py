@@ -22,6 +22,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from shardserve.planner.plan_file import PlanFile
+from shardserve.planner.served import ARCHITECTURES
 
 ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
 ENGINES = tuple(ENGINE_NAMES)
@@ -33,8 +34,8 @@ SGLANG_KV_CACHE_DTYPES = {"fp8": "fp8_e4m3"}  # SGLang takes no bare "fp8"
 RAY_PORT = 6379  # `ray start --head`'s default
 SGLANG_DIST_PORT = 50000  # any free port on node 0 (SGLang's multi-node example uses 50000)
 HEAD_IP = "HEAD_IP"  # stands for node 0's address when the plan names no node IPs
-# the served mixture-of-experts architectures (planner/served.py): vLLM couples their replicas
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+# the served mixture-of-experts architectures: vLLM couples their replicas
+MOE_ARCHITECTURES = tuple(arch for arch, served in ARCHITECTURES.items() if served.has_experts)
 LATENCY_TARGETS = ("ttft_ms", "tpot_ms")  # the service's targets: no engine takes one
 # the traffic the plan is sized for: a description of the load, no engine setting
 TRAFFIC = ("input_len", "output_len", "prefix_len", "concurrency", "request_rate", "target_percentile")

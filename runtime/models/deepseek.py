@@ -14,7 +14,7 @@ from torch import nn
 from shardserve.runtime.attention.mla import MLAAttention, mla_rotary
 from shardserve.runtime.config import ModelConfig
 from shardserve.runtime.layers.moe import FusedMoE, expert_weight
-from shardserve.runtime.models.llama import LlamaForCausalLM, LlamaMLP, LlamaVariant
+from shardserve.runtime.models.llama import ComposedLlama, LlamaForCausalLM, LlamaMLP, LlamaVariant
 from shardserve.runtime.models.weight_map import WeightTarget, fold_packed, tied_head_target
 
 _EXPERT_KINDS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
@@ -106,27 +106,17 @@ def is_moe_layer(config, index: int) -> bool:
     return bool(config.n_routed_experts) and index >= (config.first_k_dense_replace or 0) and index % frequency == 0
 
 
-class DeepseekForCausalLM(nn.Module):
+class DeepseekForCausalLM(ComposedLlama):
     """The Llama decoder with MLA as every layer's attention and DeepseekMoE in the sparse layers."""
 
-    supports_cuda_graphs = True  # routing, MLA and the experts read no tensor value on the host on CUDA
-
     def __init__(self, model_config: ModelConfig, is_v3: bool):
-        super().__init__()
         config = model_config.hf_config
         routing = Routing.of(config, is_v3)
         rotary_emb = mla_rotary(config, model_config.max_model_len)
-        self.inner = LlamaForCausalLM(
+        super().__init__(LlamaForCausalLM(
             model_config, LlamaVariant(),
             build_mlp=lambda i: DeepseekMoE(config, routing) if is_moe_layer(config, i) else LlamaMLP(config),
-            build_attention=lambda i: MLAAttention(config, rotary_emb))
-        self.layer_range = self.inner.layer_range
-
-    def forward(self, input_ids, positions, intermediate=None):
-        return self.inner(input_ids, positions, intermediate)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.inner.compute_logits(hidden)
+            build_attention=lambda i: MLAAttention(config, rotary_emb)))
 
     def checkpoint_target(self, name: str) -> WeightTarget | None:
         expert = expert_weight(name, _EXPERT_KINDS)

@@ -215,3 +215,21 @@ class LlamaForCausalLM(nn.Module):
             return tied_head_target(name, "model.embed_tokens.weight", self.model.is_first_stage) or fold_packed(
                 name, self.packed_modules)
         return fold_packed(name, self.packed_modules)
+
+
+class ComposedLlama(nn.Module):
+    """A family built as a LlamaForCausalLM (`inner`) with its own MLPs or attention: forward and logits
+    are the Llama's; the family maps its checkpoint names onto `inner.` in checkpoint_target."""
+
+    supports_cuda_graphs = True  # on CUDA the MoE and MLA layers read no tensor value on the host
+
+    def __init__(self, inner: LlamaForCausalLM):
+        super().__init__()
+        self.inner = inner
+        self.layer_range = inner.layer_range
+
+    def forward(self, input_ids, positions, intermediate=None):
+        return self.inner(input_ids, positions, intermediate)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.inner.compute_logits(hidden)

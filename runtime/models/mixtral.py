@@ -9,7 +9,7 @@ from shardserve.runtime.config import ModelConfig
 from shardserve.runtime.layers.linear import ReplicatedLinear
 from shardserve.runtime.layers.moe import FusedMoE, wrapped_moe_target
 from shardserve.runtime.layers.quantization.config import quantized_layers
-from shardserve.runtime.models.llama import LlamaForCausalLM, LlamaVariant
+from shardserve.runtime.models.llama import ComposedLlama, LlamaForCausalLM, LlamaVariant
 from shardserve.runtime.models.weight_map import WeightTarget
 
 _EXPERT_KINDS = {"w1": "w1", "w3": "w3", "w2": "w2"}
@@ -27,23 +27,14 @@ class MixtralMoE(nn.Module):
         return self.experts(hidden, self.gate(hidden))
 
 
-class MixtralForCausalLM(nn.Module):
+class MixtralForCausalLM(ComposedLlama):
     """Composes LlamaForCausalLM with MixtralMoE as each layer's MLP; checkpoint names
     `block_sparse_moe.*` map to the layer's `mlp` slot."""
 
-    supports_cuda_graphs = True  # on CUDA FusedMoE runs the Triton kernel: nothing read on the host
-
     def __init__(self, model_config: ModelConfig):
-        super().__init__()
         config = model_config.hf_config
-        self.inner = LlamaForCausalLM(model_config, LlamaVariant(has_sliding_window=True), build_mlp=lambda i: MixtralMoE(config))
-        self.layer_range = self.inner.layer_range
-
-    def forward(self, input_ids, positions, intermediate=None):
-        return self.inner(input_ids, positions, intermediate)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.inner.compute_logits(hidden)
+        super().__init__(LlamaForCausalLM(model_config, LlamaVariant(has_sliding_window=True),
+                                          build_mlp=lambda i: MixtralMoE(config)))
 
     def checkpoint_target(self, name: str) -> WeightTarget | None:
         return wrapped_moe_target(self.inner, name.replace(".block_sparse_moe.", ".mlp."), _EXPERT_KINDS)

@@ -10,7 +10,7 @@ from shardserve.runtime.config import ModelConfig
 from shardserve.runtime.layers.linear import ReplicatedLinear
 from shardserve.runtime.layers.moe import FusedMoE, wrapped_moe_target
 from shardserve.runtime.layers.quantization.config import quantized_layers
-from shardserve.runtime.models.llama import LlamaForCausalLM, LlamaMLP, LlamaVariant
+from shardserve.runtime.models.llama import ComposedLlama, LlamaForCausalLM, LlamaMLP, LlamaVariant
 from shardserve.runtime.models.weight_map import WeightTarget
 
 _EXPERT_KINDS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
@@ -51,13 +51,10 @@ def is_sparse_layer(config, index: int) -> bool:
             and config.num_experts > 0 and (index + 1) % step == 0)
 
 
-class QwenMoeForCausalLM(nn.Module):
+class QwenMoeForCausalLM(ComposedLlama):
     """Composes LlamaForCausalLM with a QwenSparseMoeBlock as the MLP of each sparse layer."""
 
-    supports_cuda_graphs = True  # on CUDA FusedMoE runs the Triton kernel: nothing read on the host
-
     def __init__(self, model_config: ModelConfig, variant: LlamaVariant, has_shared_expert: bool):
-        super().__init__()
         config = model_config.hf_config
 
         def build_mlp(index: int) -> nn.Module:
@@ -65,14 +62,7 @@ class QwenMoeForCausalLM(nn.Module):
                 return QwenSparseMoeBlock(config, has_shared_expert)
             return LlamaMLP(config)
 
-        self.inner = LlamaForCausalLM(model_config, variant, build_mlp=build_mlp)
-        self.layer_range = self.inner.layer_range
-
-    def forward(self, input_ids, positions, intermediate=None):
-        return self.inner(input_ids, positions, intermediate)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.inner.compute_logits(hidden)
+        super().__init__(LlamaForCausalLM(model_config, variant, build_mlp=build_mlp))
 
     def checkpoint_target(self, name: str) -> WeightTarget | None:
         return wrapped_moe_target(self.inner, name, _EXPERT_KINDS)
