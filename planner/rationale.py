@@ -64,6 +64,10 @@ def rationale(search: Search, chosen: Candidate, candidates: list[Candidate], ex
                  + ("one node" if executor == "mp" else
                     "several nodes" if hardware.source != "ray" else "inside a Ray cluster")
                  + ")")
+    if spec.mla:
+        lines.append(f"multi-head latent attention: a token caches {spec.mla.cache_width} values per layer "
+                     f"(kv_lora_rank {spec.mla.kv_lora_rank} + qk_rope_head_dim {spec.mla.qk_rope_head_dim}), "
+                     "whole on every tensor-parallel rank: tensor parallel splits the heads, not the KV cache")
     return lines + _kv_cache_lines(chosen.memory, settings, spec.max_context_len)
 
 

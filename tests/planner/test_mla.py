@@ -46,6 +46,7 @@ def test_deepseek_v3_fp8_across_two_nodes(hardware, tp, pp, dp):
     assert plan.model.spec.quantization.block_shape == (128, 128)
     stages = plan.chosen.memory.stages
     assert [s.kv_bytes_per_token for s in stages] == [n * 576 * 2 for n in parallel["layer_split"]]
+    assert any("caches 576 values per layer" in line and "not the KV cache" in line for line in plan.rationale)
 
 
 def test_one_node_of_h100_is_refused_with_the_layout_that_fits():
