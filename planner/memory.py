@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from shardserve.planner.graph_memory import GraphShape, cuda_graph_bytes
 from shardserve.planner.hardware import GIB, GpuSpec
 from shardserve.planner.lora import slot_bytes
-from shardserve.planner.model_spec import ModelSpec
+from shardserve.planner.model_spec import ModelSpec, kv_heads_per_rank
 from shardserve.planner.options import RuntimeSettings
 from shardserve.planner.rules import offload_blocks
 
@@ -118,9 +118,6 @@ class MemoryPlan:
     def kv_cache_bytes(self, stage: StageMemory) -> int:
         return self.num_blocks * self.block_size * stage.kv_bytes_per_token
 
-
-def kv_heads_per_rank(spec: ModelSpec, tp: int) -> int:
-    return max(1, spec.num_kv_heads // tp)
 
 
 def attention_width_per_token(spec: ModelSpec, tp: int) -> int:

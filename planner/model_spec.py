@@ -161,7 +161,7 @@ class ModelSpec:
         head per rank once tp exceeds them), or MLA's latent and rotated key, whole on every rank."""
         if self.mla:
             return self.mla.cache_width
-        return 2 * max(1, self.num_kv_heads // tp) * self.head_dim
+        return 2 * kv_heads_per_rank(self, tp) * self.head_dim
 
     def kv_bytes_per_token(self, kv_dtype_bytes: int) -> int:
         """KV bytes per token for the whole unsharded model."""
@@ -204,6 +204,17 @@ class ModelSpec:
             uniform_sliding_window=uniform_sliding_window({**config, "architectures": [arch]}),
             layer_types=layer_types(config, model_id, family), **_moe_fields(family, read, num_layers),
             mla=mla)
+
+
+def kv_heads_per_rank(spec: ModelSpec, tp: int) -> int:
+    """KV heads split evenly over tp ranks, or one whole head per rank once tp exceeds them."""
+    return max(1, spec.num_kv_heads // tp)
+
+
+def is_deepseek_moe_layer(index: int, first_k_dense_replace: int, moe_layer_freq: int) -> bool:
+    """DeepSeek's rule (the planner's and the runtime's): experts from first_k_dense_replace on, every
+    moe_layer_freq-th layer."""
+    return index >= first_k_dense_replace and index % moe_layer_freq == 0
 
 
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
@@ -282,4 +293,4 @@ def _deepseek_moe_fields(read: ConfigReader, num_layers: int) -> dict:
     return {"num_experts": experts, "num_experts_per_tok": read.count("num_experts_per_tok"),
             "moe_intermediate_size": inter,
             "shared_expert_intermediate_size": inter * read.int("n_shared_experts", default=0) or None,
-            "moe_layers": tuple(i for i in range(num_layers) if i >= first and i % frequency == 0)}
+            "moe_layers": tuple(i for i in range(num_layers) if is_deepseek_moe_layer(i, first, frequency))}

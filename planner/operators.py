@@ -23,8 +23,7 @@ import math
 from dataclasses import dataclass
 
 from shardserve.planner.hardware import GpuSpec
-from shardserve.planner.memory import kv_heads_per_rank
-from shardserve.planner.model_spec import ModelSpec
+from shardserve.planner.model_spec import ModelSpec, kv_heads_per_rank
 from shardserve.planner.perf_tables import Database, roofline_fit
 
 ELEMENTWISE_OPS_PER_LAYER = 4  # input norm, rotary + KV write, post-attention norm, activation

@@ -135,9 +135,7 @@ def _llama_like_tensors(spec: ModelSpec, t: _Tensors) -> None:
             t.linear(f"{p}.mlp.gate_up_proj", h, 2 * spec.intermediate_size)
             t.linear(f"{p}.mlp.down_proj", spec.intermediate_size, h)
         else:
-            t.linear(f"{p}.mlp.gate_proj", h, spec.intermediate_size)
-            t.linear(f"{p}.mlp.up_proj", h, spec.intermediate_size)
-            t.linear(f"{p}.mlp.down_proj", spec.intermediate_size, h)
+            _gated_mlp(t.linear, f"{p}.mlp", h, spec.intermediate_size)
     t.norm("model.norm", False)
     if not spec.tie_word_embeddings:
         t.add("lm_head.weight", spec.vocab_size * h)
@@ -189,28 +187,22 @@ def _moe_tensors(spec: ModelSpec, prefix: str, linear, dtype: str) -> list[Tenso
     else:
         router = f"{prefix}.mlp.gate"
         for e in range(n):
-            p = f"{prefix}.mlp.experts.{e}"
-            linear(f"{p}.gate_proj", h, inter)
-            linear(f"{p}.up_proj", h, inter)
-            linear(f"{p}.down_proj", inter, h)
-        if spec.mla:  # DeepSeek: always-on shared experts, no gate; V3's router correction bias
-            _deepseek_extras(spec, prefix, linear)
-        elif spec.shared_expert_intermediate_size:
-            s = spec.shared_expert_intermediate_size
-            linear(f"{prefix}.mlp.shared_expert.gate_proj", h, s)
-            linear(f"{prefix}.mlp.shared_expert.up_proj", h, s)
-            linear(f"{prefix}.mlp.shared_expert.down_proj", s, h)
+            _gated_mlp(linear, f"{prefix}.mlp.experts.{e}", h, inter)
+        shared = spec.shared_expert_intermediate_size
+        if shared and spec.mla:  # DeepSeek: always-on shared experts, no gate
+            _gated_mlp(linear, f"{prefix}.mlp.shared_experts", h, shared)
+        elif shared:  # Qwen2-MoE: one shared expert behind a sigmoid gate
+            _gated_mlp(linear, f"{prefix}.mlp.shared_expert", h, shared)
             linear(f"{prefix}.mlp.shared_expert_gate", h, 1)
     bias = [TensorInfo(f"{router}.e_score_correction_bias", n, "F32")] if spec.family == "deepseek_v3" else []
     return [TensorInfo(f"{router}.weight", n * h, dtype)] + bias
 
 
-def _deepseek_extras(spec: ModelSpec, prefix: str, linear) -> None:
-    h, shared = spec.hidden_size, spec.shared_expert_intermediate_size
-    if shared:
-        linear(f"{prefix}.mlp.shared_experts.gate_proj", h, shared)
-        linear(f"{prefix}.mlp.shared_experts.up_proj", h, shared)
-        linear(f"{prefix}.mlp.shared_experts.down_proj", shared, h)
+def _gated_mlp(linear, prefix: str, hidden: int, inter: int) -> None:
+    """gate_proj, up_proj and down_proj under `prefix` (a dense MLP, an expert, a shared expert)."""
+    linear(f"{prefix}.gate_proj", hidden, inter)
+    linear(f"{prefix}.up_proj", hidden, inter)
+    linear(f"{prefix}.down_proj", inter, hidden)
 
 
 def _linear_tensors(spec: ModelSpec, name: str, n_in: int, n_out: int, dtype: str):

@@ -107,12 +107,16 @@ class Worker:
         self.last_sampled: torch.Tensor | None = None  # [num_sampled] the last step's ids, on the device
         self.sampling_cache = SamplingCache()  # the sampling rank's parameter arrays, per batch composition
 
+    def kv_pool_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """[layers, planes, num_blocks, block_size, kv_heads, head_dim]: K and V (or MLA's latent alone)."""
+        layer = self.attention_layers[0]
+        return (len(self.attention_layers), layer.cache_planes, num_blocks, self.config.cache.block_size,
+                layer.num_kv_heads, layer.head_dim)
+
     @property
     def bytes_per_block(self) -> int:
-        """K and V (or MLA's latent alone) of one block across this worker's layers."""
-        layer = self.attention_layers[0]
-        elements = layer.cache_planes * self.config.cache.block_size * layer.num_kv_heads * layer.head_dim
-        return elements * len(self.attention_layers) * self.kv_cache_dtype.itemsize
+        """One block across this worker's layers."""
+        return math.prod(self.kv_pool_shape(1)) * self.kv_cache_dtype.itemsize
 
     def _check_kv_cache_dtype(self) -> None:
         """The planner's fp8 KV rule, on this worker's own device."""
@@ -189,10 +193,8 @@ class Worker:
         share of the CPU tier's blocks."""
         decision = agreed_decision(self.config, self.device, self.model)  # a collective: every rank is here
         num_scratch = 1 if decision.captures else 0
-        layer = self.attention_layers[0]
-        shape = (len(self.attention_layers), layer.cache_planes, num_blocks + num_scratch, self.config.cache.block_size,
-                 layer.num_kv_heads, layer.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+        self.kv_cache = torch.zeros(self.kv_pool_shape(num_blocks + num_scratch), dtype=self.kv_cache_dtype,
+                                    device=self.device)
         for index, attention in enumerate(self.attention_layers):
             attention.kv_cache = self.kv_cache[index]  # [planes, num_blocks, block_size, kv_heads, head_dim]
         if num_offload_blocks:

@@ -11,11 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardserve.planner.model_spec import is_deepseek_moe_layer
 from shardserve.runtime.attention.mla import MLAAttention, mla_rotary
 from shardserve.runtime.config import ModelConfig
-from shardserve.runtime.layers.moe import FusedMoE, expert_weight
+from shardserve.runtime.layers.moe import FusedMoE, wrapped_moe_target
 from shardserve.runtime.models.llama import ComposedLlama, LlamaForCausalLM, LlamaMLP, LlamaVariant
-from shardserve.runtime.models.weight_map import WeightTarget, fold_packed, tied_head_target
+from shardserve.runtime.models.weight_map import WeightTarget
 
 _EXPERT_KINDS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 _PACKED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # q_proj stays itself (MLA)
@@ -101,9 +102,8 @@ class DeepseekMoE(nn.Module):
 
 
 def is_moe_layer(config, index: int) -> bool:
-    """DeepSeek's rule: experts from first_k_dense_replace on, every moe_layer_freq-th layer."""
-    frequency = getattr(config, "moe_layer_freq", None) or 1
-    return bool(config.n_routed_experts) and index >= (config.first_k_dense_replace or 0) and index % frequency == 0
+    return bool(config.n_routed_experts) and is_deepseek_moe_layer(
+        index, config.first_k_dense_replace or 0, getattr(config, "moe_layer_freq", None) or 1)
 
 
 class DeepseekForCausalLM(ComposedLlama):
@@ -116,18 +116,10 @@ class DeepseekForCausalLM(ComposedLlama):
         super().__init__(LlamaForCausalLM(
             model_config, LlamaVariant(),
             build_mlp=lambda i: DeepseekMoE(config, routing) if is_moe_layer(config, i) else LlamaMLP(config),
-            build_attention=lambda i: MLAAttention(config, rotary_emb)))
+            build_attention=lambda i: MLAAttention(config, rotary_emb), packed_modules=_PACKED))
 
     def checkpoint_target(self, name: str) -> WeightTarget | None:
-        expert = expert_weight(name, _EXPERT_KINDS)
-        if expert:
-            return WeightTarget("inner." + expert[0], expert[1])
-        if "rotary_emb.inv_freq" in name:
-            return None
-        target = tied_head_target(name, "model.embed_tokens.weight", self.inner.model.is_first_stage) \
-            if self.inner.tie_word_embeddings else None
-        target = target or fold_packed(name, _PACKED)
-        return target if target.skip else WeightTarget("inner." + target.param_name, target.shard_id)
+        return wrapped_moe_target(self.inner, name, _EXPERT_KINDS)
 
 
 def deepseek_v2(model_config: ModelConfig) -> DeepseekForCausalLM:

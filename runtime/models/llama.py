@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -186,12 +187,14 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    packed_modules = LLAMA_PACKED
     supports_cuda_graphs = True  # the forward reads no tensor value on the host
 
     def __init__(self, model_config: ModelConfig, variant: LlamaVariant = LlamaVariant(),
-                 build_mlp: Callable[[int], nn.Module] | None = None, build_attention: AttentionBuilder | None = None):
+                 build_mlp: Callable[[int], nn.Module] | None = None, build_attention: AttentionBuilder | None = None,
+                 packed_modules: Mapping[str, tuple[str, object]] = LLAMA_PACKED):
+        """packed_modules: the checkpoint projections fused into one layer here (DeepSeek keeps q_proj)."""
         super().__init__()
+        self.packed_modules = packed_modules
         config = model_config.hf_config
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.model = LlamaModel(config, variant, model_config.max_model_len,
