@@ -1,9 +1,10 @@
 """A chat request's messages through the chat template: the request's own template (only where the server
-trusts requests with one), the check that the template renders the tools and tool calls it is given, and
+trusts requests with one), the check that the template renders the tools, tool calls and reasoning it is given, and
 the flags that end the conversation (a generation prompt, or the final message left open)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from shardserve.launch.api_error import APIError, as_api_error
@@ -25,23 +26,39 @@ def template_kwargs(chat_template: str | None, chat_template_kwargs: dict[str, A
     return kwargs
 
 
+# how a chat template that reads a field names it: an assistant turn's reasoning is `reasoning_content` (Qwen3,
+# DeepSeek-R1) or `thinking` (gpt-oss; a whole word: not enable_thinking)
+_READS = {"tools": re.compile("tools"), "tool_calls": re.compile("tool_calls"),
+          "reasoning_content": re.compile(r"(?<!\w)(?:reasoning_content|thinking)(?!\w)")}
+
+
 def template_conversation(messages: list[dict]) -> list[dict]:
-    """OpenAI messages as chat templates read them (tool-call arguments as mappings)."""
+    """OpenAI messages as chat templates read them (tool-call arguments as mappings, reasoning under both
+    names templates read it by)."""
     try:
-        return template_messages(messages)
+        messages = template_messages(messages)
     except ToolCallError as e:
         raise APIError(400, str(e), e.field) from None
+    return [m | {"thinking": m["reasoning_content"]} if "reasoning_content" in m else m for m in messages]
 
 
 def check_template_renders(processor: InputProcessor, conversation: list[dict], has_tools: bool,
                            kwargs: dict) -> None:
-    """Tools or tool calls that the chat template never reads would be dropped without a word."""
+    """Tools, tool calls or reasoning that the chat template never reads would be dropped without a word."""
     template = kwargs.get("chat_template") or getattr(processor.tokenizer, "chat_template", None) or ""
-    needs = (["tools"] if has_tools else []) + (["tool_calls"] if any("tool_calls" in m for m in conversation) else [])
+    needs = (["tools"] if has_tools else []) + [name for name in ("tool_calls", "reasoning_content")
+                                                if any(name in m for m in conversation)]
     for name in needs:
-        if name not in template:
-            raise APIError(400, f"this model's chat template does not render {name}: start the server with a "
-                           "--chat-template that does", "tools" if name == "tools" else "messages")
+        if not _READS[name].search(template):
+            field = "tools" if name == "tools" else _message_field(conversation, name)
+            raise APIError(400, f"{field}: this model's chat template does not render {name}: start the server "
+                           "with a --chat-template that does", field)
+
+
+def _message_field(conversation: list[dict], name: str) -> str:
+    """The first message with `name`, as the field to report (messages.1.reasoning_content)."""
+    index = next(i for i, m in enumerate(conversation) if name in m)
+    return f"messages.{index}.{name}"
 
 
 def template_arguments(processor: InputProcessor, conversation: list[dict], tools: list[dict] | None,

@@ -15,13 +15,13 @@ from shardserve.launch.lora_registry import LoRARegistry
 from shardserve.launch.chat_render import template_arguments, template_conversation, template_kwargs
 from shardserve.launch.prepared_request import PreparedRequest, ResponseOptions
 from shardserve.launch.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
-from shardserve.launch.reasoning import END as REASONING_END
-from shardserve.launch.reasoning import ReasoningMode, opens_reasoning
+from shardserve.launch import harmony
+from shardserve.launch.reasoning import ReasoningMode
 from shardserve.launch.replicas import ReplicaSet, public_message
 from shardserve.launch.response_builder import full_response, stream_events
 from shardserve.launch.serving_options import ServingOptions
 from shardserve.launch.tokenization import DetokenizeRequest, TokenizeRequest
-from shardserve.launch.tool_calls import ToolCallError, ToolPlan, plan_tools
+from shardserve.launch.tool_calls import HARMONY_PARSER, ToolCallError, ToolPlan, plan_tools
 from shardserve.runtime.input_processor import InputProcessor, ProcessedPrompt
 from shardserve.runtime.lora_request import LoRARequest
 from shardserve.runtime.outputs import PromptDelta
@@ -123,27 +123,31 @@ class OpenAIServing:
                 prompt = processor.process(_truncated(processor, ids, body), params)
         role = body.response_role
         echo = conversation[-1]["content"] if body.echo and conversation[-1]["role"] == role else ""
-        reasoning = self._reasoning(processor, prompt)
+        reasoning = self._reasoning(processor, prompt, plan)
         if reasoning is not None and reasoning.starts_inside and params.structured_outputs is not None:
-            params = _after_reasoning(processor, params)
+            params = _after_reasoning(processor, params, reasoning.reasoning_end)
+        if reasoning is not None and reasoning.parser == harmony.PARSER:  # the split reads the markers
+            params = dataclasses.replace(params, kept_special_token_ids=harmony.marker_ids(processor.tokenizer))
         return PreparedRequest("chat", f"chatcmpl-{uuid.uuid4().hex}", self._model_name(lora),
                                [prompt], params, prompt_logprobs=prompt_logprobs, tool_plan=plan, reasoning=reasoning,
                                grammar_param=grammar_param, role=role, echo_message=echo,
                                options=self._response_options(body), lora=lora)
 
-    def _reasoning(self, processor: InputProcessor, prompt: ProcessedPrompt) -> ReasoningMode | None:
-        """The reasoning split of a chat request's output, when the server has a parser: it starts inside
-        <think> if the parser says so or the rendered prompt left one open."""
+    def _reasoning(self, processor: InputProcessor, prompt: ProcessedPrompt,
+                   plan: ToolPlan | None) -> ReasoningMode | None:
+        """The reasoning split of a chat request's output, when the server has a parser: where the rendered
+        prompt leaves the output (inside <think>, in which harmony message), and whether calls are split off."""
         if self.options.reasoning_parser is None:
             return None
         text = prompt.prompt if prompt.prompt is not None else processor.decode(prompt.prompt_token_ids[-64:])
-        return ReasoningMode(self.options.reasoning_parser, opens_reasoning(text))
+        tool_calls = plan is not None and plan.parser == HARMONY_PARSER
+        return ReasoningMode.for_prompt(self.options.reasoning_parser, text, tool_calls)
 
     def _tool_plan(self, body: ChatCompletionRequest) -> ToolPlan | None:
         tools, tool_choice = body.tool_request()
         try:
             return plan_tools(tools, tool_choice, self.options.tool_call_parser, self.options.enable_auto_tool_choice,
-                              body.parallel_tool_calls is not False)
+                              body.parallel_tool_calls is not False, self.options.reasoning_parser)
         except ToolCallError as e:
             raise APIError(400, str(e), e.field) from None
 
@@ -219,10 +223,10 @@ def _with_tool_grammar(params: SamplingParams, plan: ToolPlan | None, structured
     return dataclasses.replace(params, structured_outputs=plan.structured)
 
 
-def _after_reasoning(processor: InputProcessor, params: SamplingParams) -> SamplingParams:
-    """The request's grammar (response_format, structured outputs, a tool call's) applies after </think>, as
-    vLLM's reasoning parsers have it: the reasoning before it is free text."""
-    end = tuple(processor.tokenize(REASONING_END, add_special_tokens=False))
+def _after_reasoning(processor: InputProcessor, params: SamplingParams, reasoning_end: str) -> SamplingParams:
+    """The request's grammar (response_format, structured outputs, a tool call's) applies after the reasoning
+    (</think>, harmony's final channel), as vLLM's reasoning parsers have it: the reasoning is free text."""
+    end = tuple(processor.tokenize(reasoning_end, add_special_tokens=False))
     assert params.structured_outputs is not None  # the caller's condition
     outputs = dataclasses.replace(params.structured_outputs, starts_after=end)
     return dataclasses.replace(params, structured_outputs=outputs)

@@ -194,6 +194,8 @@ class ChatMessage(BaseModel):
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None
     tool_call_id: Optional[str] = None
+    reasoning_content: Optional[str] = None  # an assistant turn's reasoning, as --reasoning-parser returned it
+    reasoning: Optional[str] = None  # its newer name
 
     def text(self, index: int) -> str:
         """The content as one text; `index` is the message's place in messages, for errors."""
@@ -214,7 +216,22 @@ class ChatMessage(BaseModel):
         message: dict[str, Any] = {"role": self.role, "content": self.text(index)}
         if self.tool_calls:
             message["tool_calls"] = [call.model_dump(exclude_unset=True) for call in self.tool_calls]
+        reasoning = self._reasoning(index)
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         return message | {k: v for k in ("tool_call_id", "name") if (v := getattr(self, k)) is not None}
+
+    def _reasoning(self, index: int) -> str | None:
+        """reasoning_content, or reasoning (the same text under either name); only an assistant turn has one."""
+        given = [(name, value) for name in ("reasoning_content", "reasoning") if (value := getattr(self, name)) is not None]
+        if not given:
+            return None
+        where = f"messages.{index}.{given[0][0]}"
+        if self.role != "assistant":
+            raise APIError(400, f"{where}: only an assistant message carries reasoning", where)
+        if len({value for _, value in given}) > 1:
+            raise APIError(400, f"{where}: reasoning_content and reasoning differ; give one", where)
+        return given[0][1]
 
 
 class FunctionDefinition(BaseModel):

@@ -6,6 +6,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 
 from shardserve.launch.api_error import APIError
 from shardserve.launch.prepared_request import PreparedRequest
+from shardserve.launch.harmony import HarmonySplitter
 from shardserve.launch.reasoning import StreamSplitter
 from shardserve.launch.response_format import (chat_logprobs, completion_logprobs, error_event, prompt_logprobs_json,
                                                sse, usage)
@@ -56,13 +57,13 @@ def _full_choice(request: PreparedRequest, prompt_index: int, output: RequestOut
     if request.kind == "completion":  # vLLM's: per choice, null when not asked
         choice["prompt_logprobs"] = (None if request.prompt_logprobs is None
                                      else prompt_logprobs_json(output.prompt_logprobs))
-    text = c.text
+    text, harmony_calls = c.text, tuple[tuple[str, str], ...]()
     if request.reasoning is not None:  # the reasoning leaves the content; tool calls are found in the rest
         split = request.reasoning.split(c.text)
-        text = split.content or ""
+        text, harmony_calls = split.content or "", split.calls
         choice["message"] |= {"content": split.content, **_reasoning_fields(split.reasoning)}
     if request.tool_plan is not None:
-        _with_tool_calls(choice, request.tool_plan, text)
+        _with_tool_calls(choice, request.tool_plan, text, harmony_calls)
     if request.echo_message:
         choice["message"]["content"] = request.echo_message + (choice["message"]["content"] or "")
     if request.options.return_token_ids:
@@ -77,9 +78,10 @@ def _reasoning_fields(reasoning: str | None) -> dict:
     return {"reasoning": reasoning, "reasoning_content": reasoning}
 
 
-def _with_tool_calls(choice: dict, plan: ToolPlan, text: str) -> None:
-    """A chat choice's message with the tool calls found in (or sampled as) its text."""
-    content, calls = extract_calls(plan, text)
+def _with_tool_calls(choice: dict, plan: ToolPlan, text: str, harmony_calls: tuple[tuple[str, str], ...]) -> None:
+    """A chat choice's message with the tool calls found in (or sampled as) its text, or split off as harmony
+    messages."""
+    content, calls = extract_calls(plan, text, harmony_calls)
     if calls:
         choice["message"] = choice["message"] | {"content": content, "tool_calls": calls}
     choice["finish_reason"] = finish_reason(plan, choice["finish_reason"], bool(calls))
@@ -196,7 +198,8 @@ class _ChunkMapper:
         self.text_offsets: dict[int, int] = {}  # choice index -> text_offset of its next token
         # choice index -> (tokens its logprobs score, their logprobs, new output tokens) not yet sent
         self.waiting: dict[int, tuple[list[int], list[dict | None], list[int]]] = {}
-        self.splitters: dict[int, StreamSplitter] = {}  # choice index -> its reasoning split, with a parser
+        # choice index -> its reasoning split, with a parser
+        self.splitters: dict[int, StreamSplitter | HarmonySplitter] = {}
 
     def choice(self, prompt_index: int, sample: SampleDelta) -> dict | None:
         request = self.request

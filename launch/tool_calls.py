@@ -1,9 +1,10 @@
 """Tool calling (OpenAI's tools and tool_choice): what the chat template sees, the grammar that a
 required or named call is sampled under, and the parsers that find calls in free text (vLLM's
---tool-call-parser names: hermes, llama3_json).
+--tool-call-parser names: hermes, llama3_json, openai).
 
     tool_choice none      the tools are not shown; plain text
-    tool_choice auto      the model decides; the parser finds <tool_call> blocks (hermes) or a JSON call
+    tool_choice auto      the model decides; the parser finds <tool_call> blocks (hermes), a JSON call, or
+                          gpt-oss's messages to functions.NAME (openai: the harmony split finds them)
     tool_choice required  sampled under a grammar: a JSON list of {"name", "parameters"}, one or more
     a named function      sampled under the function's parameter schema: the output is its arguments
 """
@@ -15,9 +16,12 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from shardserve.launch import harmony
+from shardserve.planner.settings import BY_NAME
 from shardserve.runtime.structured_output import StructuredOutputs, schema_text
 
-PARSERS = ("hermes", "llama3_json")
+PARSERS: tuple[str, ...] = BY_NAME["tool_call_parser"].choices or ()  # the setting's choices
+HARMONY_PARSER = "openai"  # calls are harmony messages: reasoning parser openai_gptoss finds them
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -40,7 +44,7 @@ class ToolPlan:
 
 
 def plan_tools(tools: list[dict], choice, parser: str | None, auto_enabled: bool,
-               parallel: bool = True) -> ToolPlan | None:
+               parallel: bool = True, reasoning_parser: str | None = None) -> ToolPlan | None:
     """None when the tools play no part (tool_choice none, or neither tools nor tool_choice given).
     parallel False: one call at most."""
     if choice == "none" or (not tools and choice is None):
@@ -61,6 +65,10 @@ def plan_tools(tools: list[dict], choice, parser: str | None, auto_enabled: bool
     if not (auto_enabled and parser):
         raise ToolCallError("tool_choice auto needs the server started with --enable-auto-tool-choice and "
                             f"--tool-call-parser ({' or '.join(PARSERS)}); or ask for required or a named function",
+                            "tool_choice")
+    if parser == HARMONY_PARSER and reasoning_parser != harmony.PARSER:
+        raise ToolCallError(f"tool_choice auto: --tool-call-parser {HARMONY_PARSER} reads the calls that "
+                            f"--reasoning-parser {harmony.PARSER} finds, and this server was started without it",
                             "tool_choice")
     return ToolPlan("auto", tuple(functions), parser=parser)
 
@@ -117,9 +125,11 @@ def _not_an_object(where: str) -> ToolCallError:
                          f"{where}.function.arguments")
 
 
-def extract_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
+def extract_calls(plan: ToolPlan, text: str,
+                  harmony_calls: tuple[tuple[str, str], ...] = ()) -> tuple[str | None, list[dict]]:
     """(content, tool_calls in OpenAI's shape) of a finished sample. A named or required call has content ""
-    as on vLLM; a named call cut short by max_tokens keeps its arguments as far as they came."""
+    as on vLLM; a named call cut short by max_tokens keeps its arguments as far as they came. The openai
+    parser's calls are the harmony split's (`harmony_calls`: name, arguments), `text` its content."""
     if plan.mode == "named":
         return "", [_call(plan.names[0], text)]
     if plan.mode == "required":
@@ -128,6 +138,9 @@ def extract_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
         except ValueError:
             return text, []  # cut short by max_tokens: the text as it is
         return "", [_call(item["name"], json.dumps(item["parameters"])) for item in items]
+    if plan.parser == HARMONY_PARSER:
+        calls = [_call(name, arguments) for name, arguments in harmony_calls if name in plan.names]
+        return (text or None) if calls else text, calls
     found = _parse_hermes(text) if plan.parser == "hermes" else _parse_llama3_json(text)
     if found is None:
         return text, []

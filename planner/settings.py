@@ -267,11 +267,14 @@ SETTINGS: tuple[Setting, ...] = (
        "or chat_template_kwargs.chat_template), as vLLM's flag does; without it such a request gets a 400. "
        "A template is code the server runs: trust only clients you would let start the server.", "server"),
     _s("tool_call_parser", str, None, "How tool calls are found in free text for tool_choice auto: hermes "
-       "(<tool_call> blocks; Qwen, Hermes) or llama3_json.", "server", choices=("hermes", "llama3_json")),
+       "(<tool_call> blocks; Qwen, Hermes), llama3_json, or openai (gpt-oss's commentary messages to "
+       "functions.NAME; needs --reasoning-parser openai_gptoss).", "server",
+       choices=("hermes", "llama3_json", "openai")),
     _s("reasoning_parser", str, None, "Split a reasoning model's chat output into message.reasoning (also "
-       "reasoning_content) and content: deepseek_r1 (DeepSeek-R1, QwQ: the output starts inside <think>) or qwen3 "
-       "(reasoning when the output or the prompt opens <think>). Structured outputs apply after </think>.",
-       "server", choices=("deepseek_r1", "qwen3")),
+       "reasoning_content) and content: deepseek_r1 (DeepSeek-R1, QwQ: the output starts inside <think>), qwen3 "
+       "(reasoning when the output or the prompt opens <think>) or openai_gptoss (gpt-oss's harmony channels: "
+       "analysis is reasoning, final is content). Structured outputs apply after the reasoning when the output "
+       "starts inside it.", "server", choices=("deepseek_r1", "qwen3", "openai_gptoss")),
     _s("enable_auto_tool_choice", bool, False, "Serve tool_choice auto (needs --tool-call-parser).", "server"),
     _s("max_logprobs", int, 20, "Most log-probabilities a request may ask for per token (logprobs, top_logprobs, "
        "prompt_logprobs); a request asking for more gets a 400. A request's -1 asks for the whole vocabulary, "

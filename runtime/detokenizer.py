@@ -10,12 +10,18 @@ except ImportError:  # tokenizers before 0.21
 REPLACEMENT = "\ufffd"
 
 
-def make_detokenizer(tokenizer, skip_special_tokens: bool = True):
-    """The Rust stream decoder for a fast tokenizer (~1 us a token), else the window decoder."""
+def make_detokenizer(tokenizer, skip_special_tokens: bool = True, dropped: frozenset[int] = frozenset()):
+    """The Rust stream decoder for a fast tokenizer (~1 us a token), else the window decoder. `dropped`: tokens
+    left out of the text, as skip_special_tokens leaves special tokens out (decoding as if they were not there)."""
     backend = getattr(tokenizer, "_tokenizer", None)
     if DecodeStream is not None and backend is not None:
-        return StreamDetokenizer(tokenizer, backend, skip_special_tokens)
-    return IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        return StreamDetokenizer(tokenizer, backend, skip_special_tokens, dropped)
+    return IncrementalDetokenizer(tokenizer, skip_special_tokens, dropped)
+
+
+def special_token_ids(tokenizer) -> frozenset[int]:
+    """The ids that skip_special_tokens drops: the added tokens marked special."""
+    return frozenset(i for i, token in tokenizer.added_tokens_decoder.items() if token.special)
 
 
 class StreamDetokenizer:
@@ -23,15 +29,15 @@ class StreamDetokenizer:
     NOTE: an id outside the tokenizer's vocabulary (a model's padded rows) would stall the stream
     for good, so it is dropped here, as decode() drops it."""
 
-    def __init__(self, tokenizer, backend, skip_special_tokens: bool):
+    def __init__(self, tokenizer, backend, skip_special_tokens: bool, dropped: frozenset[int] = frozenset()):
         self.tokenizer, self.backend = tokenizer, backend
-        self.skip_special_tokens = skip_special_tokens
+        self.skip_special_tokens, self.dropped = skip_special_tokens, dropped
         self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self.pending: list[int] = []  # ids pushed since the last text came out
 
     def push(self, token_id: int) -> str:
-        if not 0 <= token_id < self.vocab_size:
+        if not 0 <= token_id < self.vocab_size or token_id in self.dropped:
             return ""
         text = self.stream.step(self.backend, token_id)
         if text is None:
@@ -59,9 +65,9 @@ class IncrementalDetokenizer:
     leading space (SentencePiece) from dropping spaces between steps. Text ending in U+FFFD waits
     for the rest of its bytes."""
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, dropped: frozenset[int] = frozenset()):
         self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
+        self.skip_special_tokens, self.dropped = skip_special_tokens, dropped
         self.window: list[int] = []
         self.read_offset = 0
 
@@ -75,6 +81,8 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completes (possibly empty)."""
+        if token_id in self.dropped:
+            return ""
         self.window.append(token_id)
         text = self._new_text()
         if not text or text.endswith(REPLACEMENT):

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
-from shardserve.runtime.detokenizer import IncrementalDetokenizer, StreamDetokenizer, make_detokenizer
+from shardserve.runtime.detokenizer import IncrementalDetokenizer, StreamDetokenizer, make_detokenizer, special_token_ids
 from shardserve.runtime.messages import RequestUpdate, TokenLogprobs
 from shardserve.runtime.outputs import Logprob, PromptDelta, SampleDelta
 from shardserve.runtime.sampling_params import SamplingParams
@@ -41,10 +42,18 @@ class OutputProcessor:
     def add_prompt(self, prompt_id: str, params: SamplingParams, request_ids: list[str]) -> None:
         self._prompts[prompt_id] = _Prompt(params, list(request_ids), len(request_ids))
         for index, request_id in enumerate(request_ids):
-            detokenizer = None
-            if self.tokenizer is not None:
-                detokenizer = make_detokenizer(self.tokenizer, params.skip_special_tokens)
+            detokenizer = None if self.tokenizer is None else self._detokenizer(params)
             self._samples[request_id] = _Sample(prompt_id, index, detokenizer)
+
+    def _detokenizer(self, params: SamplingParams) -> StreamDetokenizer | IncrementalDetokenizer:
+        """With kept_special_token_ids, skip_special_tokens drops every special token but those."""
+        if params.skip_special_tokens and params.kept_special_token_ids:
+            return make_detokenizer(self.tokenizer, False, self._special_ids - set(params.kept_special_token_ids))
+        return make_detokenizer(self.tokenizer, params.skip_special_tokens)
+
+    @cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return special_token_ids(self.tokenizer)
 
     def has_prompt(self, prompt_id: str) -> bool:
         return prompt_id in self._prompts

@@ -40,6 +40,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # number of top logprobs per prompt token (vLLM's name)
     structured_outputs: StructuredOutputs | None = None  # output constrained to a grammar (xgrammar)
     skip_special_tokens: bool = True
+    # special tokens the text keeps where skip_special_tokens drops the others (a reasoning parser's markers)
+    kept_special_token_ids: tuple[int, ...] = ()
     # token id -> added to its logit, clamped to [-100, 100]; kept as sorted (id, bias) pairs
     logit_bias: tuple[tuple[int, float], ...] = ()
 
@@ -49,6 +51,7 @@ class SamplingParams:
             set_(self, "stop", (self.stop,))
         set_(self, "stop", tuple(self.stop or ()))
         set_(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        set_(self, "kept_special_token_ids", tuple(self.kept_special_token_ids or ()))
         if self.top_k in (-1, 0):
             set_(self, "top_k", None)
         bias: Any = self.logit_bias

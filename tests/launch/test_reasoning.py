@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shardserve.launch.reasoning import PARSERS, Split, StreamSplitter, opens_reasoning, split_reasoning
+from shardserve.launch.reasoning import THINK_PARSERS, Split, StreamSplitter, opens_reasoning, split_reasoning
 
 CASES = [  # (parser, prompt opens <think>, output) -> (reasoning, content)
     ("deepseek_r1", False, "<think>\nsteps\n</think>\n\nanswer", ("\nsteps\n", "\n\nanswer")),
@@ -46,7 +46,7 @@ def _streamed(parser: str, prompt_opens: bool, pieces: list[str]) -> tuple[str |
     return reasoning or None, content or None
 
 
-@given(st.sampled_from(PARSERS), st.booleans(),
+@given(st.sampled_from(THINK_PARSERS), st.booleans(),
        st.lists(st.sampled_from(["<think>", "</think>", "<", "</", "think", ">", "\n", " ", "a", "b</th"]),
                 max_size=12),
        st.lists(st.integers(min_value=1, max_value=5), min_size=1, max_size=40))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from shardserve.runtime import LLM, SamplingParams
-from shardserve.runtime.detokenizer import IncrementalDetokenizer, StreamDetokenizer, make_detokenizer
+from shardserve.runtime.detokenizer import IncrementalDetokenizer, StreamDetokenizer, make_detokenizer, special_token_ids
 
 TEXT = "naïve café — 日本語のテキスト 🙂🚀 and plain words"
 
@@ -20,8 +20,8 @@ def llm(checkpoint):
     return LLM(checkpoint[0], device="cpu", kv_cache_memory_bytes=2**24)
 
 
-def window_detokenizer(tokenizer, skip_special_tokens=True):
-    return IncrementalDetokenizer(tokenizer, skip_special_tokens)
+def window_detokenizer(tokenizer, skip_special_tokens=True, dropped=frozenset()):
+    return IncrementalDetokenizer(tokenizer, skip_special_tokens, dropped)
 
 
 DETOKENIZERS = [window_detokenizer, make_detokenizer]  # the fallback, and the Rust stream for fast tokenizers
@@ -50,6 +50,19 @@ def test_special_tokens_are_skipped_unless_asked(llm, make):
     for skip, expected in ((True, "plain words"), (False, "plain words</s>")):
         detokenizer = make(tokenizer, skip_special_tokens=skip)
         assert "".join(detokenizer.push(t) for t in ids) + detokenizer.flush() == expected
+
+
+def test_kept_special_tokens_stay_in_the_text_that_skips_the_others(llm):
+    tokenizer = llm.get_tokenizer()
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    ids = [bos] + tokenizer("plain words", add_special_tokens=False).input_ids + [eos]
+    for make in (window_detokenizer, make_detokenizer):
+        detokenizer = make(tokenizer, False, special_token_ids(tokenizer) - {eos})
+        assert "".join(detokenizer.push(t) for t in ids) + detokenizer.flush() == "plain words</s>"
+    forced = {"temperature": 0.0, "max_tokens": 3, "ignore_eos": True, "logit_bias": {bos: 100.0}}
+    kept, skipped = llm.generate(["The quick brown"] * 2, [SamplingParams(**forced, kept_special_token_ids=(bos,)),
+                                                           SamplingParams(**forced)])
+    assert (kept.outputs[0].text, skipped.outputs[0].text) == ("<s>" * 3, "")
 
 
 @pytest.mark.parametrize("make", DETOKENIZERS)
