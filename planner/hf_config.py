@@ -217,7 +217,7 @@ WINDOW_RULES = {
     "MistralForCausalLM": "every", "MixtralForCausalLM": "every", "Phi3ForCausalLM": "every",
     "Qwen2ForCausalLM": "qwen", "Qwen3ForCausalLM": "qwen", "Qwen2MoeForCausalLM": "qwen",
     "Qwen3MoeForCausalLM": "qwen", "Gemma2ForCausalLM": "interleaved", "Gemma3ForCausalLM": "interleaved",
-    "Gemma3ForConditionalGeneration": "interleaved",
+    "Gemma3ForConditionalGeneration": "interleaved", "GptOssForCausalLM": "interleaved",
 }
 
 

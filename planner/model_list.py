@@ -59,7 +59,7 @@ def fewest_gpus(model: ModelInfo, gpu: str, quantization: str | None = None) -> 
 
 def _quantization_label(model: ModelInfo) -> str | None:
     q = model.spec.quantization
-    return None if q is None else ("fp8" if q.method == "fp8" else f"{q.method} int{q.bits}")
+    return None if q is None else (q.method if q.method in ("fp8", "mxfp4") else f"{q.method} int{q.bits}")
 
 
 def model_row(model_id: str, source: str, gpu: str) -> ModelRow:
@@ -69,7 +69,7 @@ def model_row(model_id: str, source: str, gpu: str) -> ModelRow:
         return ModelRow(model_id, source, None, None, None, None, None, None, False, str(e))
     spec = model.spec
     served = ARCHITECTURES.get(spec.architecture)
-    can_quantize = spec.quantization is None and served is not None and served.is_quantizable
+    can_quantize = spec.quantization is None and served is not None and "fp8" in served.quantizations
     gpus = gpus_fp8 = problem = None
     try:
         check_served(spec)

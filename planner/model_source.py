@@ -85,10 +85,12 @@ class ModelInfo:
         q = self.spec.quantization
         total = 0
         for t in self.tensors:
-            if t.name.endswith((".qzeros", ".scales", ".weight_scale", ".g_idx",
-                                ".input_scale")):
+            if t.name.endswith((".qzeros", ".scales", ".weight_scale", ".g_idx", ".input_scale", "_scales")):
                 continue
-            total += t.numel * (32 // q.bits if q and t.name.endswith(".qweight") else 1)
+            if q and t.name.endswith((".qweight", "_blocks")):  # values packed in int32 words, or MXFP4's bytes
+                total += t.numel * (32 if t.name.endswith(".qweight") else 8) // q.bits
+            else:
+                total += t.numel
         return total
 
 

@@ -32,7 +32,7 @@ def refuse_quantization(method: str, where: str = "quantization_config.quant_met
 
 @dataclass(frozen=True)
 class QuantSpec:
-    method: str  # fp8 | gptq | awq
+    method: str  # fp8 | gptq | awq | mxfp4
     bits: int
     group_size: int | None  # input features per scale group; None: one scale per channel/tensor
     block_shape: tuple[int, int] | None = None  # fp8 block quantization [out, in]
@@ -55,6 +55,8 @@ class QuantSpec:
                              has_act_order=method == "gptq" and bool(qc.get("desc_act", False)))
         if method == "compressed-tensors":
             return _compressed_tensors_spec(qc)
+        if method == "mxfp4":  # OCP microscaling: e2m1 values, one e8m0 scale per 32 inputs
+            return QuantSpec("mxfp4", 4, 32)
         raise refuse_quantization(method)
 
 
@@ -197,7 +199,7 @@ class ModelSpec:
             max_position_embeddings=max_positions,
             max_context_len=max_context_length(max_positions, rope, family),
             tie_word_embeddings=read.bool("tie_word_embeddings", family in _TIED_BY_DEFAULT),
-            dtype=_dtype(read),
+            dtype=_dtype(read, family),
             quantization=QuantSpec.from_config(quant or {}, quantization) if quant or quantization else None,
             rope_type=rope["rope_type"] if rope else None,
             sliding_window=_sliding_window(read),
@@ -243,8 +245,13 @@ def _architecture(model_id: str, config: dict) -> str:
     return arch
 
 
-def _dtype(read: ConfigReader) -> str:
-    saved = read.get("dtype", default="float32")
+# NOTE: config.json without a dtype means float32 to transformers, but gpt-oss's release names none and
+# stores every float tensor in bfloat16 (transformers 5 and vLLM's "auto" both run it in bfloat16)
+_DEFAULT_DTYPE = {"gpt_oss": "bfloat16"}
+
+
+def _dtype(read: ConfigReader, family: str) -> str:
+    saved = read.get("dtype", default=_DEFAULT_DTYPE.get(family, "float32"))
     try:
         return canonical_dtype(saved)
     except SettingError:
@@ -260,7 +267,7 @@ def _sliding_window(read: ConfigReader) -> int | None:
 
 
 def _moe_fields(family: str, read: ConfigReader, num_layers: int) -> dict:
-    if family == "mixtral":
+    if family in ("mixtral", "gpt_oss"):
         return {"num_experts": read.count("num_experts"),
                 "num_experts_per_tok": read.count("num_experts_per_tok"),
                 "moe_intermediate_size": read.count("intermediate_size"),

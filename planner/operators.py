@@ -46,6 +46,7 @@ class StageShape:
     act_bytes: int       # activation element bytes
     kv_dtype: str        # attention tables: bfloat16 | fp8 | float32
     kv_bytes: int
+    expert_bits: int     # the routed experts' weight bits: weight_bits, or 4 for MXFP4 (gpt-oss's experts only)
 
 
 @dataclass(frozen=True)
@@ -218,7 +219,7 @@ def _moe_mlp_ms(ops: Operators, shape: StageShape, tokens: int) -> float:
     assert experts and topk and spec.moe_intermediate_size is not None  # a mixture of experts has all three
     shared = (_mlp_ms(ops, shape, tokens, spec.shared_expert_intermediate_size // tp)
               if spec.shared_expert_intermediate_size else 0.0)
-    if shape.gemm_dtype == "bfloat16" and shape.weight_bits == 16:
+    if shape.gemm_dtype == "bfloat16" and shape.expert_bits == 16:
         # vLLM's fused MoE layer measured for this model shape (router and top-k included)
         measured = ops.db.lookup(
             f"moe.bfloat16@{spec.hidden_size}x{spec.moe_intermediate_size}x{topk}x{experts}",
@@ -230,7 +231,7 @@ def _moe_mlp_ms(ops: Operators, shape: StageShape, tokens: int) -> float:
     pairs = tokens * topk * local / experts  # (token, expert) pairs this rank computes
     active = max(1, round(min(local, pairs)))
     per_expert = max(1, round(pairs / active))
-    g, bits, hidden = shape.gemm_dtype, shape.weight_bits, spec.hidden_size
+    g, bits, hidden = shape.gemm_dtype, shape.expert_bits, spec.hidden_size
     t = ops.gemm(tokens, experts, hidden, "bfloat16" if g == "fp8" else g, 16)  # the router
     # NOTE: a grouped GEMM is one kernel over the active experts side by side: as one GEMM of
     # per_expert rows and `active` experts' columns (not `active` launches). Where the fused layer
@@ -254,9 +255,10 @@ def _attention_ms(ops: Operators, shape: StageShape, num_decode: int, decode_con
     t = ops.decode_attention(num_decode, max(1, context), kv_heads, spec.head_dim, shape.kv_dtype, shape.kv_bytes)
     for c in chunks:
         if window and c.end > window:
-            # a windowed chunk attends over at most `window` keys: as a chunk ending at the window
-            t += ops.prefill_attention(c.tokens, window, heads, spec.head_dim, shape.kv_dtype) \
-                * c.tokens / min(c.tokens, window)
+            # a windowed chunk attends over at most `window` keys: as chunks of at most `window` queries
+            # ending at the window (gpt-oss's 128-token windows take prompt chunks many times as long)
+            queries = min(c.tokens, window)
+            t += ops.prefill_attention(queries, window, heads, spec.head_dim, shape.kv_dtype) * c.tokens / queries
         else:
             t += ops.prefill_attention(c.tokens, c.end, heads, spec.head_dim, shape.kv_dtype)
     return t

@@ -13,8 +13,9 @@ if TYPE_CHECKING:
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 # checkpoint weight formats (quantization_config.quant_method, vLLM's --quantization names)
-QUANTIZATION_FORMATS = ("awq", "gptq", "fp8", "compressed-tensors")
-QUANTIZATION_METHODS = ("awq", "gptq", "fp8")  # the weight schemes they carry (QuantSpec.method)
+QUANTIZATION_FORMATS = ("awq", "gptq", "fp8", "compressed-tensors", "mxfp4")
+QUANTIZATION_METHODS = ("awq", "gptq", "fp8", "mxfp4")  # the weight schemes they carry (QuantSpec.method)
+LINEAR_QUANTIZATION = ("awq", "gptq", "fp8")  # quantized linear layers (mxfp4: gpt-oss's experts only)
 # NOTE: act-order permutes each expert's input rows; the expert GEMMs read groups in order only
 ACT_ORDER_EXPERTS = ("gptq act-order (desc_act) experts are not served; quantized experts served: awq, "
                      "gptq without desc_act, fp8 (per tensor, per channel, 128x128 blocks)")
@@ -24,7 +25,7 @@ ACT_ORDER_EXPERTS = ("gptq act-order (desc_act) experts are not served; quantize
 class ServedArchitecture:
     family: str  # shardserve's family name; for a bare config.json, transformers' model_type
     rope_types: tuple[str, ...] = ROPE_TYPES  # empty: learned positions
-    is_quantizable: bool = True  # False: no quantized layers yet (GPT-2's Conv1D)
+    quantizations: tuple[str, ...] = LINEAR_QUANTIZATION  # weight schemes served; empty: float only (GPT-2)
     # True: routed experts, quantized as AWQ, GPTQ without act-order or fp8 (per tensor, channel or block)
     has_experts: bool = False
     # True: a multimodal checkpoint whose language model is served (config.json's text_config, the
@@ -48,7 +49,8 @@ ARCHITECTURES: dict[str, ServedArchitecture] = {
     "Gemma3ForCausalLM": ServedArchitecture("gemma3_text"),
     "Gemma3ForConditionalGeneration": ServedArchitecture("gemma3_text", has_text_config=True),
     "Phi3ForCausalLM": ServedArchitecture("phi3"),
-    "GPT2LMHeadModel": ServedArchitecture("gpt2", rope_types=(), is_quantizable=False),
+    "GptOssForCausalLM": ServedArchitecture("gpt_oss", quantizations=("mxfp4",), has_experts=True),
+    "GPT2LMHeadModel": ServedArchitecture("gpt2", rope_types=(), quantizations=()),
     "OPTForCausalLM": ServedArchitecture("opt", rope_types=()),
 }
 
@@ -65,12 +67,14 @@ def check_served(spec: ModelSpec) -> None:
     if spec.quantization and spec.quantization.method not in QUANTIZATION_METHODS:
         raise PlanError(f"{spec.id}: {spec.quantization.method} quantization is not served; served formats: "
                         + ", ".join(QUANTIZATION_FORMATS))
-    if spec.quantization and not served.is_quantizable:
-        raise PlanError(f"{spec.id}: {spec.architecture} is not served quantized ({spec.quantization.method}); "
-                        "quantized architectures: " + ", ".join(quantizable_architectures()))
+    if spec.quantization and spec.quantization.method not in served.quantizations:
+        method = spec.quantization.method
+        raise PlanError(f"{spec.id}: {spec.architecture} is not served quantized ({method}); {method} "
+                        "architectures: " + ", ".join(quantizable_architectures(method)))
     if spec.quantization and served.has_experts and spec.quantization.has_act_order:
         raise PlanError(f"{spec.id}: {ACT_ORDER_EXPERTS}")
 
 
-def quantizable_architectures() -> tuple[str, ...]:
-    return tuple(arch for arch, served in ARCHITECTURES.items() if served.is_quantizable)
+def quantizable_architectures(method: str) -> tuple[str, ...]:
+    """The architectures served with weights in `method` (a QuantSpec.method)."""
+    return tuple(arch for arch, served in ARCHITECTURES.items() if method in served.quantizations)

@@ -37,9 +37,14 @@ class PlacedTensor:
     shard: Shard
 
 
+_STACKED_PART = re.compile(r"_(blocks|scales|bias)$")
+
+
 def place(tensor: TensorInfo) -> PlacedTensor:
     module, _, leaf_param = tensor.name.rpartition(".")
     leaf = module.rpartition(".")[2]
+    if leaf == "experts":  # gpt-oss: `experts.gate_up_proj_blocks`, one tensor of every expert
+        leaf, leaf_param = _STACKED_PART.sub("", leaf_param), ("bias" if leaf_param.endswith("_bias") else "weight")
     match = _LAYER.search(tensor.name)
     if match:
         if leaf in _COLUMN:

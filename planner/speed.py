@@ -47,8 +47,9 @@ def _dtypes(spec: ModelSpec, settings: RuntimeSettings, hardware: Hardware) -> d
     else:
         gemm, bits = "bfloat16", q.bits if q and q.method in ("awq", "gptq") else 16
     kv = "fp8" if settings.is_fp8_kv else settings.dtype
+    expert_bits = 4 if q and q.method == "mxfp4" and bits == 16 else bits
     return {"gemm_dtype": gemm, "weight_bits": bits, "act_bytes": settings.dtype_bytes, "kv_dtype": kv,
-            "kv_bytes": settings.kv_dtype_bytes}
+            "kv_bytes": settings.kv_dtype_bytes, "expert_bits": expert_bits}
 
 
 def stage_shapes(spec: ModelSpec, split: list[int], tp: int, expert_parallel: bool,

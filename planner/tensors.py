@@ -164,11 +164,13 @@ def _attention_tensors(spec: ModelSpec, t: _Tensors, p: str, q_out: int, kv_out:
     if spec.family == "phi3":  # q, k and v fused in the checkpoint
         t.linear(f"{p}.self_attn.qkv_proj", h, q_out + 2 * kv_out)
     else:
-        qkv_bias = spec.family in ("qwen2", "qwen2_moe")
+        qkv_bias = spec.family in ("qwen2", "qwen2_moe", "gpt_oss")
         t.linear(f"{p}.self_attn.q_proj", h, q_out, bias=qkv_bias)
         t.linear(f"{p}.self_attn.k_proj", h, kv_out, bias=qkv_bias)
         t.linear(f"{p}.self_attn.v_proj", h, kv_out, bias=qkv_bias)
-    t.linear(f"{p}.self_attn.o_proj", q_out, h)
+    t.linear(f"{p}.self_attn.o_proj", q_out, h, bias=spec.family == "gpt_oss")
+    if spec.family == "gpt_oss":  # a learned softmax sink per head
+        t.out.append(TensorInfo(f"{p}.self_attn.sinks", spec.num_attention_heads, "F32"))
     if spec.family in ("qwen3", "qwen3_moe", "gemma3_text"):
         t.add(f"{p}.self_attn.q_norm.weight", d)
         t.add(f"{p}.self_attn.k_norm.weight", d)
@@ -177,6 +179,8 @@ def _attention_tensors(spec: ModelSpec, t: _Tensors, p: str, q_out: int, kv_out:
 def _moe_tensors(spec: ModelSpec, prefix: str, linear, dtype: str) -> list[TensorInfo]:
     h, inter, n = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
     assert inter is not None and n is not None  # a mixture of experts has both
+    if spec.family == "gpt_oss":
+        return _gpt_oss_experts(spec, prefix, dtype)
     if spec.family == "mixtral":
         router = f"{prefix}.block_sparse_moe.gate"
         for e in range(n):
@@ -198,6 +202,22 @@ def _moe_tensors(spec: ModelSpec, prefix: str, linear, dtype: str) -> list[Tenso
     return [TensorInfo(f"{router}.weight", n * h, dtype)] + bias
 
 
+def _gpt_oss_experts(spec: ModelSpec, prefix: str, dtype: str) -> list[TensorInfo]:
+    """gpt-oss: a biased router, and each projection one tensor of every expert (runtime/layers/
+    moe_stacked.py), in MXFP4 (4-bit values in bytes, one byte of scale per 32 inputs) as released."""
+    h, inter, n = spec.hidden_size, spec.moe_intermediate_size or 0, spec.num_experts or 0
+    out = [TensorInfo(f"{prefix}.mlp.router.weight", n * h, dtype), TensorInfo(f"{prefix}.mlp.router.bias", n, dtype)]
+    for proj, n_in, n_out in (("gate_up_proj", h, 2 * inter), ("down_proj", inter, h)):
+        p = f"{prefix}.mlp.experts.{proj}"
+        if spec.quantization is None:
+            out.append(TensorInfo(p, n * n_in * n_out, dtype))
+        else:
+            out += [TensorInfo(f"{p}_blocks", n * n_out * n_in // 2, "U8"),
+                    TensorInfo(f"{p}_scales", n * n_out * n_in // 32, "U8")]
+        out.append(TensorInfo(f"{p}_bias", n * n_out, dtype))
+    return out
+
+
 def _gated_mlp(linear, prefix: str, hidden: int, inter: int) -> None:
     """gate_proj, up_proj and down_proj under `prefix` (a dense MLP, an expert, a shared expert)."""
     linear(f"{prefix}.gate_proj", hidden, inter)
@@ -207,7 +227,7 @@ def _gated_mlp(linear, prefix: str, hidden: int, inter: int) -> None:
 
 def _linear_tensors(spec: ModelSpec, name: str, n_in: int, n_out: int, dtype: str):
     q = spec.quantization
-    if q is None or n_out == 1:
+    if q is None or n_out == 1 or q.method == "mxfp4":  # MXFP4 quantizes gpt-oss's experts only
         return [TensorInfo(f"{name}.weight", n_in * n_out, dtype)]
     if q.method == "fp8":  # without blocks, a scale per channel (per-tensor checkpoints hold fewer)
         if q.block_shape:

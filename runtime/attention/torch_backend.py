@@ -18,6 +18,15 @@ def soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
     return scores if cap is None else torch.tanh(scores / cap) * cap
 
 
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last axis with one more logit per row in the denominator, dropped after (gpt-oss's
+    attention sinks): sinks broadcast to scores[..., :1], one per query head; None: plain softmax."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    logits = torch.cat([scores, sinks.float().expand(*scores.shape[:-1], 1)], dim=-1)
+    return torch.softmax(logits, dim=-1)[..., :-1]
+
+
 def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -66,20 +75,23 @@ def first_block_read(first_query_position: int, sliding_window: int | None, bloc
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     sliding_window: int | None = None, kv_scales: tuple[float, float] = NO_SCALES,
-                    logits_soft_cap: float | None = None) -> torch.Tensor:
+                    logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim]; attends each request's queries over its cached K/V
     (with a sliding window, the query at position i over positions (i - sliding_window, i]; with a
-    soft cap, scores are cap * tanh(scores / cap) before the mask).
+    soft cap, scores are cap * tanh(scores / cap) before the mask; with sinks [num_heads], each head's
+    softmax has sinks[head] in its denominator: softmax_with_sinks).
     NOTE: single-token (decode) requests are done together in one padded batch; the rest one by one,
     since padding prompts to a common length would cost O(batch x longest^2) memory."""
     out = torch.empty_like(q)
     starts = meta.query_start_loc_cpu
+    head_sinks = None if sinks is None else sinks.view(kv_cache.shape[3], -1, 1, 1)  # scores' [kv_heads, group, ...]
+    options = (sliding_window, kv_scales, logits_soft_cap, head_sinks)
     decodes = [r for r in range(meta.num_requests) if starts[r + 1] - starts[r] == 1]
     if decodes:
-        _decode_batch(q, kv_cache, meta, scale, decodes, out, sliding_window, kv_scales, logits_soft_cap)
+        _decode_batch(q, kv_cache, meta, scale, decodes, out, *options)
     for r in range(meta.num_requests):
         if starts[r + 1] - starts[r] != 1:
-            _attend_one(q, kv_cache, meta, scale, r, out, sliding_window, kv_scales, logits_soft_cap)
+            _attend_one(q, kv_cache, meta, scale, r, out, *options)
     return out
 
 
@@ -88,7 +100,7 @@ def _grouped(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return q.unflatten(-2, (num_kv_heads, q.shape[-2] // num_kv_heads))
 
 
-def _attend_one(q, kv_cache, meta, scale, r, out, sliding_window, kv_scales, logits_soft_cap) -> None:
+def _attend_one(q, kv_cache, meta, scale, r, out, sliding_window, kv_scales, logits_soft_cap, sinks) -> None:
     start, end = meta.query_start_loc_cpu[r], meta.query_start_loc_cpu[r + 1]
     seq_len = meta.seq_lens_cpu[r]
     first = first_block_read(seq_len - (end - start), sliding_window, kv_cache.shape[2])
@@ -100,12 +112,12 @@ def _attend_one(q, kv_cache, meta, scale, r, out, sliding_window, kv_scales, log
     hidden = key_positions > query_positions[:, None]  # [query_len, seq_len]: the future
     if sliding_window is not None:
         hidden |= key_positions <= query_positions[:, None] - sliding_window
-    probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
+    probs = softmax_with_sinks(scores.masked_fill(hidden, float("-inf")), sinks)
     out[start:end] = torch.einsum("kgql,lkd->qkgd", probs, values).flatten(1, 2).to(q.dtype)
 
 
-def _decode_batch(q, kv_cache, meta, scale, rows: list[int], out, sliding_window, kv_scales,
-                  logits_soft_cap) -> None:
+def _decode_batch(q, kv_cache, meta, scale, rows: list[int], out, sliding_window, kv_scales, logits_soft_cap,
+                  sinks) -> None:
     block_size = kv_cache.shape[2]
     lens = [int(meta.seq_lens_cpu[r]) for r in rows]
     firsts = [first_block_read(n - 1, sliding_window, block_size) for n in lens]
@@ -119,14 +131,15 @@ def _decode_batch(q, kv_cache, meta, scale, rows: list[int], out, sliding_window
     seq_lens = torch.tensor(lens, device=q.device)
     tokens = torch.tensor([meta.query_start_loc_cpu[r] for r in rows], device=q.device)
     query = _grouped(q[tokens], kv_cache.shape[3]).float()  # [batch, kv_heads, group, head_dim]
-    scores = soft_cap(torch.einsum("bkgd,blkd->bkgl", query, keys) * scale, logits_soft_cap)
+    # [kv_heads, group, batch, keys]: _attend_one's layout, so the same view of the sinks broadcasts over both
+    scores = soft_cap(torch.einsum("bkgd,blkd->kgbl", query, keys) * scale, logits_soft_cap)
     offsets = torch.arange(width * block_size, device=q.device)[None, :]
     key_positions = torch.tensor(firsts, device=q.device)[:, None] * block_size + offsets  # [batch, width * block_size]
     hidden = key_positions >= seq_lens[:, None]  # [batch, width * block_size]: padding and repeats
     if sliding_window is not None:
         hidden |= key_positions < seq_lens[:, None] - sliding_window
-    probs = torch.softmax(scores.masked_fill(hidden[:, None, None, :], float("-inf")), dim=-1)
-    out[tokens] = torch.einsum("bkgl,blkd->bkgd", probs, values).flatten(1, 2).to(q.dtype)
+    probs = softmax_with_sinks(scores.masked_fill(hidden, float("-inf")), sinks)
+    out[tokens] = torch.einsum("kgbl,blkd->bkgd", probs, values).flatten(1, 2).to(q.dtype)
 
 
 class TorchAttentionBackend:
@@ -135,6 +148,6 @@ class TorchAttentionBackend:
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
                 sliding_window: int | None = None, kv_scales: tuple[float, float] = NO_SCALES,
-                logits_soft_cap: float | None = None) -> torch.Tensor:
+                logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         write_kv(k, v, kv_cache, meta.slot_mapping, kv_scales)
-        return paged_attention(q, kv_cache, meta, scale, sliding_window, kv_scales, logits_soft_cap)
+        return paged_attention(q, kv_cache, meta, scale, sliding_window, kv_scales, logits_soft_cap, sinks)

@@ -6,7 +6,9 @@
     num_splits(r) = min(max_splits, ceil(keys / SPLIT_MIN)), computed on the device from seq_lens[r]
 
 A request with one split writes its output directly; the others write partial (max, sum, acc) rows
-that the reduce kernel combines. No host read of seq_lens, so a CUDA graph captures it whole."""
+that the reduce kernel combines. No host read of seq_lens, so a CUDA graph captures it whole.
+With HAS_SINKS (gpt-oss), each head's exp(sink) joins its softmax's denominator once: in the decode
+kernel for a request with one split, in the reduce for the others (at the max over splits and sink)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import triton
 import triton.language as tl
 
 from shardserve.runtime.attention.torch_backend import is_fp8
-from shardserve.runtime.attention.triton_kernels import _dequantized, _dot, _load_kv_tile, _soft_capped, block_d
+from shardserve.runtime.attention.triton_kernels import (_dequantized, _dot, _load_kv_tile, _soft_capped, _with_sink,
+                                                         block_d)
 
 SPLIT_MIN = 256  # keys a split covers at least: fewer and the reduction costs more than the split saves
 MAX_SPLITS = 32
@@ -34,12 +37,12 @@ def _split_plan(seq_len, window, max_splits, SPLIT_MIN: tl.constexpr, HAS_WINDOW
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, sinks_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
                    query_start_ptr, seq_lens_ptr, tables_ptr, table_stride, scale, soft_cap, num_heads, num_kv_heads,
                    head_dim, block_size, max_splits, window, k_scale, v_scale,
                    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_MIN: tl.constexpr,
                    NUM_STAGES: tl.constexpr, IS_FP32: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                   IS_FP8: tl.constexpr, HAS_SOFT_CAP: tl.constexpr):
+                   IS_FP8: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr):
     """Online softmax of the group's queries over keys [split_start, split_end): each K/V tile is
     loaded once for all query heads of its KV head (scores = [BLOCK_G, BLOCK_N] from one dot)."""
     request, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -77,6 +80,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IS_FP32)
         m_i = m_new
     if num_splits == 1:
+        if HAS_SINKS:
+            acc, l_i = _with_sink(acc, l_i, m_i, tl.load(sinks_ptr + heads, mask=rows < group, other=0.0))
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + (token * num_heads + heads)[:, None] * head_dim + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_mask)
@@ -88,10 +93,12 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_
 
 
 @triton.jit
-def _decode_reduce_kernel(part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr, query_start_ptr, seq_lens_ptr,
-                          num_heads, head_dim, max_splits, window, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                          SPLIT_MIN: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    """Combine the splits of one (request, head): rescale each partial sum to the global max.
+def _decode_reduce_kernel(part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr, sinks_ptr, query_start_ptr,
+                          seq_lens_ptr, num_heads, head_dim, max_splits, window, BLOCK_S: tl.constexpr,
+                          BLOCK_D: tl.constexpr, SPLIT_MIN: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                          HAS_SINKS: tl.constexpr):
+    """Combine the splits of one (request, head): rescale each partial sum to the global max (with
+    HAS_SINKS, of the splits' maxes and the head's sink, whose exp joins the denominator once).
     Requests with one split were written by the decode kernel and are skipped."""
     request, head = tl.program_id(0), tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + request)
@@ -105,9 +112,16 @@ def _decode_reduce_kernel(part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr, que
     maxes = tl.load(part_max_ptr + base + splits, mask=valid, other=float("-inf"))
     sums = tl.load(part_sum_ptr + base + splits, mask=valid, other=0.0)
     m = tl.max(maxes, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head)
+        m = tl.maximum(m, sink)
     weights = tl.where(maxes == float("-inf"), 0.0, tl.exp(maxes - m))
     parts = tl.load(part_out_ptr + (base + splits)[:, None] * BLOCK_D + dims[None, :], mask=valid[:, None], other=0.0)
-    out = tl.sum(parts * weights[:, None], axis=0) / tl.sum(sums * weights, axis=0)
+    numerator = tl.sum(parts * weights[:, None], axis=0)
+    denominator = tl.sum(sums * weights, axis=0)
+    if HAS_SINKS:
+        denominator += tl.exp(sink - m)
+    out = numerator / denominator
     token = tl.load(query_start_ptr + request)
     tl.store(out_ptr + (token * num_heads + head) * head_dim + dims, out.to(out_ptr.dtype.element_ty),
              mask=dims < head_dim)
@@ -124,9 +138,11 @@ def max_decode_splits(num_requests: int, num_kv_heads: int, longest: int, num_pr
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, num_splits: int | None = None,
                  block_n: int = 64, sliding_window: int | None = None, kv_scales: tuple[float, float] = (1.0, 1.0),
-                 logits_soft_cap: float | None = None, split_min: int = SPLIT_MIN) -> torch.Tensor:
+                 logits_soft_cap: float | None = None, split_min: int = SPLIT_MIN,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [num_requests, num_heads, head_dim], one query token per request. num_splits: the most
-    splits any request may use (None: max_decode_splits); the reduce launches only when it is > 1."""
+    splits any request may use (None: max_decode_splits); the reduce launches only when it is > 1.
+    sinks: float32 [num_heads] (gpt-oss); None compiles the kernels without them."""
     num_requests, num_heads, head_dim = meta.num_requests, q.shape[1], q.shape[2]
     num_kv_heads = kv_cache.shape[3]
     if num_splits is None:
@@ -143,15 +159,16 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, nu
     # on 8 warps, 2 stages (tests/runtime/triton_compile_check.py); untimed on a GPU so far
     block_n, warps, stages = (min(block_n, 16), 8, 2) if width > 256 else (block_n, 4, 3)
     _decode_kernel[(num_requests, num_kv_heads, num_splits)](
-        q.contiguous(), kv_cache[0], kv_cache[-1], out, part_out, part_max, part_sum, meta.query_start_loc,
+        q.contiguous(), kv_cache[0], kv_cache[-1], out, sinks, part_out, part_max, part_sum, meta.query_start_loc,
         meta.seq_lens, meta.block_tables, meta.block_tables.stride(0), scale, logits_soft_cap or 0.0, num_heads,
         num_kv_heads, head_dim, kv_cache.shape[2], num_splits, window, kv_scales[0], kv_scales[1],
         BLOCK_G=max(16, triton.next_power_of_2(num_heads // num_kv_heads)), BLOCK_N=block_n, BLOCK_D=width,
         SPLIT_MIN=split_min, NUM_STAGES=stages, IS_FP32=q.dtype == torch.float32, HAS_WINDOW=sliding_window is not None,
-        IS_FP8=is_fp8(kv_cache.dtype), HAS_SOFT_CAP=logits_soft_cap is not None, num_warps=warps)
+        IS_FP8=is_fp8(kv_cache.dtype), HAS_SOFT_CAP=logits_soft_cap is not None, HAS_SINKS=sinks is not None,
+        num_warps=warps)
     if num_splits > 1:
         _decode_reduce_kernel[(num_requests, num_heads)](
-            part_out, part_max, part_sum, out, meta.query_start_loc, meta.seq_lens, num_heads, head_dim, num_splits,
-            window, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=width, SPLIT_MIN=split_min,
-            HAS_WINDOW=sliding_window is not None)
+            part_out, part_max, part_sum, out, sinks, meta.query_start_loc, meta.seq_lens, num_heads, head_dim,
+            num_splits, window, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=width, SPLIT_MIN=split_min,
+            HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None)
     return out

@@ -5,7 +5,9 @@ Layout of one layer's cache:
 cache [1, ...] (MLA) passes its plane as both K and V: the store writes it twice, the kernels read V from it.
 An fp8 cache holds k / k_scale and v / v_scale: the store divides and saturates, the attention kernels
 multiply back (in fp32) before their dots. Prefill is in triton_prefill.py, decode in triton_decode.py,
-the rotary embedding fused with the store in triton_rotary_kv.py."""
+the rotary embedding fused with the store in triton_rotary_kv.py.
+NOTE: a launch without attention sinks passes None for sinks_ptr, which Triton's JIT makes a constexpr: the
+HAS_SINKS=False kernels compile without the argument, to the same code as before sinks existed."""
 
 from __future__ import annotations
 
@@ -89,3 +91,12 @@ def _soft_capped(scores, soft_cap, HAS_SOFT_CAP: tl.constexpr):
     if HAS_SOFT_CAP:
         scores = soft_cap * (2.0 * tl.sigmoid(scores * (2.0 / soft_cap)) - 1.0)
     return scores
+
+
+@triton.jit
+def _with_sink(acc, l_i, m_i, sink):
+    """(acc, l_i) of an online softmax at running max m_i, rescaled to max(m_i, sink) with exp(sink) added
+    to the denominator (gpt-oss's attention sinks): nothing overflows, and a row that saw no key gets 0."""
+    m = tl.maximum(m_i, sink)
+    alpha = tl.exp(m_i - m)
+    return acc * alpha[:, None], l_i * alpha + tl.exp(sink - m)

@@ -7,7 +7,9 @@ all of the group's heads:
     tokens_per_tile = BLOCK_M // group      (rows past tokens_per_tile * group are padding)
 
     positions:  0 ........ context_len-1 | context_len ...... seq_len-1
-                (cached prefix, all seen) | (this step's queries, causal)"""
+                (cached prefix, all seen) | (this step's queries, causal)
+
+With HAS_SINKS (gpt-oss), each row's head adds exp(sink) to its softmax's denominator at the end."""
 
 from __future__ import annotations
 
@@ -16,15 +18,16 @@ import triton
 import triton.language as tl
 
 from shardserve.runtime.attention.torch_backend import is_fp8
-from shardserve.runtime.attention.triton_kernels import _dequantized, _dot, _load_kv_tile, _soft_capped, block_d
+from shardserve.runtime.attention.triton_kernels import (_dequantized, _dot, _load_kv_tile, _soft_capped, _with_sink,
+                                                         block_d)
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_ptr, seq_lens_ptr, tables_ptr,
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, sinks_ptr, query_start_ptr, seq_lens_ptr, tables_ptr,
                     table_stride, scale, soft_cap, num_heads, num_kv_heads, head_dim, block_size, window, k_scale,
                     v_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     IS_FP32: tl.constexpr, HAS_WINDOW: tl.constexpr, IS_FP8: tl.constexpr,
-                    HAS_SOFT_CAP: tl.constexpr):
+                    HAS_SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr):
     """Online softmax over keys [first, last query position of the tile]. With HAS_WINDOW the query at
     position i sees only (i - window, i]: the loop starts at the first key the tile's earliest
     query still sees, never earlier (blocks behind it may be freed, their table entries stale)."""
@@ -74,6 +77,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, query_start_ptr, s
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IS_FP32)
         m_i = m_new
+    if HAS_SINKS:
+        acc, l_i = _with_sink(acc, l_i, m_i, tl.load(sinks_ptr + kv_head * group + rows % group))
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
@@ -95,20 +100,22 @@ def prefill_tile(dtype: torch.dtype, head_dim: int, group: int) -> tuple[int, in
 
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, block_m: int | None = None,
                   block_n: int | None = None, sliding_window: int | None = None,
-                  kv_scales: tuple[float, float] = (1.0, 1.0), logits_soft_cap: float | None = None) -> torch.Tensor:
+                  kv_scales: tuple[float, float] = (1.0, 1.0), logits_soft_cap: float | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim] for any mix of prefill chunks and decodes; block_m / block_n
-    override prefill_tile's choice (tests use small tiles)."""
+    override prefill_tile's choice (tests use small tiles). sinks: float32 [num_heads] (gpt-oss); None
+    compiles the kernel without them."""
     num_heads, head_dim, num_kv_heads = q.shape[1], q.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads
     tile_m, tile_n, num_warps = prefill_tile(q.dtype, head_dim, group)
     block_m, block_n = max(block_m or tile_m, triton.next_power_of_2(group)), block_n or tile_n
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, whatever q's strides
     grid = (meta.num_requests, num_kv_heads, triton.cdiv(meta.max_query_len, block_m // group))
-    _prefill_kernel[grid](q.contiguous(), kv_cache[0], kv_cache[-1], out, meta.query_start_loc, meta.seq_lens,
+    _prefill_kernel[grid](q.contiguous(), kv_cache[0], kv_cache[-1], out, sinks, meta.query_start_loc, meta.seq_lens,
                           meta.block_tables, meta.block_tables.stride(0), scale, logits_soft_cap or 0.0, num_heads,
                           num_kv_heads, head_dim, kv_cache.shape[2], sliding_window or 0, kv_scales[0], kv_scales[1],
                           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d(head_dim),
                           IS_FP32=q.dtype == torch.float32, HAS_WINDOW=sliding_window is not None,
                           IS_FP8=is_fp8(kv_cache.dtype), HAS_SOFT_CAP=logits_soft_cap is not None,
-                          num_warps=num_warps, num_stages=2)
+                          HAS_SINKS=sinks is not None, num_warps=num_warps, num_stages=2)
     return out

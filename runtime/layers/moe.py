@@ -1,6 +1,6 @@
-"""Top-k routed experts with gated SiLU MLPs, expert weights stacked per kind (float, or quantized as the
-checkpoint ships them); across tensor ranks each expert is split (Megatron) or, with expert parallel, whole
-experts are dealt out to the ranks."""
+"""Top-k routed experts with gated MLPs (SiLU, or gpt-oss's biased swigluoai), expert weights stacked per
+kind (float, or quantized as the checkpoint ships them); across tensor ranks each expert is split
+(Megatron) or, with expert parallel, whole experts are dealt out to the ranks."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.runtime.checkpoint import CheckpointTensor
+from shardserve.runtime.layers.activation import GatedActivation
+from shardserve.runtime.layers.moe_stacked import StackedExperts, load_stacked, stacked_expert_weight
 from shardserve.runtime.layers.quantization.config import current_moe_method
 from shardserve.runtime.layers.weights import FLOAT_WEIGHT, PackedDims, load_features, shard_range
 from shardserve.runtime.parallel_state import get_parallel_state, tensor_parallel_all_reduce
@@ -32,10 +34,11 @@ def expert_weight(name: str, kinds: dict[str, str]) -> tuple[str, tuple[int, str
 
 def wrapped_moe_target(inner, name: str, kinds: dict[str, str]):
     """The checkpoint target of a model that wraps a Llama as `inner` and puts FusedMoE in its MLP
-    slots: expert weights to the stacked experts, everything else as the Llama maps it."""
+    slots: expert weights (one tensor per expert, or gpt-oss's of every expert) to the stacked experts,
+    everything else as the Llama maps it."""
     from shardserve.runtime.models.weight_map import WeightTarget
 
-    expert = expert_weight(name, kinds)
+    expert = expert_weight(name, kinds) or stacked_expert_weight(name)
     if expert:
         return WeightTarget("inner." + expert[0], expert[1])
     target = inner.checkpoint_target(name)
@@ -55,10 +58,11 @@ class FusedMoE(nn.Module):
     Either way a rank's output is a partial sum over its share, and one all-reduce completes it."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 renormalize: bool = True):
+                 renormalize: bool = True, activation: GatedActivation = GatedActivation(), has_bias: bool = False):
         super().__init__()
         state = get_parallel_state()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.activation = activation
         if state.enable_expert_parallel:
             self.first_expert, self.num_local_experts = shard_range(num_experts, state.tp_rank, state.tp_size)
             self.feature_rank, self.feature_ranks = 0, 1  # experts whole
@@ -69,6 +73,11 @@ class FusedMoE(nn.Module):
         self.intermediate = shard_range(intermediate_size, 0, self.feature_ranks)[1]
         self.quant_method = current_moe_method()  # None: float experts
         self.packed_dims: dict[str, PackedDims] = {}
+        self.w13_bias: nn.Parameter | None = None  # [local_experts, 2 * intermediate_per_rank] (gate | up)
+        self.w2_bias: nn.Parameter | None = None  # [local_experts, hidden]: zeros but on feature rank 0
+        if has_bias:  # gpt-oss; float whatever the experts' format
+            self.w13_bias = nn.Parameter(torch.zeros(self.num_local_experts, 2 * self.intermediate), requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.zeros(self.num_local_experts, hidden_size), requires_grad=False)
         if self.quant_method is not None:
             self.quant_method.create_weights(self, self.num_local_experts, hidden_size, self.intermediate)
             return
@@ -78,9 +87,13 @@ class FusedMoE(nn.Module):
                                requires_grad=False)
         self.packed_dims.update(w13=FLOAT_WEIGHT, w2=FLOAT_WEIGHT)
 
-    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, shard: tuple[int, str]) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor,
+                      shard: tuple[int, str] | StackedExperts) -> None:
         """One expert's w1, w3 or w2 tensor (weight, or a quantized part: scales, zeros, ...): this rank's
-        features of it into the expert's slice of `param`, laid out per expert as a linear layer's."""
+        features of it into the expert's slice of `param`, laid out per expert as a linear layer's; or a
+        tensor of every expert (gpt-oss, moe_stacked.py)."""
+        if isinstance(shard, StackedExperts):
+            return load_stacked(self, param, loaded, shard)
         expert, kind = shard
         local = expert - self.first_expert
         if not 0 <= local < self.num_local_experts:
@@ -106,7 +119,7 @@ class FusedMoE(nn.Module):
             out = self.quant_method.apply(self, hidden, weights, experts)
         elif hidden.is_cuda:
             from shardserve.runtime.layers.triton_moe import fused_moe  # triton is needed only on CUDA
-            out = fused_moe(hidden, self.w13, self.w2, weights, experts, self.first_expert)
+            out = fused_moe(hidden, self.w13, self.w2, weights, experts, self.first_expert, ops=self.expert_ops())
         else:
             out = self.forward_loop(hidden, weights, experts)
         return tensor_parallel_all_reduce(out)
@@ -123,10 +136,18 @@ class FusedMoE(nn.Module):
             token_index, slot = torch.nonzero(experts == expert, as_tuple=True)
             x = hidden[token_index]
             w13, w2 = self.expert_weights(local)
-            gate, up = F.linear(x, w13.to(x.dtype)).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, w2.to(x.dtype)) * weights[token_index, slot, None]
+            b13 = None if self.w13_bias is None else self.w13_bias[local].to(x.dtype)
+            b2 = None if self.w2_bias is None else self.w2_bias[local].to(x.dtype)
+            gate, up = F.linear(x, w13.to(x.dtype), b13).chunk(2, dim=-1)
+            y = F.linear(self.activation(gate, up), w2.to(x.dtype), b2) * weights[token_index, slot, None]
             out.index_add_(0, token_index, y)
         return out
+
+    def expert_ops(self):
+        """The biases and activation the CUDA kernels add around the expert matrices (triton_moe.ExpertOps)."""
+        from shardserve.runtime.layers.triton_moe import ExpertOps  # triton is needed only on CUDA
+
+        return ExpertOps(self.activation, self.w13_bias, self.w2_bias)
 
     def expert_weights(self, local: int) -> tuple[torch.Tensor, torch.Tensor]:
         """w13 [2 * intermediate_per_rank, hidden] and w2 [hidden, intermediate_per_rank] of this rank's

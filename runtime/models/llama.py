@@ -29,6 +29,7 @@ class LlamaVariant:
     qk_norm: bool = False  # Qwen3
     has_sliding_window: bool = False  # config.sliding_window applies (Mistral, Qwen2, Qwen3; not Llama)
     has_partial_rotary: bool = False  # rope's partial_rotary_factor applies (Phi-3)
+    has_sinks: bool = False  # a learned softmax sink per head (gpt-oss: self_attn.sinks)
 
 
 LLAMA_PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -76,7 +77,8 @@ class LlamaAttention(nn.Module):
             self.k_norm: nn.Module = RMSNorm(head_dim, config.rms_norm_eps)
         self.has_qk_norm = variant.qk_norm
         self.rotary_emb = rotary_emb  # shared by every layer
-        self.attn = Attention(self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads, sliding_window)
+        self.attn = Attention(self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads, sliding_window,
+                              has_sinks=variant.has_sinks)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]

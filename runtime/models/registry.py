@@ -12,6 +12,7 @@ from shardserve.runtime.config import ModelConfig
 from shardserve.runtime.models.deepseek import deepseek_v2, deepseek_v3
 from shardserve.runtime.models.gemma import gemma2, gemma3
 from shardserve.runtime.models.gpt2 import GPT2LMHeadModel
+from shardserve.runtime.models.gpt_oss import GptOssForCausalLM
 from shardserve.runtime.models.llama import LlamaForCausalLM, LlamaVariant
 from shardserve.runtime.models.mixtral import MixtralForCausalLM
 from shardserve.runtime.models.opt import OPTForCausalLM
@@ -32,6 +33,7 @@ MODEL_BUILDERS: dict[str, Callable[[ModelConfig], nn.Module]] = {
     "Gemma3ForCausalLM": gemma3,
     "Gemma3ForConditionalGeneration": gemma3,  # its language model; images are not served
     "Phi3ForCausalLM": phi3,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
     "OPTForCausalLM": OPTForCausalLM,
 }

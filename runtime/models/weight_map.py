@@ -16,8 +16,9 @@ class WeightTarget:
 
 def fold_packed(name: str, packed: Mapping[str, tuple[str, object]]) -> WeightTarget:
     """Rename `...q_proj.weight` to `...qkv_proj.weight` with shard "q", etc.; an fp8 KV cache scale
-    `...self_attn.k_scale` goes to the attention layer's buffer `...self_attn.attn.k_scale`."""
-    if name.endswith((".self_attn.k_scale", ".self_attn.v_scale")):
+    `...self_attn.k_scale` goes to the attention layer's buffer `...self_attn.attn.k_scale`, gpt-oss's
+    `...self_attn.sinks` to its parameter `...self_attn.attn.sinks`."""
+    if name.endswith((".self_attn.k_scale", ".self_attn.v_scale", ".self_attn.sinks")):
         return WeightTarget(name.replace(".self_attn.", ".self_attn.attn."))
     for checkpoint_part, (fused_part, shard_id) in packed.items():
         token = f".{checkpoint_part}."

@@ -1,4 +1,4 @@
-"""Random Llama, Qwen3, Qwen3-MoE, Gemma 2, Gemma 3, Phi-3 and DeepSeek-V3 checkpoints for the GPU tests (transformers
+"""Random Llama, Qwen3, Qwen3-MoE, Gemma 2, Gemma 3, Phi-3, DeepSeek-V3 and gpt-oss checkpoints for the GPU tests (transformers
 save_pretrained), bigger than the CPU tests' so that the kernels see real head sizes, GQA groups and
 several KV blocks per request."""
 
@@ -41,6 +41,11 @@ def gpu_config(family: str, num_hidden_layers: int = 3):
                                    v_head_dim=128, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
                                    moe_intermediate_size=256, n_shared_experts=1, first_k_dense_replace=1,
                                    rope_parameters=rope)
+    if family == "gpt_oss":  # sinks in the kernels, window 64 on alternate layers, yarn, biased swigluoai experts
+        rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "original_max_position_embeddings": 512,
+                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+        return tf.GptOssConfig(**{**common, "intermediate_size": 256}, head_dim=64, sliding_window=64,
+                               num_local_experts=16, num_experts_per_tok=4, rope_parameters=rope)
     raise KeyError(family)
 
 

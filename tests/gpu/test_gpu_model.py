@@ -22,7 +22,7 @@ from shardserve.runtime.loader import load_model
 from shardserve.runtime.messages import CachedRequestData, NewRequestData, SchedulerOutput
 
 CUDA = torch.device("cuda")
-FAMILIES = ["llama", "qwen3", "gemma2", "gemma3", "phi3", "deepseek_v3"]
+FAMILIES = ["llama", "qwen3", "gemma2", "gemma3", "phi3", "deepseek_v3", "gpt_oss"]
 PROMPT_LENS, MAX_TOKENS = [5, 17, 40, 130, 600, 3], [24, 20, 16, 12, 8, 4]
 PROMPTS = [np.random.default_rng(n).integers(3, VOCAB_SIZE, n).tolist() for n in PROMPT_LENS]
 # bf16 against float32 transformers; the CPU torch path in bf16 differs by ~0.1 at most on these models

@@ -17,6 +17,7 @@ from shardserve.planner.served import ARCHITECTURES, ROPE_TYPES
 from shardserve.runtime import LLM, SamplingParams
 from shardserve.runtime.layers.rotary import SUPPORTED_ROPE_TYPES
 from shardserve.runtime.models.registry import MODEL_BUILDERS
+from tests.runtime.runtime_checkpoints import FULL_FORWARD_REFERENCE
 
 HARDWARE = "2x8xH100-80GB"
 SMALL = {"hidden_size": 64, "n_embd": 64, "intermediate_size": 96, "ffn_dim": 96, "num_hidden_layers": 2,
@@ -71,6 +72,8 @@ def tiny_config(config: dict) -> dict:
     tiny.update({k: v for k, v in SMALL.items() if k in config})
     if "num_key_value_heads" in config:
         tiny["num_key_value_heads"] = 2 if grouped else 4
+    if "layer_types" in config:  # the first layers' kinds (gpt-oss: a windowed layer, then a full one)
+        tiny["layer_types"] = config["layer_types"][:tiny["num_hidden_layers"]]
     if config.get("q_lora_rank"):  # MLA's query compression (None: q_proj straight, V2-Lite)
         tiny["q_lora_rank"] = 48
     rope = config.get("rope_scaling") or {}
@@ -101,5 +104,6 @@ def test_tiny_model_like_each_catalog_entry_matches_transformers(config_json, tm
         ids = torch.tensor([prompt])
         with torch.no_grad():
             expected = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
-                                         min_new_tokens=6, do_sample=False, pad_token_id=2)
+                                         min_new_tokens=6, do_sample=False, pad_token_id=2,
+                                         use_cache=hf_model.config.model_type not in FULL_FORWARD_REFERENCE)
         assert output.outputs[0].token_ids == expected[0, len(prompt):].tolist(), TINY[config_json]

@@ -186,7 +186,7 @@ def test_a_measured_moe_shape_takes_the_fused_layer_time():
     spec = load_model("Qwen/Qwen3-30B-A3B").spec
     h100 = load_database("H100-80GB")
     ops = Operators(GpuSpec.from_catalog("H100-80GB"), h100, 450e9)
-    shape = StageShape(spec, 2, False, 1, 1, 0, False, False, "bfloat16", 16, 2, "bfloat16", 2)
+    shape = StageShape(spec, 2, False, 1, 1, 0, False, False, "bfloat16", 16, 2, "bfloat16", 2, 16)
     table = h100.tables["moe.bfloat16@2048x768x8x128"]
     assert _moe_mlp_ms(ops, shape, 64) == pytest.approx(table.lookup(tp=2, ep=1, num_tokens=64))
     odd = replace(spec, moe_intermediate_size=640)  # no such shape was measured

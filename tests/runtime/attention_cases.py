@@ -1,5 +1,5 @@
-"""Attention metadata for kernel tests (requests with cached and new tokens on shuffled blocks) and a
-dense reference with Gemma 2's logit soft-cap."""
+"""Attention metadata for kernel tests (requests with cached and new tokens on shuffled blocks), a
+dense reference with Gemma 2's logit soft-cap, and gpt-oss's sink logits."""
 
 from __future__ import annotations
 
@@ -53,3 +53,30 @@ def capped_reference(q, cache, meta, scale, cap, window=None):
             probs = torch.softmax(cap * torch.tanh(scores / cap), dim=-1)
             out[token] = torch.einsum("hl,lhd->hd", probs, values[first:position + 1])
     return out
+
+
+def sinks_for(num_heads: int, seed: int = 0) -> torch.Tensor:
+    """gpt-oss's per-head sink logits, float32 [num_heads]: around the scores' scale, except the first far
+    above every score (its head attends to almost nothing; no overflow allowed) and the last far below
+    (its head's softmax as without a sink)."""
+    sinks = torch.randn(num_heads, generator=torch.Generator().manual_seed(seed)) * 2
+    sinks[0], sinks[-1] = 80.0, -80.0
+    return sinks
+
+
+def dense_reference(q, keys, values, positions, scale, cap=None, window=None, sinks=None):
+    """q: [n, heads, dim] at `positions`; keys/values: [seq_len, kv_heads, dim] (every position). Per head
+    h the scores (capped: cap * tanh(s / cap)) of the keys in the window; with sinks,
+    p_j = exp(s_j - m) / (sum_j exp(s_j - m) + exp(sinks[h] - m)), m = max(max_j s_j, sinks[h])."""
+    group = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    out = []
+    for j, position in enumerate(positions):
+        first = 0 if window is None else max(0, position - window + 1)
+        scores = torch.einsum("hd,lhd->hl", q[j], keys[first: position + 1]) * scale
+        scores = scores if cap is None else torch.tanh(scores / cap) * cap
+        m = scores.max(dim=1).values if sinks is None else torch.maximum(scores.max(dim=1).values, sinks)
+        weights = torch.exp(scores - m[:, None])
+        denominator = weights.sum(dim=1) + (0.0 if sinks is None else torch.exp(sinks - m))
+        out.append(torch.einsum("hl,lhd->hd", weights / denominator[:, None], values[first: position + 1]))
+    return torch.stack(out)

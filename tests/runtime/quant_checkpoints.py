@@ -205,3 +205,46 @@ def save_quantized_experts(path: str, fmt: str, num_experts: int, hidden: int, i
             tensors.update({f"{e}.{kind}.{leaf}": v.contiguous() for leaf, v in packed.items()})
     save_file(tensors, path)
     return dequantized
+
+
+# gpt-oss's release: MXFP4 experts, everything else float
+MXFP4 = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                            "model.embed_tokens", "lm_head"]}
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # magnitudes by the code's low 3 bits
+
+
+def mxfp4_tensors(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [..., N, K] (rows = outputs) -> blocks [..., N, K / 32, 16] uint8, scales [..., N, K / 32] uint8 and
+    the dequantized w, per the OCP MX format: each 32 inputs share the scale 2^(s - 127), the smallest
+    power of two that brings their largest magnitude within e2m1's 6; each value rounds to the nearest
+    e2m1 (sign bit 3), two per byte, the even input in the low nibble."""
+    groups = w.float().unflatten(-1, (-1, 32))
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=2.0 ** -120) / 6.0))
+    scaled = groups / torch.exp2(exponent)[..., None]
+    magnitude = (scaled.abs()[..., None] - E2M1).abs().argmin(-1)
+    codes = magnitude + 8 * (scaled < 0).long()
+    dequantized = (E2M1[magnitude] * scaled.sign() * torch.exp2(exponent)[..., None]).flatten(-2)
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return blocks, (exponent + 127).to(torch.uint8), dequantized
+
+
+def save_mxfp4_gpt_oss(folder: str, num_layers: int = 2, seed: int = 0):
+    """A random gpt-oss with MXFP4 experts as released (`experts.gate_up_proj_blocks`, `_scales`, float biases);
+    returns transformers' model on the dequantized weights, loaded from a float copy beside it."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from tests.runtime.runtime_checkpoints import save_checkpoint
+
+    float_folder, dequantized_folder = folder + "-float", folder + "-dequantized"
+    save_checkpoint(float_folder, "gpt_oss", seed=seed, num_layers=num_layers)
+    tensors, dequantized = {}, {}
+    for name, value in load_file(os.path.join(float_folder, "model.safetensors")).items():
+        tensors[name] = dequantized[name] = value
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # stored [experts, inputs, outputs]
+            del tensors[name]
+            tensors[f"{name}_blocks"], tensors[f"{name}_scales"], rows = mxfp4_tensors(value.transpose(1, 2))
+            dequantized[name] = rows.transpose(1, 2).to(value.dtype).contiguous()
+    write_model(folder, float_folder, tensors, MXFP4)
+    write_model(dequantized_folder, float_folder, dequantized)
+    return AutoModelForCausalLM.from_pretrained(dequantized_folder, dtype=torch.float32).eval()

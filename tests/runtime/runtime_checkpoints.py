@@ -90,6 +90,11 @@ def family_config(family: str, num_layers: int = 2, max_position_embeddings: int
                                  decoder_sparse_step=2, norm_topk_prob=True, head_dim=24, **llama_like)
     if family.startswith("deepseek"):
         return _deepseek_config(tf, family, llama_like)
+    if family == "gpt_oss":  # alternate layers attend over the last 8 positions; a low clamp, so it bites
+        rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": max_position_embeddings // 4}
+        return tf.GptOssConfig(num_local_experts=4, num_experts_per_tok=2, sliding_window=8, head_dim=16,
+                               swiglu_limit=1.5, rope_parameters=rope, **{**llama_like, "intermediate_size": 64})
     if family in ("gemma2", "gemma3", "phi3", "phi3-longrope"):
         return _gemma_phi3_config(tf, family, llama_like)
     if family == "gpt2":
@@ -141,7 +146,13 @@ def _gemma_phi3_config(tf, family: str, llama_like: dict):
 
 
 FAMILIES = ["llama3", "llama2-linear-tied", "mistral", "mistral-window", "qwen2", "qwen2-window", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
-            "deepseek_v2_lite", "deepseek_v2", "deepseek_v3", "gemma2", "gemma3", "phi3", "gpt2", "opt", "opt-postln-proj"]
+            "deepseek_v2_lite", "deepseek_v2", "deepseek_v3", "gpt_oss", "gemma2", "gemma3", "phi3", "gpt2", "opt", "opt-postln-proj"]
+
+
+# NOTE: transformers 5.23's cached generate of gpt-oss departs from its own full forward once a sequence
+# passes the sliding window (a 13-token prompt over an 8-token window: tokens 2 on differ), so gpt-oss's
+# reference recomputes the whole sequence for every token (generate's use_cache=False), the model's definition
+FULL_FORWARD_REFERENCE = ("gpt_oss",)
 
 
 def save_checkpoint(folder: str, family: str, with_tokenizer: bool = True, seed: int = 0,

@@ -43,6 +43,8 @@ LAYOUTS = [
     ("deepseek_v3", 2, 2, 1),  # MLA heads split, the latent cache whole per rank; shared experts split
     ("deepseek_v2_lite", 2, 2, 1),  # q_proj without q_lora_rank
     ("deepseek_v2", 2, 1, 2),  # the dense layer and the MoE layer on different stages
+    ("gpt_oss", 2, 2, 1),  # sinks of split heads; interleaved gate | up and biases cut per rank
+    ("gpt_oss", 2, 1, 2),  # the windowed layer and the full one on different stages
 ]
 
 
@@ -64,7 +66,8 @@ def test_parallel_greedy_matches_transformers(family, num_layers, tp, pp, checkp
     assert rank_pids() == []
 
 
-EXPERT_PARALLEL = [("mixtral", 1), ("qwen2_moe", 1), ("qwen3_moe", 1), ("mixtral", 2), ("deepseek_v3", 1)]
+EXPERT_PARALLEL = [("mixtral", 1), ("qwen2_moe", 1), ("qwen3_moe", 1), ("mixtral", 2), ("deepseek_v3", 1),
+                   ("gpt_oss", 1)]
 
 
 @pytest.mark.slow

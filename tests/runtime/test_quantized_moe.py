@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from quant_checkpoints import MOE_FORMATS, save_quantized_experts, save_quantized_moe
+from quant_checkpoints import MOE_FORMATS, save_mxfp4_gpt_oss, save_quantized_experts, save_quantized_moe
 from runtime_forward import PROMPT, run_chunks
 from shardserve.planner.model_source import load_model as load_model_info
 from shardserve.planner.sharding import summarize, total_weight_bytes
@@ -32,7 +32,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe"]
 # a quantized expert's parameters, by format: what the checkpoint's packed tensors load into
 EXPERT_PARAMS = {"awq": "w13_qweight", "gptq4": "w13_g_idx", "gptq8-sym": "w13_qzeros",
-                 "fp8-tensor": "w13_input_scale", "fp8-channel": "w13_weight_scale", "fp8-block": "w13_weight_scale_inv"}
+                 "fp8-tensor": "w13_input_scale", "fp8-channel": "w13_weight_scale", "fp8-block": "w13_weight_scale_inv",
+                 "mxfp4": "w13_blocks"}
 
 
 @pytest.fixture(scope="session")
@@ -43,7 +44,7 @@ def quantized_moe(tmp_path_factory):
     def make(family: str, fmt: str):
         if (family, fmt) not in cache:
             folder = str(tmp_path_factory.mktemp(f"{family}_{fmt}".replace("-", "_")) / "model")
-            hf_model = save_quantized_moe(folder, family, fmt)
+            hf_model = save_mxfp4_gpt_oss(folder) if fmt == "mxfp4" else save_quantized_moe(folder, family, fmt)
             cache[family, fmt] = folder, hf_model, reference(hf_model, PROMPTS, MAX_TOKENS)
         return cache[family, fmt]
 
@@ -57,11 +58,12 @@ def restore_parallel_state():
     set_parallel_state(saved)
 
 
-# DeepSeek's releases: V3/R1 ship fp8 blocks (kv_b_proj dequantized per step for MLA's absorption)
-DEEPSEEK = [("deepseek_v3", "fp8-block"), ("deepseek_v2_lite", "awq"), ("deepseek_v2", "gptq4")]
+# DeepSeek's releases: V3/R1 ship fp8 blocks (kv_b_proj dequantized per step for MLA's absorption);
+# gpt-oss's: MXFP4 experts, one tensor of every expert
+RELEASES = [("deepseek_v3", "fp8-block"), ("deepseek_v2_lite", "awq"), ("deepseek_v2", "gptq4"), ("gpt_oss", "mxfp4")]
 
 
-@pytest.mark.parametrize("family, fmt", [(f, q) for f in FAMILIES for q in MOE_FORMATS] + DEEPSEEK)
+@pytest.mark.parametrize("family, fmt", [(f, q) for f in FAMILIES for q in MOE_FORMATS] + RELEASES)
 def test_greedy_and_logits_match_dequantized_transformers(family, fmt, quantized_moe):
     folder, hf_model, expected = quantized_moe(family, fmt)
     assert len({t for seq in expected for t in seq}) > 5
@@ -79,7 +81,8 @@ def test_greedy_and_logits_match_dequantized_transformers(family, fmt, quantized
 
 # (family, format, expert parallel): tp 2 splits each expert's features, or deals whole experts out
 PARALLEL = [("mixtral", "fp8-block", False), ("qwen3_moe", "awq", False), ("mixtral", "gptq4", True),
-            ("qwen2_moe", "fp8-tensor", True), ("deepseek_v3", "fp8-block", False), ("deepseek_v3", "fp8-block", True)]
+            ("qwen2_moe", "fp8-tensor", True), ("deepseek_v3", "fp8-block", False), ("deepseek_v3", "fp8-block", True),
+            ("gpt_oss", "mxfp4", False), ("gpt_oss", "mxfp4", True)]
 
 
 @pytest.mark.slow
@@ -106,6 +109,17 @@ def test_planner_derives_the_stored_bytes_of_quantized_experts(fmt, quantized_mo
             assert stored < derived < 1.01 * stored
         else:
             assert derived == stored
+
+
+def test_planner_derives_gpt_oss_tensors_exactly(quantized_moe):
+    """gpt-oss's tensors of every expert (MXFP4 blocks and scales, or float) with their biases, the router's
+    bias and the attention sinks: the names, sizes and dtypes config.json alone gives are the checkpoint's."""
+    folder, _, _ = quantized_moe("gpt_oss", "mxfp4")
+    for path in (folder, folder + "-float"):
+        info = load_model_info(path)
+        assert info.tensors_from == "safetensors"
+        assert set(derive_tensors(info.spec)) == set(info.tensors), path
+    assert any(t.name.endswith("gate_up_proj_blocks") and t.dtype == "U8" for t in load_model_info(folder).tensors)
 
 
 def loaded_experts(path: str, fmt: str, state: ParallelState, num_experts: int = 4, hidden: int = 64,

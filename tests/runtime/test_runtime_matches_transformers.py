@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from runtime_checkpoints import FAMILIES
+from runtime_checkpoints import FAMILIES, FULL_FORWARD_REFERENCE
 from shardserve.runtime import LLM, SamplingParams
 
 EOS = 1
@@ -29,11 +29,12 @@ SHARED = [_prefixes[i % 2] + [_rng.randrange(3, 300) for _ in range(i + 1)] for 
 def reference(hf_model, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
     """transformers greedy continuations, cut after the first EOS like the runtime stops there."""
     results = []
+    use_cache = hf_model.config.model_type not in FULL_FORWARD_REFERENCE
     for prompt in prompts:
         ids = torch.tensor([prompt])
         with torch.no_grad():
             out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                                    do_sample=False, pad_token_id=2)[0, len(prompt):].tolist()
+                                    do_sample=False, pad_token_id=2, use_cache=use_cache)[0, len(prompt):].tolist()
         results.append(out[: out.index(EOS) + 1] if EOS in out else out)
     return results
 

@@ -4,7 +4,7 @@ Run in a fresh process without TRITON_INTERPRET (test_triton_compile.py does tha
 checks what the kernels compute; this checks that the real compiler accepts them (types of
 loop-carried values, tl.dot shapes and dtypes) all the way to a cubin, and for the bf16 attention
 kernels what the issue asks of their code: wgmma in the prefill's dots, no register spills (ptxas -v)
-at head_dim 64, 128 and 256 (Gemma)."""
+at head_dim 64, 128 and 256 (Gemma), with attention sinks too (gpt-oss: head_dim 64, sliding windows)."""
 
 from __future__ import annotations
 
@@ -66,10 +66,13 @@ def compile_attention(dtype: str, cache: str, is_fp32: bool) -> None:
                                               "v_cache_ptr": cache, "slot_ptr": "*i64", "row_size": "i32",
                                               **scales, "largest": "fp32"}, {"BLOCK": 1024, "IS_FP8": is_fp8})
     compile_rotary_kv(dtype, cache, is_fp8)
-    tensors = {"q_ptr": dtype, "k_cache_ptr": cache, "v_cache_ptr": cache}
+    tensors = {"q_ptr": dtype, "k_cache_ptr": cache, "v_cache_ptr": cache, "sinks_ptr": "*fp32"}
     parts = {"part_out_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32"}
-    for has_window, has_cap in ((False, False), (True, True)) if cache == dtype else ((False, False),):
-        flags = {"IS_FP32": is_fp32, "HAS_WINDOW": has_window, "IS_FP8": is_fp8, "HAS_SOFT_CAP": has_cap}
+    variants = ((False, False, False), (True, True, False), (True, False, True)) if cache == dtype else \
+        ((False, False, False), (False, False, True))
+    for has_window, has_cap, has_sinks in variants:
+        flags = {"IS_FP32": is_fp32, "HAS_WINDOW": has_window, "IS_FP8": is_fp8, "HAS_SOFT_CAP": has_cap,
+                 **sinks_flags(has_sinks)}
         for head_dim in (64, 128, 256) if cache == dtype and not is_fp32 else (128,):
             block_m, block_n, num_warps = triton_prefill.prefill_tile(TORCH[dtype], head_dim, 4)
             prefill = compile_kernel(triton_prefill._prefill_kernel, {**tensors, "out_ptr": dtype, **INDEX, **scales},
@@ -81,12 +84,21 @@ def compile_attention(dtype: str, cache: str, is_fp32: bool) -> None:
                                      "SPLIT_MIN": triton_decode.SPLIT_MIN, "NUM_STAGES": 3, **flags},
                                     divisible=("head_dim", "block_size"), num_warps=4)
             if not is_fp32:
-                require_fast(prefill, f"prefill {dtype} {cache} head_dim {head_dim}", wgmma=True)
-                require_fast(decode, f"decode {dtype} {cache} head_dim {head_dim}", wgmma=False)
+                name = f"{dtype} {cache} head_dim {head_dim}{' with sinks' if has_sinks else ''}"
+                require_fast(prefill, f"prefill {name}", wgmma=True)
+                require_fast(decode, f"decode {name}", wgmma=False)
         compile_kernel(triton_decode._decode_reduce_kernel,
-                       {**parts, "out_ptr": dtype, "query_start_ptr": "*i32", "seq_lens_ptr": "*i32",
-                        "num_heads": "i32", "head_dim": "i32", "max_splits": "i32", "window": "i32"},
-                       {"BLOCK_S": 4, "BLOCK_D": 128, "SPLIT_MIN": triton_decode.SPLIT_MIN, "HAS_WINDOW": has_window})
+                       {**parts, "out_ptr": dtype, "sinks_ptr": "*fp32", "query_start_ptr": "*i32",
+                        "seq_lens_ptr": "*i32", "num_heads": "i32", "head_dim": "i32", "max_splits": "i32",
+                        "window": "i32"},
+                       {"BLOCK_S": 4, "BLOCK_D": 128, "SPLIT_MIN": triton_decode.SPLIT_MIN, "HAS_WINDOW": has_window,
+                        **sinks_flags(has_sinks)})
+
+
+def sinks_flags(has_sinks: bool) -> dict:
+    """HAS_SINKS, and without sinks the None a launch passes for sinks_ptr (a constexpr, as Triton's JIT
+    makes every None argument): the kernel then compiles exactly as it did before sinks existed."""
+    return {"HAS_SINKS": True} if has_sinks else {"HAS_SINKS": False, "sinks_ptr": None}
 
 
 def compile_mla_attention() -> None:
@@ -94,7 +106,7 @@ def compile_mla_attention() -> None:
     launch: decode without spills, prefill within 64 spilled bytes; both within sm_90's shared memory."""
     tensors = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16"}
     scales = {"k_scale": "fp32", "v_scale": "fp32"}
-    flags = {"IS_FP32": False, "HAS_WINDOW": False, "IS_FP8": False, "HAS_SOFT_CAP": False}
+    flags = {"IS_FP32": False, "HAS_WINDOW": False, "IS_FP8": False, "HAS_SOFT_CAP": False, **sinks_flags(False)}
     block_m, block_n, num_warps = triton_prefill.prefill_tile(torch.bfloat16, 576, 16)
     prefill = compile_kernel(triton_prefill._prefill_kernel, {**tensors, **INDEX, **scales},
                              {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": 1024, **flags},
@@ -135,22 +147,27 @@ def compile_packed_int_gemm(dtype: str, is_fp32: bool) -> None:
 def compile_moe(dtype: str, is_fp32: bool) -> None:
     """The grouped expert GEMMs at the tiles and warps they launch with (decode-sized blocks and 64-row ones):
     float experts, fp8 (per-tensor, per-channel and block scales share one kernel), AWQ int4, GPTQ int4 and
-    int8; quantized ones in bf16 without spills, and with wgmma at 64 rows."""
+    int8, and gpt-oss's MXFP4 with biases and swigluoai (also on float experts); quantized ones in bf16
+    without spills, and with wgmma at 64 rows."""
     index = {"out_ptr": dtype, "sorted_pairs_ptr": "*i32", "block_experts_ptr": "*i32", "num_pairs": "i32",
              "num_experts": "i32", "intermediate": "i32", "hidden_size": "i32", "stride_xm": "i32",
              "stride_om": "i32", "stride_we": "i32", "stride_wr": "i32", "stride_se": "i32", "stride_sr": "i32",
-             "stride_ze": "i32", "stride_zr": "i32", "group_n": "i32", "group_k": "i32", "zero_offset": "i32"}
+             "stride_ze": "i32", "stride_zr": "i32", "group_n": "i32", "group_k": "i32", "zero_offset": "i32",
+             "b_ptr": dtype, "stride_be": "i32", "alpha": "fp32", "limit": "fp32"}
     m, q = triton_moe, triton_quant_moe
-    for fmt, bits, weight, scale, zeros in ((m.FLOAT, 8, dtype, dtype, dtype), (m.FP8, 8, "*fp8e4nv", "*fp32", "*fp32"),
-                                            (m.AWQ, 4, "*i32", dtype, "*i32"), (m.GPTQ, 4, "*i32", dtype, "*i32"),
-                                            (m.GPTQ, 8, "*i32", dtype, "*i32")):
+    for fmt, bits, weight, scale, zeros, gpt_oss in (
+            (m.FLOAT, 8, dtype, dtype, dtype, False), (m.FP8, 8, "*fp8e4nv", "*fp32", "*fp32", False),
+            (m.AWQ, 4, "*i32", dtype, "*i32", False), (m.GPTQ, 4, "*i32", dtype, "*i32", False),
+            (m.GPTQ, 8, "*i32", dtype, "*i32", False), (m.MXFP4, 4, "*u8", "*u8", "*u8", True),
+            (m.FLOAT, 8, dtype, dtype, dtype, True)):
         matrix = {"x_ptr": dtype, "w_ptr": weight, "s_ptr": scale, "z_ptr": zeros, **index}
         for num_pairs in (1, 4096):
             sizes, warps = ((m.block_sizes, 4) if fmt == m.FLOAT else (q.quantized_block_sizes, q.NUM_WARPS))
             block_m, block_n, block_k = sizes(num_pairs, 8, is_fp32)
             blocks = {"FORMAT": fmt, "BITS": bits, "IS_FP32": is_fp32, "BLOCK_M": block_m, "BLOCK_N": block_n,
-                      "BLOCK_K": block_k}
-            kernels = [compile_kernel(m._moe_gate_up_kernel, {**matrix, "top_k": "i32"}, blocks, num_warps=warps),
+                      "BLOCK_K": block_k, "HAS_BIAS": gpt_oss}
+            kernels = [compile_kernel(m._moe_gate_up_kernel, {**matrix, "top_k": "i32"},
+                                      {**blocks, "ACTIVATION": int(gpt_oss)}, num_warps=warps),
                        compile_kernel(m._moe_down_kernel, {**matrix, "weights_ptr": "*fp32"}, blocks,
                                       num_warps=warps)]
             for name, kernel in zip(("gate-up", "down"), kernels) if not is_fp32 and fmt != m.FLOAT else ():

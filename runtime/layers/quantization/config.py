@@ -15,7 +15,7 @@ from shardserve.planner.model_spec import QuantSpec, compressed_tensors_weights
 class QuantConfig:
     """What the linear layers need to know; `spec` is the planner's view of the same config."""
 
-    format: str  # awq | gptq | fp8 | compressed-tensors (the checkpoint's quant_method)
+    format: str  # awq | gptq | fp8 | compressed-tensors | mxfp4 (the checkpoint's quant_method)
     spec: QuantSpec
     desc_act: bool = False  # GPTQ act-order: input rows permuted, groups found through g_idx
     zero_offset: int = 0  # GPTQ's classic format stores zeros minus one
@@ -55,6 +55,8 @@ def _parse(qc: dict, fmt: str) -> QuantConfig:
             raise ValueError(f"awq {version} with {spec.bits} bits (zero_point={qc.get('zero_point', True)}) is "
                              "not served: 4-bit GEMM layout with zero points")
         return QuantConfig(fmt, spec)
+    if fmt == "mxfp4":  # gpt-oss: the experts only (mxfp4_moe.py)
+        return QuantConfig(fmt, spec)
     if fmt == "fp8":  # AutoFP8's static activation scheme ships input_scale tensors (read, unused)
         return QuantConfig(fmt, spec, fp8_strategy="block" if spec.block_shape else "tensor",
                            has_input_scale=str(qc.get("activation_scheme", "dynamic")).lower() == "static")
@@ -80,7 +82,7 @@ def quantized_layers(config: QuantConfig | None):
 def current_linear_method():
     """The quantized method for a linear layer being built now, or None (float weights)."""
     config = _BUILDING.get()
-    if config is None:
+    if config is None or config.method == "mxfp4":  # MXFP4 checkpoints keep every layer but the experts float
         return None
     if config.method == "fp8":
         from shardserve.runtime.layers.quantization.fp8 import Fp8LinearMethod
@@ -97,6 +99,9 @@ def current_moe_method():
     if config.method == "fp8":
         from shardserve.runtime.layers.quantization.fp8_moe import Fp8MoEMethod
         return Fp8MoEMethod(config)
+    if config.method == "mxfp4":
+        from shardserve.runtime.layers.quantization.mxfp4_moe import Mxfp4MoEMethod
+        return Mxfp4MoEMethod(config)
     from shardserve.runtime.layers.quantization.packed_int_moe import PackedIntMoEMethod
     return PackedIntMoEMethod(config)
 
@@ -107,9 +112,9 @@ def check_quantized_layout(model_config) -> None:
     from shardserve.planner.served import ACT_ORDER_EXPERTS, ARCHITECTURES, quantizable_architectures
 
     quant = model_config.quantization
-    if quant is not None and model_config.architecture not in quantizable_architectures():
-        raise ValueError(f"{model_config.architecture} is not served quantized ({quant.format}); quantized "
-                         f"architectures: {', '.join(quantizable_architectures())}")
+    if quant is not None and model_config.architecture not in quantizable_architectures(quant.method):
+        raise ValueError(f"{model_config.architecture} is not served quantized ({quant.format}); {quant.method} "
+                         f"architectures: {', '.join(quantizable_architectures(quant.method))}")
     served = ARCHITECTURES.get(model_config.architecture)
     if quant is not None and quant.desc_act and served is not None and served.has_experts:
         raise ValueError(f"{model_config.architecture}: {ACT_ORDER_EXPERTS}")

@@ -14,13 +14,16 @@ elsewhere each chosen expert is dequantized for FusedMoE's torch loop."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
 
 from shardserve.runtime.layers.quantization.config import QuantConfig
 from shardserve.runtime.layers.weights import FLOAT_WEIGHT, PackedDims
+
+if TYPE_CHECKING:
+    from shardserve.runtime.layers.triton_moe import ExpertOps  # triton is imported only on CUDA
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 MATRICES = ("w13", "w2")
@@ -32,6 +35,7 @@ class Fp8ExpertLayer(Protocol):
     packed_dims: dict[str, PackedDims]
     first_expert: int
 
+    def expert_ops(self) -> ExpertOps: ...
     def register_parameter(self, name: str, param: nn.Parameter | None) -> None: ...
     def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None: ...
 
@@ -104,7 +108,8 @@ class Fp8MoEMethod:
 
         w13, w2 = (ExpertMatrices(getattr(layer, name), getattr(layer, f"{name}_{self.scale_name}"), None, FP8,
                                     *self.groups[name]) for name in MATRICES)
-        return quantized_fused_moe(hidden, w13, w2, weights, experts, layer.first_expert)
+        return quantized_fused_moe(hidden, w13, w2, weights, experts, layer.first_expert,
+                                   ops=layer.expert_ops())
 
 
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, groups: tuple[int, int]) -> torch.Tensor:

@@ -13,7 +13,7 @@ elsewhere each chosen expert is dequantized for FusedMoE's torch loop."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -21,6 +21,9 @@ from torch import nn
 from shardserve.runtime.layers.quantization.config import QuantConfig
 from shardserve.runtime.layers.quantization.packed_int import dequantize_packed
 from shardserve.runtime.layers.weights import PackedDims
+
+if TYPE_CHECKING:
+    from shardserve.runtime.layers.triton_moe import ExpertOps  # triton is imported only on CUDA
 
 MATRICES = ("w13", "w2")
 
@@ -31,6 +34,7 @@ class PackedIntExpertLayer(Protocol):
     packed_dims: dict[str, PackedDims]
     first_expert: int
 
+    def expert_ops(self) -> ExpertOps: ...
     def register_parameter(self, name: str, param: nn.Parameter | None) -> None: ...
 
 
@@ -93,4 +97,5 @@ class PackedIntMoEMethod:
                                     getattr(layer, f"{name}_qzeros"), AWQ if self.is_awq else GPTQ, 1,
                                     self.group_sizes[name], self.bits, self.config.zero_offset)
                    for name in MATRICES)
-        return quantized_fused_moe(hidden, w13, w2, weights, experts, layer.first_expert)
+        return quantized_fused_moe(hidden, w13, w2, weights, experts, layer.first_expert,
+                                   ops=layer.expert_ops())

@@ -5,12 +5,14 @@ GPTQ 4- or 8-bit with zero points and group scales), at tiles and warps of their
 One expert matrix W [N, K] (N outputs, K inputs), stacked over E experts, as the kernels read it:
 
     FP8   weight [E, N, K] float8_e4m3fn          scale [E, ceil(N / group_n), ceil(K / group_k)] float32
+    MXFP4 blocks [E, N, K / 2] uint8 (input k in byte k // 2, low nibble first)   scales [E, N, K / 32] uint8
     AWQ   qweight [E, K, N / p], word n // 8 of row k, nibble slot of column n % 8 in 0,2,4,6,1,3,5,7
     GPTQ  qweight [E, K / p, N], value k % p of word k // p of column n
           AWQ and GPTQ: qzeros [E, K / group_k, N / p] (packed like AWQ's or GPTQ's qweight columns),
           scales [E, K / group_k, N]
 
     fp8:  W[n, k] = weight[n, k] * scale[n // group_n, k // group_k]
+    mxfp4: W[n, k] = e2m1(nibble k of row n) * 2^(scales[n, k // 32] - 127)
     int:  W[n, k] = (q[k, n] - zero[k // group_k, n] - zero_offset) * scale[k // group_k, n]
 
 Every matrix's last dimension is contiguous (the kernels assume it)."""
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from shardserve.runtime.layers.triton_moe import ExpertMatrices, block_sizes, grouped_moe
+from shardserve.runtime.layers.triton_moe import PLAIN, ExpertMatrices, ExpertOps, block_sizes, grouped_moe
 
 NUM_WARPS = 8
 
@@ -37,10 +39,10 @@ def quantized_block_sizes(num_pairs: int, num_experts: int, is_fp32: bool) -> tu
 
 def quantized_fused_moe(hidden: torch.Tensor, w13: ExpertMatrices, w2: ExpertMatrices,
                         topk_weights: torch.Tensor, topk_ids: torch.Tensor, first_expert: int = 0,
-                        blocks: tuple[int, int, int] | None = None) -> torch.Tensor:
+                        blocks: tuple[int, int, int] | None = None, ops: ExpertOps = PLAIN) -> torch.Tensor:
     """triton_moe.fused_moe with quantized w13 (gate | up, [E, 2I, hidden] as W) and w2 ([E, hidden, I]):
     hidden [num_tokens, hidden_size], topk_weights float32 and topk_ids (global expert ids) [num_tokens,
     top_k] -> [num_tokens, hidden_size]."""
     num_pairs, is_fp32 = topk_ids.numel(), hidden.dtype == torch.float32
     blocks = blocks or quantized_block_sizes(num_pairs, w13.weight.shape[0], is_fp32)
-    return grouped_moe(hidden, w13, w2, topk_weights, topk_ids, first_expert, blocks, NUM_WARPS)
+    return grouped_moe(hidden, w13, w2, topk_weights, topk_ids, first_expert, blocks, NUM_WARPS, ops)
