@@ -14,8 +14,8 @@
 
 NOTE: a tool_result with is_error true reaches the model as its text after "Error: ": a chat template has
 no other place to say it. thinking and redacted_thinking blocks in earlier assistant turns are accepted
-and not shown to the model: the chat path has no field for them, and reasoning templates drop earlier
-turns' reasoning too. cache_control is accepted wherever Anthropic takes it: the prefix cache keeps every
+and not shown to the model, as reasoning templates drop earlier turns' reasoning too (passed on as chat's
+reasoning_content, they would make every template that reads none refuse the request). cache_control is accepted wherever Anthropic takes it: the prefix cache keeps every
 prompt's blocks without being asked. Anything else the server cannot honour (images, documents, hosted
 tools, extended thinking settings, output_config) is a 400 that names the field.
 """

@@ -8,7 +8,7 @@ import sys
 
 from shardserve.launch.demo import DEMO_MODEL_DIR
 
-SERVED = "awq, gptq, fp8, compressed-tensors"
+SERVED = "awq, gptq, fp8, compressed-tensors, mxfp4"
 
 
 def shardserve(*args):
@@ -38,7 +38,7 @@ def test_plan_and_launch_refuse_an_unserved_checkpoint_naming_the_served_formats
 def test_plan_refuses_an_unserved_quantization_flag():
     r = shardserve("plan", "--model", str(DEMO_MODEL_DIR), "--hardware", "cpu", "--quantization", "bitsandbytes")
     assert r.returncode == 1
-    assert "quantization: input should be 'awq', 'gptq', 'fp8' or 'compressed-tensors'" in r.stderr
+    assert "quantization: input should be 'awq', 'gptq', 'fp8', 'compressed-tensors' or 'mxfp4'" in r.stderr
 
 
 def test_plan_records_the_override_and_a_float_checkpoint_cannot_claim_awq():
