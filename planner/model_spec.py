@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from shardserve.planner.errors import PlanError
@@ -79,6 +80,18 @@ def _compressed_tensors_spec(qc: dict) -> QuantSpec:
     w = compressed_tensors_weights(qc)
     block = w.get("block_structure") if w.get("strategy") == "block" else None
     return QuantSpec("fp8", 8, None, tuple(block) if block else None)
+
+
+# gpt-oss ships each expert projection as one tensor of every expert (float, or MXFP4 blocks and scales)
+# beside its bias: `<prefix>.experts.gate_up_proj_blocks` (runtime/layers/moe_stacked.py loads them)
+_STACKED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)(?:_(bias|blocks|scales))?$")
+
+
+def stacked_expert_part(name: str) -> tuple[str, str] | None:
+    """(projection, part) of a tensor of every expert: ("gate_up_proj", "blocks"), part "" for a float
+    weight; None for any other tensor."""
+    found = _STACKED_EXPERTS.search(name)
+    return (found.group(1), found.group(2) or "") if found else None
 
 
 @dataclass(frozen=True)

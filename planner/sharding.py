@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from shardserve.planner.layer_split import split_layers
-from shardserve.planner.model_spec import DTYPE_BYTES, ModelSpec, TensorInfo
+from shardserve.planner.model_spec import DTYPE_BYTES, ModelSpec, TensorInfo, stacked_expert_part
 
 
 class Shard(Enum):
@@ -37,14 +37,12 @@ class PlacedTensor:
     shard: Shard
 
 
-_STACKED_PART = re.compile(r"_(blocks|scales|bias)$")
-
-
 def place(tensor: TensorInfo) -> PlacedTensor:
     module, _, leaf_param = tensor.name.rpartition(".")
     leaf = module.rpartition(".")[2]
-    if leaf == "experts":  # gpt-oss: `experts.gate_up_proj_blocks`, one tensor of every expert
-        leaf, leaf_param = _STACKED_PART.sub("", leaf_param), ("bias" if leaf_param.endswith("_bias") else "weight")
+    stacked = stacked_expert_part(tensor.name)
+    if stacked:  # gpt-oss: `experts.gate_up_proj_blocks`, one tensor of every expert, placed as its projection
+        leaf, leaf_param = stacked[0], "bias" if stacked[1] == "bias" else "weight"
     match = _LAYER.search(tensor.name)
     if match:
         if leaf in _COLUMN:

@@ -115,14 +115,23 @@ class FusedMoE(nn.Module):
     def run(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The experts over tokens already routed (weights and expert ids, [num_tokens, top_k]): forward's
         second half, called directly by a model with its own routing (DeepSeek's grouped top-k)."""
-        if hidden.is_cuda and self.quant_method is not None:
-            out = self.quant_method.apply(self, hidden, weights, experts)
-        elif hidden.is_cuda:
-            from shardserve.runtime.layers.triton_moe import fused_moe  # triton is needed only on CUDA
-            out = fused_moe(hidden, self.w13, self.w2, weights, experts, self.first_expert, ops=self.expert_ops())
-        else:
-            out = self.forward_loop(hidden, weights, experts)
+        out = self.kernels(hidden, weights, experts) if hidden.is_cuda else self.forward_loop(hidden, weights, experts)
         return tensor_parallel_all_reduce(out)
+
+    def kernels(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                blocks: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """This rank's share through the Triton kernels (run's CUDA path; the interpreter runs it on CPU):
+        float experts, or the quantized method's matrices, with the biases and the activation; `blocks`:
+        (BLOCK_M, BLOCK_N, BLOCK_K) instead of the kernels' own choice."""
+        from shardserve.runtime.layers.triton_moe import ExpertOps, fused_moe  # triton is needed only on CUDA
+
+        ops = ExpertOps(self.activation, self.w13_bias, self.w2_bias)
+        if self.quant_method is None:
+            return fused_moe(hidden, self.w13, self.w2, weights, experts, self.first_expert, blocks, ops)
+        from shardserve.runtime.layers.quantization.triton_quant_moe import quantized_fused_moe
+
+        w13, w2 = self.quant_method.expert_matrices(self)
+        return quantized_fused_moe(hidden, w13, w2, weights, experts, self.first_expert, blocks, ops)
 
     def forward_loop(self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """One pass per chosen expert of this rank: gather its tokens, gated MLP, scale, scatter-add.
@@ -142,12 +151,6 @@ class FusedMoE(nn.Module):
             y = F.linear(self.activation(gate, up), w2.to(x.dtype), b2) * weights[token_index, slot, None]
             out.index_add_(0, token_index, y)
         return out
-
-    def expert_ops(self):
-        """The biases and activation the CUDA kernels add around the expert matrices (triton_moe.ExpertOps)."""
-        from shardserve.runtime.layers.triton_moe import ExpertOps  # triton is needed only on CUDA
-
-        return ExpertOps(self.activation, self.w13_bias, self.w2_bias)
 
     def expert_weights(self, local: int) -> tuple[torch.Tensor, torch.Tensor]:
         """w13 [2 * intermediate_per_rank, hidden] and w2 [hidden, intermediate_per_rank] of this rank's

@@ -11,8 +11,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from quant_checkpoints import MOE_FORMATS, save_quantized_experts  # noqa: E402
-from shardserve.runtime.layers.quantization import triton_quant_moe  # noqa: E402
 from shardserve.runtime.parallel_state import ParallelState, get_parallel_state, set_parallel_state  # noqa: E402
+import shardserve.runtime.layers.quantization.triton_quant_moe  # noqa: E402,F401  (its kernels, interpreted)
 from test_quantized_moe import loaded_experts  # noqa: E402
 
 
@@ -21,20 +21,6 @@ def restore_parallel_state():
     saved = get_parallel_state()
     yield
     set_parallel_state(saved)
-
-
-def kernel_output(moe, x, weights, experts, blocks):
-    """The layer's CUDA path (its method's apply) with the kernels run by the interpreter."""
-    original = triton_quant_moe.quantized_fused_moe
-
-    def with_blocks(*args, **kwargs):
-        return original(*args, **kwargs, blocks=blocks)
-
-    triton_quant_moe.quantized_fused_moe = with_blocks
-    try:
-        return moe.quant_method.apply(moe, x, weights, experts)
-    finally:
-        triton_quant_moe.quantized_fused_moe = original
 
 
 @pytest.mark.parametrize("fmt", list(MOE_FORMATS))
@@ -49,7 +35,7 @@ def test_kernel_matches_the_dequantized_loop_fp32(fmt, state, tmp_path):
     weights, experts = moe.route(torch.randn(7, 4))
     expected = moe.forward_loop(x, weights, experts)
     for blocks in ((16, 32, 32), (4, 16, 16)):  # a K tile over two scale groups or blocks, and within one
-        actual = kernel_output(moe, x, weights, experts, blocks)
+        actual = moe.kernels(x, weights, experts, blocks)
         torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
 
 
@@ -66,7 +52,7 @@ def test_kernel_matches_the_dequantized_loop_fp16(fmt, tmp_path):
     x = torch.randn(5, 64).to(torch.float16)
     weights, experts = moe.route(torch.randn(5, 4))
     expected = moe.forward_loop(x.float(), weights, experts)
-    actual = kernel_output(moe, x, weights, experts, (16, 32, 32))
+    actual = moe.kernels(x, weights, experts, (16, 32, 32))
     assert actual.dtype == torch.float16
     torch.testing.assert_close(actual.float(), expected, atol=5e-3, rtol=5e-3)
 
@@ -76,4 +62,4 @@ def test_no_tokens(tmp_path):
     save_quantized_experts(path, "gptq4", 4, 64, 32)
     moe = loaded_experts(path, "gptq4", ParallelState())
     weights, experts = moe.route(torch.randn(0, 4))
-    assert moe.quant_method.apply(moe, torch.randn(0, 64), weights, experts).shape == (0, 64)
+    assert moe.kernels(torch.randn(0, 64), weights, experts).shape == (0, 64)

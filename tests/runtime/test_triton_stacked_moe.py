@@ -19,10 +19,9 @@ from shardserve.runtime.checkpoint import CheckpointTensor  # noqa: E402
 from shardserve.runtime.layers.activation import GatedActivation  # noqa: E402
 from shardserve.runtime.layers.moe import FusedMoE  # noqa: E402
 from shardserve.runtime.layers.moe_stacked import stacked_expert_weight  # noqa: E402
-from shardserve.runtime.layers.quantization import triton_quant_moe  # noqa: E402
 from shardserve.runtime.layers.quantization.config import QuantConfig, quantized_layers  # noqa: E402
-from shardserve.runtime.layers.triton_moe import fused_moe  # noqa: E402
 from shardserve.runtime.parallel_state import ParallelState, get_parallel_state, set_parallel_state  # noqa: E402
+import shardserve.runtime.layers.quantization.triton_quant_moe  # noqa: E402,F401  (its kernels, interpreted)
 
 EXPERTS, HIDDEN, INTER = 4, 64, 64
 SWIGLU = GatedActivation("swigluoai", 1.702, 1.5)
@@ -94,18 +93,6 @@ def test_rank_shares_sum_to_the_checkpoint_layer(is_mxfp4, tmp_path):
         torch.testing.assert_close(total, expected, atol=1e-4, rtol=1e-4)
 
 
-def kernel_output(moe: FusedMoE, x, routing, experts, blocks):
-    """The layer's CUDA path run by the interpreter at the given tiles."""
-    if moe.quant_method is None:
-        return fused_moe(x, moe.w13, moe.w2, routing, experts, moe.first_expert, blocks=blocks, ops=moe.expert_ops())
-    original = triton_quant_moe.quantized_fused_moe
-    triton_quant_moe.quantized_fused_moe = lambda *args, **kwargs: original(*args, **kwargs, blocks=blocks)
-    try:
-        return moe.quant_method.apply(moe, x, routing, experts)
-    finally:
-        triton_quant_moe.quantized_fused_moe = original
-
-
 @pytest.mark.parametrize("is_mxfp4", [False, True], ids=["float", "mxfp4"])
 @pytest.mark.parametrize("state", STATES, ids=["tp1", "tp2-rank1", "ep2-rank1"])
 def test_kernels_match_the_loop(is_mxfp4, state, tmp_path):
@@ -117,7 +104,7 @@ def test_kernels_match_the_loop(is_mxfp4, state, tmp_path):
     routing, experts = moe.route(torch.randn(7, EXPERTS))
     expected = moe.forward_loop(x, routing, experts)
     for blocks in ((16, 32, 64), (4, 16, 16)):  # a K tile over two scale groups, and within one
-        actual = kernel_output(moe, x, routing, experts, blocks)
+        actual = moe.kernels(x, routing, experts, blocks)
         torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
 
 

@@ -23,7 +23,7 @@ from shardserve.runtime.layers.quantization.config import QuantConfig
 from shardserve.runtime.layers.weights import FLOAT_WEIGHT, PackedDims
 
 if TYPE_CHECKING:
-    from shardserve.runtime.layers.triton_moe import ExpertOps  # triton is imported only on CUDA
+    from shardserve.runtime.layers.triton_moe import ExpertMatrices  # triton is imported only on CUDA
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 MATRICES = ("w13", "w2")
@@ -35,7 +35,6 @@ class Fp8ExpertLayer(Protocol):
     packed_dims: dict[str, PackedDims]
     first_expert: int
 
-    def expert_ops(self) -> ExpertOps: ...
     def register_parameter(self, name: str, param: nn.Parameter | None) -> None: ...
     def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None: ...
 
@@ -100,16 +99,13 @@ class Fp8MoEMethod:
                                   self.groups[name]) for name in MATRICES)
         return w13, w2
 
-    def apply(self, layer: Fp8ExpertLayer, hidden: torch.Tensor, weights: torch.Tensor,
-              experts: torch.Tensor) -> torch.Tensor:
-        """The routed experts' sum on CUDA (this rank's share): the Triton kernels."""
-        from shardserve.runtime.layers.quantization.triton_quant_moe import quantized_fused_moe
+    def expert_matrices(self, layer: Fp8ExpertLayer) -> tuple[ExpertMatrices, ExpertMatrices]:
+        """w13 and w2 as the Triton kernels read them (FusedMoE.kernels)."""
         from shardserve.runtime.layers.triton_moe import FP8, ExpertMatrices
 
         w13, w2 = (ExpertMatrices(getattr(layer, name), getattr(layer, f"{name}_{self.scale_name}"), None, FP8,
-                                    *self.groups[name]) for name in MATRICES)
-        return quantized_fused_moe(hidden, w13, w2, weights, experts, layer.first_expert,
-                                   ops=layer.expert_ops())
+                                  *self.groups[name]) for name in MATRICES)
+        return w13, w2
 
 
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, groups: tuple[int, int]) -> torch.Tensor:

@@ -21,7 +21,7 @@ from shardserve.runtime.layers.quantization.config import QuantConfig
 from shardserve.runtime.layers.weights import PackedDims
 
 if TYPE_CHECKING:
-    from shardserve.runtime.layers.triton_moe import ExpertOps  # triton is imported only on CUDA
+    from shardserve.runtime.layers.triton_moe import ExpertMatrices  # triton is imported only on CUDA
 
 MATRICES = ("w13", "w2")
 GROUP = 32  # inputs per scale
@@ -34,7 +34,6 @@ class Mxfp4ExpertLayer(Protocol):
     packed_dims: dict[str, PackedDims]
     first_expert: int
 
-    def expert_ops(self) -> ExpertOps: ...
     def register_parameter(self, name: str, param: nn.Parameter | None) -> None: ...
 
 
@@ -63,15 +62,13 @@ class Mxfp4MoEMethod:
                    for name in MATRICES)
         return w13, w2
 
-    def apply(self, layer: Mxfp4ExpertLayer, hidden: torch.Tensor, weights: torch.Tensor,
-              experts: torch.Tensor) -> torch.Tensor:
-        """The routed experts' sum on CUDA (this rank's share): the Triton kernels."""
-        from shardserve.runtime.layers.quantization.triton_quant_moe import quantized_fused_moe
+    def expert_matrices(self, layer: Mxfp4ExpertLayer) -> tuple[ExpertMatrices, ExpertMatrices]:
+        """w13 and w2 as the Triton kernels read them (FusedMoE.kernels)."""
         from shardserve.runtime.layers.triton_moe import MXFP4, ExpertMatrices
 
         w13, w2 = (ExpertMatrices(getattr(layer, f"{name}_blocks"), getattr(layer, f"{name}_scales"), None, MXFP4,
                                   1, GROUP, 4) for name in MATRICES)
-        return quantized_fused_moe(hidden, w13, w2, weights, experts, layer.first_expert, ops=layer.expert_ops())
+        return w13, w2
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

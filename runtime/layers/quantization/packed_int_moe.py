@@ -23,7 +23,7 @@ from shardserve.runtime.layers.quantization.packed_int import dequantize_packed
 from shardserve.runtime.layers.weights import PackedDims
 
 if TYPE_CHECKING:
-    from shardserve.runtime.layers.triton_moe import ExpertOps  # triton is imported only on CUDA
+    from shardserve.runtime.layers.triton_moe import ExpertMatrices  # triton is imported only on CUDA
 
 MATRICES = ("w13", "w2")
 
@@ -34,7 +34,6 @@ class PackedIntExpertLayer(Protocol):
     packed_dims: dict[str, PackedDims]
     first_expert: int
 
-    def expert_ops(self) -> ExpertOps: ...
     def register_parameter(self, name: str, param: nn.Parameter | None) -> None: ...
 
 
@@ -87,15 +86,12 @@ class PackedIntMoEMethod:
                                          self.config.zero_offset))
         return out[0], out[1]
 
-    def apply(self, layer: PackedIntExpertLayer, hidden: torch.Tensor, weights: torch.Tensor,
-              experts: torch.Tensor) -> torch.Tensor:
-        """The routed experts' sum on CUDA (this rank's share): the Triton kernels."""
-        from shardserve.runtime.layers.quantization.triton_quant_moe import quantized_fused_moe
+    def expert_matrices(self, layer: PackedIntExpertLayer) -> tuple[ExpertMatrices, ExpertMatrices]:
+        """w13 and w2 as the Triton kernels read them (FusedMoE.kernels)."""
         from shardserve.runtime.layers.triton_moe import AWQ, GPTQ, ExpertMatrices
 
         w13, w2 = (ExpertMatrices(getattr(layer, f"{name}_qweight"), getattr(layer, f"{name}_scales"),
-                                    getattr(layer, f"{name}_qzeros"), AWQ if self.is_awq else GPTQ, 1,
-                                    self.group_sizes[name], self.bits, self.config.zero_offset)
+                                  getattr(layer, f"{name}_qzeros"), AWQ if self.is_awq else GPTQ, 1,
+                                  self.group_sizes[name], self.bits, self.config.zero_offset)
                    for name in MATRICES)
-        return quantized_fused_moe(hidden, w13, w2, weights, experts, layer.first_expert,
-                                   ops=layer.expert_ops())
+        return w13, w2
