@@ -5,6 +5,7 @@ transformers' continuous batching, and serving through the OpenAI API at fixed c
     python bench/gpu_bench.py decode  --model llama-3.1-8b                      # on an H100/H200
     python bench/gpu_bench.py offline --model llama-3.1-8b --shapes 128/128
     python bench/gpu_bench.py serve   --model llama-3.1-8b --concurrency 1 16 64
+    python bench/gpu_bench.py steps   --model llama-3.1-8b --batches 1 8 32 128   # the plan's step beside ours
     python bench/gpu_bench.py decode  --model qwen3-0.6b --small --device cpu   # smoke run on a CPU
     python bench/gpu_bench.py decode  --model llama-3.1-8b --quantization awq   # also fp8 (online)
 
@@ -31,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import gpu_serve  # noqa: E402  (bench/gpu_serve.py: the serving benchmark's server and client)
+import plan_vs_engine  # noqa: E402  (bench/plan_vs_engine.py: the plan's decode step beside the engine's)
 import throughput  # noqa: E402  (bench/throughput.py: shared prompt and timing helpers)
 
 from shardserve.planner.catalog import model_catalog  # noqa: E402
@@ -166,7 +168,7 @@ def make_awq_checkpoint(folder: Path) -> Path:
 
 
 def plan_estimate(folder: Path, device: str, input_len: int, output_len: int,
-                  concurrency: float | None = None) -> dict | None:
+                  concurrency: float | None = None, enforce_eager: bool = False) -> dict | None:
     """The planner's figures for this checkpoint on this GPU and workload (None off a catalog GPU);
     without a concurrency, full batches."""
     from shardserve.planner import PlanOptions, load_model, make_plan, parse_declared
@@ -176,7 +178,7 @@ def plan_estimate(folder: Path, device: str, input_len: int, output_len: int,
         return None
     plan = make_plan(load_model(str(folder)), parse_declared(gpu), PlanOptions(
         max_model_len=input_len + output_len + 16, input_len=input_len, output_len=output_len,
-        concurrency=concurrency))
+        concurrency=concurrency, enforce_eager=enforce_eager))
     e = plan.chosen.estimates
     return {"hardware": gpu, "input_len": input_len, "output_len": output_len,
             "concurrency": e.workload.concurrency, "ttft_ms": round(e.ttft_ms, 1), "tpot_ms": round(e.tpot_ms, 2),
@@ -281,13 +283,28 @@ def hf_generate_batch(folder: Path, device: str, prompts: list[list[int]], outpu
 def run_decode(args, folder: Path, base: dict) -> None:
     bandwidth = measure_bandwidth(args.device, (64 << 20) if args.small else (4 << 30))
     prompt_len, output_len = (32, 16) if args.small else (128, 256)
-    estimate = plan_estimate(folder, args.device, prompt_len, output_len, concurrency=1)
+    planned = folder
     if args.quantization == "awq":
         folder = make_awq_checkpoint(folder)
     for enforce_eager in (True, False) if args.device == "cuda" else (True,):  # eager, then graphs
+        estimate = plan_estimate(planned, args.device, prompt_len, output_len, concurrency=1,
+                                 enforce_eager=enforce_eager)
         record = decode_batch1(folder, args.device, bandwidth, prompt_len, output_len, enforce_eager,
                                args.quantization)
         append_record(base | record | {"plan_estimate": estimate}, Path(args.results))
+
+
+def run_steps(args, folder: Path, base: dict) -> None:
+    """The plan's decode step (from this GPU's calibration where part 7 left one, else the shipped
+    tables) beside the engine's, batch by batch."""
+    gpu = next((name for key, name in GPU_NAMES.items() if args.device == "cuda" and key in device_name(args.device)),
+               "cpu" if args.device == "cpu" else None)
+    if gpu is None:
+        raise SystemExit(f"steps: {device_name(args.device)} is not a GPU the planner has data for")
+    prompt_len, steps = (16, 8) if args.small else (128, 64)
+    result = plan_vs_engine.compare(str(folder), args.device, gpu, args.batches, prompt_len, steps, repeats=3)
+    append_record(base | {"benchmark": "decode_steps", "rows": result["rows"],
+                          "plan_estimate": {"hardware": gpu, "source": result["source"]}}, Path(args.results))
 
 
 def run_offline(args, folder: Path, base: dict) -> None:
@@ -308,7 +325,7 @@ def run_serve(args, folder: Path, base: dict) -> None:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("benchmark", choices=["decode", "offline", "serve"])
+    parser.add_argument("benchmark", choices=["decode", "offline", "serve", "steps"])
     parser.add_argument("--model", required=True, choices=list(SHAPES))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quantization", choices=["fp8", "awq"], help="decode: fp8 (online) or awq weights")
@@ -321,6 +338,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64], help="serve")
     parser.add_argument("--input-len", type=int, default=128, help="serve")
     parser.add_argument("--output-len", type=int, default=128, help="serve")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128], help="steps")
     return parser.parse_args()
 
 
@@ -332,7 +350,8 @@ def main() -> None:
     base = {"date": datetime.date.today().isoformat(), "device": device_name(args.device),
             "versions": versions(), "model": args.model + ("-small" if args.small else "")
             + (f"-{args.quantization}" if args.quantization else "")}
-    {"decode": run_decode, "offline": run_offline, "serve": run_serve}[args.benchmark](args, folder, base)
+    {"decode": run_decode, "offline": run_offline, "serve": run_serve, "steps": run_steps}[args.benchmark](
+        args, folder, base)
 
 
 if __name__ == "__main__":

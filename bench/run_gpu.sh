@@ -8,6 +8,8 @@
 #   5  Llama-3.1-8B shape: serving at concurrency 1, 16, 64 through `shardserve launch`
 #   6  Llama-3.1-8B attention shapes: the decode, prefill, rotary+KV and SiLU kernels alone (bench/kernel_bench.py)
 #   7  `shardserve calibrate`: this runtime's operators on this GPU, to $OUT/calibration-<gpu>.json (else --workdir)
+#      and, with $OUT set, to the file `plan` reads on this machine too (part 8 uses it while the machine is warm)
+#   8  Llama-3.1-8B shape: the plan's decode step beside the engine's at batches 1, 8, 32, 128 (bench/plan_vs_engine.py)
 # Records append to bench/results.json as each is measured; with $OUT set (the device tool) a copy,
 # the test log and the server log land there. Arguments after the part go to gpu_bench.py.
 #   bash bench/run_gpu.sh --part 2
@@ -15,12 +17,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" != "--part" ] || [ -z "${2:-}" ]; then
-  sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 part=$2
 shift 2
-case "$part" in 1|2|3|4|5|6|7) ;; *) echo "unknown part $part: use 1 to 7" >&2; exit 2 ;; esac
+case "$part" in 1|2|3|4|5|6|7|8) ;; *) echo "unknown part $part: use 1 to 8" >&2; exit 2 ;; esac
 py=${PYTHON:-python3}
 
 if ! "$py" -c "import shardserve.runtime" 2> /dev/null; then
@@ -55,6 +57,11 @@ catalog, name = gpu_name(d); print((catalog or name).lower().replace(' ', '-'))"
     output=(--output "$folder/calibration-$gpu.json")
   fi
   "$py" -m shardserve.launch calibrate --device "$device" "${sizes[@]}" "${output[@]}"
+  if [ -n "${OUT:-}" ]; then  # and where `plan` reads it on this machine, for part 8
+    "$py" -c "import shutil, sys; from shardserve.planner.calibration import calibration_path, read_calibration
+data = read_calibration(sys.argv[1]); path = calibration_path(data['gpu']); path.parent.mkdir(parents=True, exist_ok=True)
+shutil.copy(sys.argv[1], path)" "$OUT/calibration-$gpu.json"
+  fi
 }
 status=0
 case "$part" in
@@ -75,6 +82,7 @@ case "$part" in
   5) bench serve --model llama-3.1-8b "$@" ;;
   6) "$py" bench/kernel_bench.py "$@" ;;
   7) calibrate "$@" ;;
+  8) bench steps --model llama-3.1-8b "$@" ;;
 esac
 if [ -n "${OUT:-}" ] && [ -f bench/results.json ]; then cp bench/results.json "$OUT/"; fi
 exit "$status"

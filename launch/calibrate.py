@@ -223,14 +223,39 @@ def calibrate(setup: Setup, console: Console) -> Path:
     say(f"timing the host's step: batches {', '.join(map(str, setup.sizes.host_batches))}")
     start = time.monotonic()
     host = measure_host(setup.sizes.host_batches, setup.sizes.host_steps)
+    say("timing an eager decoder layer")
+    eager_layer_ms = measure_eager(setup)
     host_seconds = time.monotonic() - start
-    data = {"gpu": setup.gpu, "source": source_line(setup), "tables": tables, "host": host.to_dict()}
+    data = {"gpu": setup.gpu, "source": source_line(setup), "tables": tables,
+            "host": {**host.to_dict(), "eager_layer_ms": eager_layer_ms}}
     path = write_calibration(data, setup.output)
     print_summary(console, parts, host, host_seconds)
+    console.print(f"eager decoder layer: {eager_layer_ms} ms "
+                  + ("beyond its GEMMs and attention (a CPU computes as it dispatches)" if setup.device == "cpu"
+                     else "to issue (steps without CUDA graphs: --enforce-eager, LoRA)"), highlight=False)
     console.print(f"calibration of {setup.gpu} written to [bold]{path}[/] in {time.monotonic() - started:.0f} s"
                   + (f"; `shardserve plan` reads it for {setup.gpu} from now on"
                      if path == calibration_path(setup.gpu) else ""), highlight=False)
     return path
+
+
+def measure_eager(setup: Setup) -> float:
+    """Milliseconds an eager decode step spends per decoder layer beyond what the tables time: on a
+    GPU the host's time to issue the layer (the device idles when it is the longer), on a CPU the
+    layer's time less its GEMMs and attention (measured again here at the micro model's shapes)."""
+    import torch
+
+    from shardserve.runtime import op_timing as ops
+    from shardserve.runtime.host_timing import measure_eager_layer
+    from shardserve.runtime.worker import select_attention_backend
+
+    steps, prompt_len = setup.sizes.host_steps, 32
+    layer = measure_eager_layer(setup.device, steps, prompt_len)
+    if setup.device == "cpu":
+        device = torch.device("cpu")
+        layer -= ops.micro_layer_ops_ms(device, torch.float32, select_attention_backend(device),
+                                        prompt_len + steps // 2, ops.Timer(device))
+    return round(max(0.0, layer), 4)
 
 
 def print_summary(console: Console, parts: list[Part], host, host_seconds: float) -> None:

@@ -111,18 +111,30 @@ def render_plan(plan: PlanFile, console: Console) -> None:
     for line in plan.warnings:
         console.print(f"  [yellow]warning:[/] {line}", highlight=False)
     if plan.alternatives:
-        alt = Table(title="Other layouts (* on the Pareto front: output tok/s per GPU against per user)",
-                    title_justify="left")
-        for col in ("tp", "pp", "dp", "tok/s", "per GPU", "per user", "TTFT ms", "TPOT ms", "why not"):
-            alt.add_column(col)
-        for a in plan.alternatives:
-            numbers = [_cell(a[k], f) for k, f in (("output_tokens_per_s", ",.0f"), (
-                "output_tokens_per_s_per_gpu", ",.0f"), ("output_tokens_per_s_per_user", ",.1f"), (
-                "ttft_ms", ",.0f"), ("tpot_ms", ",.1f"))]
-            alt.add_row(str(a["tensor_parallel_size"]), str(a["pipeline_parallel_size"]),
-                        str(a["data_parallel_size"]) + ("*" if a["on_pareto_front"] else ""), *numbers,
-                        a["why_not"])
-        console.print(alt)
+        console.print(_alternatives_table(plan))
+
+
+def _alternatives_table(plan: PlanFile) -> Table:
+    """The layouts that lost, with an ep column where experts could be dealt out whole (a MoE model):
+    the same tp and pp with and without expert parallel are two rows."""
+    with_ep = plan.parallel.enable_expert_parallel or any(a["enable_expert_parallel"] for a in plan.alternatives)
+    unit = "CPU rank" if plan.hardware.gpu.is_cpu else "GPU"
+    alt = Table(title=f"Other layouts (* on the Pareto front: output tok/s per {unit} against per user; "
+                "TTFT and TPOT in ms)", title_justify="left")
+    shape = ("tp", "pp", "dp", "ep") if with_ep else ("tp", "pp", "dp")
+    for col in (*shape, "tok/s", "/rank" if plan.hardware.gpu.is_cpu else "/GPU", "/user", "TTFT", "TPOT"):
+        alt.add_column(col, no_wrap=True)
+    alt.add_column("why not")
+    for a in plan.alternatives:
+        numbers = [_cell(a[k], f) for k, f in (("output_tokens_per_s", ",.0f"), (
+            "output_tokens_per_s_per_gpu", ",.0f"), ("output_tokens_per_s_per_user", ",.1f"), (
+            "ttft_ms", ",.0f"), ("tpot_ms", ",.1f"))]
+        cells = [str(a["tensor_parallel_size"]), str(a["pipeline_parallel_size"]),
+                 str(a["data_parallel_size"]) + ("*" if a["on_pareto_front"] else "")]
+        if with_ep:
+            cells.append("yes" if a["enable_expert_parallel"] else "no")
+        alt.add_row(*cells, *numbers, a["why_not"])
+    return alt
 
 
 def _cell(value: float | None, spec: str) -> str:

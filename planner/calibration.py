@@ -6,7 +6,8 @@ A calibration file has the shape of planner/perfdata/*.json.gz (one per GPU):
      "tables": {"gemm.bfloat16": {"axes": [["m", [1, 2, ...]], ["n", [...]], ["k", [...]]],
                                   "ms": [C-order over the axes, milliseconds, null where not measured]},
                 "prefill_attention.<kv dtype>", "decode_attention.<kv dtype>", "allreduce": ...},
-     "host": {"step_ms": a, "per_request_ms": b}}      # host time per engine step = a + b * requests
+     "host": {"step_ms": a, "per_request_ms": b,        # host time per engine step = a + b * requests
+              "eager_layer_ms": c}}                      # per decoder layer of a step without CUDA graphs
 """
 
 from __future__ import annotations
@@ -134,9 +135,9 @@ def _check_table(name: object, table: object, source: str) -> None:
 
 def _check_host(host: object, source: str) -> None:
     if not isinstance(host, dict) or not {"step_ms", "per_request_ms"} <= set(host) <= {
-            "step_ms", "per_request_ms", "request_ms"}:
+            "step_ms", "per_request_ms", "request_ms", "eager_layer_ms"}:
         raise CalibrationError(f"{source}: host: expected a mapping with step_ms and per_request_ms (and "
-                               f"optionally request_ms), got {_short(host)}")
+                               f"optionally request_ms and eager_layer_ms), got {_short(host)}")
     for key, value in host.items():
         if not _is_number(value) or value < 0:
             raise CalibrationError(f"{source}: host.{key}: expected milliseconds >= 0, got {value!r}")

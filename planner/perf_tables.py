@@ -95,10 +95,14 @@ def _corners(brackets: list[tuple]) -> list[tuple]:
 @dataclass(frozen=True)
 class HostModel:
     """Host time the device does not hide: per engine step (step_ms + per_request_ms * requests),
-    and per request on its way through the server (HTTP, tokenizer, engine hops: request_ms)."""
+    per request on its way through the server (HTTP, tokenizer, engine hops: request_ms), and per
+    decoder layer of a step run eagerly (eager_layer_ms: on a GPU the host's time to issue the
+    layer's kernels, which the device waits for when it is the longer; on a CPU, where one thread
+    dispatches and computes, what a layer costs beyond its GEMMs and attention)."""
     step_ms: float
     per_request_ms: float
     request_ms: float
+    eager_layer_ms: float
 
     def ms(self, num_requests: int) -> float:
         return self.step_ms + self.per_request_ms * num_requests
@@ -107,7 +111,10 @@ class HostModel:
 # NOTE: vLLM 0.11 and SGLang 0.5 at batch 1-4 on an H100 run 0.4-0.8 ms per step above their kernels,
 # and answer the first token 15-45 ms after the kernels could (GPUStack's published runs, in
 # bench/published_results.yaml); `shardserve calibrate` measures this runtime's own step time.
-DEFAULT_HOST = HostModel(step_ms=0.5, per_request_ms=0.002, request_ms=15.0)
+# eager_layer_ms: an eager decode layer of this runtime launches about 35 kernels (bench/NOTES.md) at
+# an assumed 7 us of host time each, until `shardserve calibrate` measures it on the GPU's host; on the
+# 2-core EPYC of the test machine it measured 0.7-0.8 ms (the torch attention path's many small ops).
+DEFAULT_HOST = HostModel(step_ms=0.5, per_request_ms=0.002, request_ms=15.0, eager_layer_ms=0.25)
 
 
 @dataclass(frozen=True)
@@ -161,7 +168,9 @@ def _load(gpu: str, calibration: tuple[str, float] | None) -> Database:
         data = read_calibration(Path(calibration[0]))
         tables.update({k: Table.from_dict(v) for k, v in data["tables"].items()})
         if data.get("host"):
-            host = HostModel(float(data["host"]["step_ms"]), float(data["host"]["per_request_ms"]),
-                             float(data["host"].get("request_ms", DEFAULT_HOST.request_ms)))
+            measured = data["host"]
+            host = HostModel(float(measured["step_ms"]), float(measured["per_request_ms"]),
+                             float(measured.get("request_ms", DEFAULT_HOST.request_ms)),
+                             float(measured.get("eager_layer_ms", DEFAULT_HOST.eager_layer_ms)))
         sources.insert(0, data["source"])
     return Database(gpu, tuple(sources), tables, host)

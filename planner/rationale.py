@@ -89,7 +89,7 @@ def _objective(search: Search, chosen: Candidate, recommend: bool) -> str:
     w, e = search.workload, estimates_of(chosen)
     if search.targets.is_set:
         head = (f"recommend: {search.hardware.describe()} is the least {search.hardware.gpu.name} hardware "
-                "that holds it; " if recommend else "")
+                "that meets the targets; " if recommend else "")
         return (f"{head}targets: {search.targets.describe()} at p{w.percentile} for {e.workload.describe()}: the fewest GPUs "
                 f"that meet them ({chosen.layout.num_gpus}), then the most output tokens/s per GPU")
     return (f"objective: the most output tokens/s for {e.workload.describe()} with every "

@@ -29,15 +29,24 @@ def save_word_tokenizer(folder: Path, vocab_size: int) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="w0").save_pretrained(folder)
 
 
-def make_micro_model(folder: str) -> None:
-    """A Llama of one layer, hidden 64, vocab 32k with a word-per-id tokenizer: the forward costs
-    almost nothing, so what remains of a step is host work."""
+# The micro model's shape (a Llama): what calibrate times of its layer is launches and dispatch, not math
+MICRO = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
+         "vocab_size": 32000}
+MICRO_HEAD_DIM = MICRO["hidden_size"] // MICRO["num_attention_heads"]
+EAGER_REPEATS = 3
+
+
+def make_micro_model(folder: str, num_layers: int = 1) -> None:
+    """A Llama of `num_layers` layers, hidden 64, vocab 32k with a word-per-id tokenizer: the forward
+    costs almost nothing, so what remains of a step is host work."""
     import torch
     import transformers as tf
 
     torch.manual_seed(0)
-    config = tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
-                            num_key_value_heads=1, max_position_embeddings=4096, vocab_size=32000)
+    config = tf.LlamaConfig(hidden_size=MICRO["hidden_size"], intermediate_size=MICRO["intermediate_size"],
+                            num_hidden_layers=num_layers, num_attention_heads=MICRO["num_attention_heads"],
+                            num_key_value_heads=MICRO["num_key_value_heads"], max_position_embeddings=4096,
+                            vocab_size=MICRO["vocab_size"])
     tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
     save_word_tokenizer(Path(folder), config.vocab_size)
 
@@ -99,13 +108,16 @@ def instrument(llm, timer: PhaseTimer) -> None:
             timer.wrap(getattr(detokenizer, name), "push", "detokenize")
 
 
-def measure(folder: str, batch: int, steps: int, prompt_len: int, top_p: float = 1.0, is_async: bool = False) -> dict:
-    """Decode steps of `batch` requests on the CPU (prefill done first): per-step times by phase."""
+def measure(folder: str, batch: int, steps: int, prompt_len: int, top_p: float = 1.0, is_async: bool = False,
+            device: str = "cpu") -> dict:
+    """Decode steps of `batch` requests (prefill done first), eagerly on a GPU: per-step times by phase."""
     from shardserve.runtime import LLM, SamplingParams
 
-    overlap = {"async_scheduling": True} if is_async else {}  # (a baseline without the setting runs without it)
-    llm = LLM(folder, device="cpu", max_num_seqs=batch, max_model_len=prompt_len + steps + 8,
-              kv_cache_memory_bytes=batch * (prompt_len + steps + 16) * 1024, enable_prefix_caching=False, **overlap)
+    extra = {"async_scheduling": True} if is_async else {}  # (a baseline without the setting runs without it)
+    if device != "cpu":
+        extra["enforce_eager"] = True
+    llm = LLM(folder, device=device, max_num_seqs=batch, max_model_len=prompt_len + steps + 8,
+              kv_cache_memory_bytes=batch * (prompt_len + steps + 16) * 1024, enable_prefix_caching=False, **extra)
     timer = PhaseTimer()
     instrument(llm, timer)
     try:
@@ -181,3 +193,21 @@ def measure_host(batches: tuple[int, ...], steps: int, prompt_len: int = 32) -> 
     finally:
         torch.set_num_threads(threads)
     return fit_host(points)
+
+
+def measure_eager_layer(device: str, steps: int, prompt_len: int = 32) -> float:
+    """Milliseconds one more decoder layer adds to an eager decode step's forward at batch 1: micro
+    models of 1 and 3 layers, half the difference. On a GPU the forward returns once its kernels are
+    queued, and a micro layer's kernels take microseconds: this is the host's time to issue a layer.
+    On a CPU it is a layer's dispatch and (tiny) compute."""
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    forward: dict[int, list[float]] = {1: [], 3: []}
+    with tempfile.TemporaryDirectory(prefix="shardserve-eager-") as root:
+        for num_layers in forward:
+            make_micro_model(f"{root}/{num_layers}", num_layers)
+        for _ in range(EAGER_REPEATS):  # alternately; the least of each (other work on the machine only adds)
+            for num_layers, times in forward.items():  # with the engine's threads: a CPU's dispatch depends on them
+                times.append(measure(f"{root}/{num_layers}", 1, steps, prompt_len, device=device)["phases_ms"]["forward"])
+    return max(0.0, (min(forward[3]) - min(forward[1])) / 2)

@@ -13,12 +13,13 @@ import pytest
 
 ROOT = Path(__file__).parents[2]
 SMOKE = ["--small", "--device", "cpu", "--num-prompts", "4", "--shapes", "16/8",
-         "--concurrency", "1", "2", "--input-len", "16", "--output-len", "8"]
+         "--concurrency", "1", "2", "--input-len", "16", "--output-len", "8", "--batches", "1", "4"]
 
 
-def run_part(part: int, workdir: Path) -> subprocess.CompletedProcess:
+def run_part(part: int, workdir: Path, **env_vars: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
     env.pop("OUT", None)
+    env.update(env_vars)
     args = [] if part == 1 else [*SMOKE, "--workdir", str(workdir), "--results", str(workdir / "results.json")]
     return subprocess.run(["bash", str(ROOT / "bench" / "run_gpu.sh"), "--part", str(part), *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -40,6 +41,7 @@ def records(workdir: Path) -> list[dict]:
     (4, ["decode_batch1", "offline_throughput"]),
     (5, ["serving", "serving"]),
     (6, ["kernels"] * 8),  # decode and prefill twice each, rotary + KV and SiLU-and-mul at two sizes
+    (8, ["decode_steps"]),  # the plan's decode step beside the engine's, batch by batch
 ])
 def test_each_part_appends_its_records(workdir, part, benchmarks):
     before = len(records(workdir)) if (workdir / "results.json").exists() else 0
@@ -50,7 +52,8 @@ def test_each_part_appends_its_records(workdir, part, benchmarks):
     for record in new:
         assert record["device"] and record["versions"]["torch"]
         assert "plan_estimate" in record or record["benchmark"] == "kernels"  # kernels alone: no plan figure
-    measured = [r.get("shardserve_tok_s") or r.get("output_tok_s") or r.get("us") for r in new]
+    measured = [r.get("shardserve_tok_s") or r.get("output_tok_s") or r.get("us")
+                or min(row["measured_ms"] for row in r["rows"]) for r in new]
     assert all(value > 0 for value in measured), new
     if part == 3:  # the transformers peer ran beside us, or its failure is on the record
         settings = new[0]["settings"]
@@ -60,13 +63,17 @@ def test_each_part_appends_its_records(workdir, part, benchmarks):
 
 
 @pytest.mark.slow
-def test_part_7_writes_a_calibration_file_in_the_workdir(workdir):
+def test_part_7_writes_a_calibration_file_to_out_and_where_plan_reads_it(workdir):
     from shardserve.planner.calibration import read_calibration
 
-    done = run_part(7, workdir)
+    out, cache = workdir / "out", workdir / "cache"
+    out.mkdir()
+    done = run_part(7, workdir, OUT=str(out), XDG_CACHE_HOME=str(cache))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    data = read_calibration(workdir / "calibration-cpu.json")  # $OUT on the device machine
+    data = read_calibration(out / "calibration-cpu.json")  # $OUT on the device machine: it comes back
     assert data["gpu"] == "CPU" and "gemm.float32" in data["tables"]
+    # and where `plan` reads it there, for part 8 while the machine stays warm
+    assert read_calibration(cache / "shardserve" / "calibration" / "cpu.json") == data
 
 
 @pytest.mark.slow

@@ -83,6 +83,33 @@ def test_operators_take_longer_with_more_work():
     assert decode.ms[1] > decode.ms[0] > 0
 
 
+def test_a_gemm_reads_a_weight_the_cache_does_not_hold():
+    from shardserve.runtime import op_timing as ops
+
+    assert ops.cold_copies(1 << 20, 32 << 20) == 64  # twice a 32 MiB cache in 1 MiB weights
+    assert ops.cold_copies(512 << 20, 50 << 20) == 1  # a weight bigger than the cache reads cold alone
+    assert ops.cold_copies(1, 32 << 20) == ops.MAX_COPIES
+    assert [ops._cache_size(t) for t in ("32768K\n", "1M", "512")] == [32 << 20, 1 << 20, 512]
+    assert ops.last_level_cache_bytes(torch.device("cpu")) > 0
+    used: list[int] = []
+    rotating = ops.Rotating([lambda i=i: used.append(i) for i in range(3)])
+    for _ in range(7):
+        rotating()
+    assert rotating.cycle == 3 and used == [0, 1, 2, 0, 1, 2, 0]  # each copy once per turn, in order
+    # the table's call for a cell goes round the copies of its weight
+    call = ops._matmul([ops._linear(8, 4, torch.float32, torch.device("cpu"), False) for _ in range(2)], 1,
+                       torch.float32)
+    first, second, third = call(), call(), call()
+    assert not torch.equal(first, second) and torch.equal(first, third)
+    # and attention goes round pools of its own, as each layer of a model reads its own KV
+    from shardserve.runtime.attention.torch_backend import TorchAttentionBackend
+    attend = ops.attention_call(ops.decode_shape(64, 2, 2, 40), torch.float32, torch.float32, TorchAttentionBackend(),
+                                torch.device("cpu"), copies=3)
+    with torch.inference_mode():
+        outputs = [attend() for _ in range(4)]
+    assert attend.cycle == 3 and not torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[3])
+
+
 def test_host_time_is_fitted_as_a_line():
     from shardserve.runtime.host_timing import fit_host
 
@@ -127,4 +154,5 @@ def test_calibrate_on_cpu_writes_the_file_plan_reads(tmp_path):
     decode = list(cells(tables["decode_attention.float32"]))
     longest, shortest = (statistics.median(ms for c, ms in decode if c["context"] == n) for n in (1024, 128))
     assert longest >= 0.8 * shortest  # a longer context is not faster
-    assert data["host"]["step_ms"] > 0 and data["host"]["per_request_ms"] >= 0
+    assert data["host"]["step_ms"] > 0 and data["host"]["per_request_ms"] >= 0 and data["host"]["eager_layer_ms"] >= 0
+    assert "eager decoder layer: " in done.stdout

@@ -71,3 +71,15 @@ def test_cpu_plans_speak_of_cpu_ranks_and_say_how_to_declare_more():
     assert "Memory per CPU rank" in done.stdout and "GPU" not in done.stdout.replace("no GPU:", "")
     refused = cli("plan", "--model", "shardserve-demo", "--hardware", "cpu", "-dp", "2")
     assert refused.returncode == 1 and "CPU ranks" in refused.stderr and "--hardware 2xcpu" in refused.stderr
+
+
+def test_the_layouts_that_lost_say_whether_experts_were_dealt_out_whole():
+    moe = cli("plan", "--model", "Qwen/Qwen3-30B-A3B", "--hardware", "4xA10G")
+    table = moe.stdout[moe.stdout.index("Other layouts"):]
+    assert moe.returncode == 0 and max(map(len, moe.stdout.splitlines())) <= 80
+    header = next(line for line in table.splitlines() if " tp " in line)
+    assert header.split("┃")[1:5] == [" tp ", " pp ", " dp ", " ep  "]
+    rows = [line.split("│") for line in table.splitlines() if line.startswith("│ ") and line.split("│")[1].strip()]
+    assert {"yes", "no"} == {row[4].strip() for row in rows}  # tp 2 pp 2 with and without: two rows
+    dense = cli("plan", "--model", "meta-llama/Llama-3.1-8B-Instruct", "--hardware", "8xH100")
+    assert "Other layouts" in dense.stdout and " ep " not in dense.stdout

@@ -4,6 +4,7 @@ import math
 
 import pytest
 
+from shardserve.planner.calibration import calibration_path, write_calibration
 from shardserve.planner.hardware import GpuSpec
 from shardserve.planner.operators import Chunk, Operators
 from shardserve.planner.perf_tables import Database, Table, load_database, roofline_fit
@@ -191,3 +192,33 @@ def test_a_measured_moe_shape_takes_the_fused_layer_time():
     assert _moe_mlp_ms(ops, shape, 64) == pytest.approx(table.lookup(tp=2, ep=1, num_tokens=64))
     odd = replace(spec, moe_intermediate_size=640)  # no such shape was measured
     assert _moe_mlp_ms(ops, replace(shape, spec=odd), 64) > 0
+
+
+def test_an_eager_step_waits_for_its_host_to_issue_every_layer(monkeypatch, tmp_path):
+    """Without CUDA graphs (--enforce-eager, LoRA) a GPU step takes the longer of its kernels and the
+    host's issue of them, layer by layer; a CPU's one thread does both in turn."""
+    from shardserve.planner.perf_tables import DEFAULT_HOST
+    from tests.planner.factories import plan_for
+
+    llama, work = "meta-llama/Llama-3.1-8B-Instruct", {"input_len": 1024, "output_len": 256}
+    graphs, eager = (plan_for(llama, "H100-80GB", concurrency=1, enforce_eager=flag, **work).chosen.estimates
+                     for flag in (False, True))
+    issue_ms = 32 * DEFAULT_HOST.eager_layer_ms + DEFAULT_HOST.ms(1)  # 32 layers; above the 8B's ~6 ms of kernels
+    assert graphs.decode_tokens_per_s_batch1 > 1e3 / issue_ms
+    assert eager.decode_tokens_per_s_batch1 == pytest.approx(1e3 / issue_ms, rel=1e-3)
+    lora = plan_for(llama, "H100-80GB", concurrency=1, enable_lora=True, **work).chosen.estimates
+    assert lora.decode_tokens_per_s_batch1 <= eager.decode_tokens_per_s_batch1  # LoRA steps run eagerly too
+    full = [plan_for(llama, "H100-80GB", concurrency=256, enforce_eager=flag, **work).chosen.estimates
+            for flag in (False, True)]
+    assert full[1].output_tokens_per_s == pytest.approx(full[0].output_tokens_per_s)  # the kernels take longer
+    # a CPU: the layers' dispatch adds to the tables' operators (a calibration says how much)
+    demo = {"max_model_len": 1024, "kv_cache_memory_bytes": 1 << 28, "concurrency": 1, "input_len": 128,
+            "output_len": 64}
+    step_ms = []
+    for eager_layer_ms in (0.0, 1.5):
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / str(eager_layer_ms)))
+        gemm = {"axes": [["m", [1, 256]], ["n", [256]], ["k", [256]]], "ms": [0.05, 0.5]}
+        write_calibration({"gpu": "CPU", "source": "test", "tables": {"gemm.float32": gemm}, "host": {
+            "step_ms": 0.5, "per_request_ms": 0.0, "eager_layer_ms": eager_layer_ms}}, calibration_path("CPU"))
+        step_ms.append(1e3 / plan_for("shardserve-demo", "cpu", **demo).chosen.estimates.decode_tokens_per_s_batch1)
+    assert step_ms[1] - step_ms[0] == pytest.approx(4 * 1.5, rel=1e-3)  # the demo model's 4 layers
