@@ -3,7 +3,8 @@
 What is timed (runtime/op_timing.py, runtime/allreduce_timing.py, runtime/host_timing.py):
 GEMMs through the runtime's linear layers (fp8 too where they run an fp8 GEMM), prefill and decode
 attention through its attention backend (Triton on CUDA, torch on CPU; fp8 KV caches too on CUDA),
-the tensor-parallel all-reduce over 2..N local ranks, and the host's time per engine step."""
+the tensor-parallel all-reduce over 2..N local ranks, the host's time per engine step and per eager
+decoder layer, and a request's way through the server (launch/request_timing.py)."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ FULL = Sizes(
 SMALL = Sizes(  # seconds on a CPU: the suite runs it
     gemm={"m": (1, 8, 64, 256), "n": (128, 512), "k": (128, 512)},
     prefill={"head_dim": (64,), "num_heads": (4, 8), "batch": (1, 2), "isl": (32, 128)},
-    decode={"head_dim": (64,), "num_kv_heads": (1, 2), "batch": (1, 8), "context": (128, 1024)},
+    decode={"head_dim": (64,), "num_kv_heads": (1, 2), "batch": (1, 8, 32), "context": (128, 1024)},
     allreduce_bytes=(1024, 65536, 1 << 20), host_batches=(1, 8, 32), host_steps=8)
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
 
@@ -211,6 +212,7 @@ def measure_allreduce(setup: Setup, say: Callable[[str], None]) -> tuple[dict, P
 
 def calibrate(setup: Setup, console: Console) -> Path:
     """Measure everything, write the calibration file, print a summary; the file's path."""
+    from shardserve.launch.request_timing import measure_request_ms
     from shardserve.runtime.host_timing import measure_host
 
     say = lambda text: console.print(text, highlight=False)  # noqa: E731
@@ -225,14 +227,18 @@ def calibrate(setup: Setup, console: Console) -> Path:
     host = measure_host(setup.sizes.host_batches, setup.sizes.host_steps)
     say("timing an eager decoder layer")
     eager_layer_ms = measure_eager(setup)
+    say("timing a request's way through the server (a `shardserve launch` of a micro model)")
+    request_ms = measure_request_ms(setup.device)
     host_seconds = time.monotonic() - start
     data = {"gpu": setup.gpu, "source": source_line(setup), "tables": tables,
-            "host": {**host.to_dict(), "eager_layer_ms": eager_layer_ms}}
+            "host": {**host.to_dict(), "eager_layer_ms": eager_layer_ms, "request_ms": request_ms}}
     path = write_calibration(data, setup.output)
     print_summary(console, parts, host, host_seconds)
     console.print(f"eager decoder layer: {eager_layer_ms} ms "
                   + ("beyond its GEMMs and attention (a CPU computes as it dispatches)" if setup.device == "cpu"
                      else "to issue (steps without CUDA graphs: --enforce-eager, LoRA)"), highlight=False)
+    console.print(f"request: {request_ms} ms of TTFT outside the engine's steps (HTTP, the prompt's way in, "
+                  "the first token's way out)", highlight=False)
     console.print(f"calibration of {setup.gpu} written to [bold]{path}[/] in {time.monotonic() - started:.0f} s"
                   + (f"; `shardserve plan` reads it for {setup.gpu} from now on"
                      if path == calibration_path(setup.gpu) else ""), highlight=False)

@@ -308,20 +308,18 @@ def decode_shape(head_dim: int, num_kv_heads: int, batch: int, context: int) -> 
 
 def micro_layer_ops_ms(device: torch.device, dtype: torch.dtype, backend, context: int, timer: Timer) -> float:
     """What the operator tables time of one layer of host_timing's micro model decoding one request
-    over `context` tokens: its four GEMMs and its attention. On a CPU, where one thread dispatches and
-    computes, this is the part of an eager layer's time the tables already count."""
+    over `context` tokens: its four GEMMs and its attention, from the cache as the micro model (a few
+    hundred KB) runs them. On a CPU, where one thread dispatches and computes, this is the part of an
+    eager micro layer's time that the tables count too (their dispatch, at a real model's shapes)."""
     from shardserve.runtime.host_timing import MICRO, MICRO_HEAD_DIM
 
     hidden, inter, head_dim = MICRO["hidden_size"], MICRO["intermediate_size"], MICRO_HEAD_DIM
     heads, kv_heads = MICRO["num_attention_heads"], MICRO["num_key_value_heads"]
-    cache = last_level_cache_bytes(device)
     total = 0.0
     with torch.inference_mode():
         for n, k in (((heads + 2 * kv_heads) * head_dim, hidden), (hidden, heads * head_dim), (2 * inter, hidden),
                      (hidden, inter)):
-            copies = cold_copies(n * k * dtype.itemsize, cache)
-            total += timer(_matmul([_linear(n, k, dtype, device, False) for _ in range(copies)], 1, dtype))
-        shape = AttentionShape(heads, kv_heads, head_dim, ((context - 1, 1),))
-        total += timer(attention_call(shape, dtype, dtype, backend, device,
-                                      cold_copies(shape.kv_bytes(dtype), cache, MAX_POOL_COPIES)))
+            total += timer(_matmul([_linear(n, k, dtype, device, False)], 1, dtype))
+        total += timer(attention_call(AttentionShape(heads, kv_heads, head_dim, ((context - 1, 1),)), dtype, dtype,
+                                      backend, device))
     return total
