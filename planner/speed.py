@@ -90,14 +90,15 @@ def replica_model(spec: ModelSpec, split: list[int], tp: int, expert_parallel: b
     hops = [_hop_cost(spec, settings, h, hardware) for h in _hop_links(hardware, tp, len(split))]
     cache: dict = {}
     cycles: dict = {}
-    # steps without CUDA graphs (--enforce-eager, LoRA; a CPU's always): the host issues every kernel
-    eager_layer_ms = db.host.eager_layer_ms if hardware.is_cpu or not settings.graphs_captured else 0.0
+    # steps without CUDA graphs (a prefill or mixed step, every step with --enforce-eager or LoRA, a
+    # CPU's every step): the host issues every kernel
+    always_eager = hardware.is_cpu or not settings.graphs_captured
 
     def stage(i: int, b: int, chunks: tuple[Chunk, ...], context: int) -> float:
         key = (i, b, chunks, context)
         if key not in cache:
             device = stage_step_ms(ops, shapes[i], b, context, chunks)
-            issue = shapes[i].num_layers * eager_layer_ms
+            issue = shapes[i].num_layers * db.host.eager_layer_ms if always_eager or chunks else 0.0
             # a GPU computes while its host issues the next kernels; a CPU's one thread does both in turn
             cache[key] = device + issue if hardware.is_cpu else max(device, issue)
         return cache[key]

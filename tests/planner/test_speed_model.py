@@ -5,6 +5,7 @@ import math
 import pytest
 
 from shardserve.planner.calibration import calibration_path, write_calibration
+from shardserve.planner import load_model
 from shardserve.planner.hardware import GpuSpec
 from shardserve.planner.operators import Chunk, Operators
 from shardserve.planner.perf_tables import Database, Table, load_database, roofline_fit
@@ -195,8 +196,8 @@ def test_a_measured_moe_shape_takes_the_fused_layer_time():
 
 
 def test_an_eager_step_waits_for_its_host_to_issue_every_layer(monkeypatch, tmp_path):
-    """Without CUDA graphs (--enforce-eager, LoRA) a GPU step takes the longer of its kernels and the
-    host's issue of them, layer by layer; a CPU's one thread does both in turn."""
+    """Without CUDA graphs (--enforce-eager, LoRA, a step carrying a prompt) a GPU step takes the longer
+    of its kernels and the host's issue of them, layer by layer; a CPU's one thread does both in turn."""
     from shardserve.planner.perf_tables import DEFAULT_HOST
     from tests.planner.factories import plan_for
 
@@ -208,6 +209,13 @@ def test_an_eager_step_waits_for_its_host_to_issue_every_layer(monkeypatch, tmp_
     assert eager.decode_tokens_per_s_batch1 == pytest.approx(1e3 / issue_ms, rel=1e-3)
     lora = plan_for(llama, "H100-80GB", concurrency=1, enable_lora=True, **work).chosen.estimates
     assert lora.decode_tokens_per_s_batch1 <= eager.decode_tokens_per_s_batch1  # LoRA steps run eagerly too
+    # with graphs too, a step that carries a prompt runs eagerly (the runtime graphs decode-only steps)
+    from shardserve.planner.replay import hardware_of, settings_of
+    from shardserve.planner.speed import replica_model
+    record = plan_for(llama, "H100-80GB", concurrency=1, **work).record()
+    replica = replica_model(load_model(llama).spec, [32], 1, False, hardware_of(record), settings_of(record),
+                            record.memory.kv_cache_tokens)
+    assert replica.cycle_ms(1, (Chunk(8, 8),), 8) == pytest.approx(issue_ms, rel=1e-3)
     full = [plan_for(llama, "H100-80GB", concurrency=256, enforce_eager=flag, **work).chosen.estimates
             for flag in (False, True)]
     assert full[1].output_tokens_per_s == pytest.approx(full[0].output_tokens_per_s)  # the kernels take longer
