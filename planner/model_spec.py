@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from shardserve.planner.errors import PlanError
@@ -226,6 +227,12 @@ def kv_heads_per_rank(spec: ModelSpec, tp: int) -> int:
     return max(1, spec.num_kv_heads // tp)
 
 
+def is_qwen_moe_layer(index: int, decoder_sparse_step: int, mlp_only_layers: Iterable[int]) -> bool:
+    """Qwen-MoE's rule (transformers', the planner's and the runtime's): routed experts in every
+    decoder_sparse_step-th layer unless listed in mlp_only_layers."""
+    return index not in set(mlp_only_layers) and (index + 1) % decoder_sparse_step == 0
+
+
 def is_deepseek_moe_layer(index: int, first_k_dense_replace: int, moe_layer_freq: int) -> bool:
     """DeepSeek's rule (the planner's and the runtime's): experts from first_k_dense_replace on, every
     moe_layer_freq-th layer."""
@@ -289,8 +296,8 @@ def _moe_fields(family: str, read: ConfigReader, num_layers: int) -> dict:
         step = read.int("decoder_sparse_step", default=1)
         if step < 1:
             raise read.bad("decoder_sparse_step", step, "a positive integer")
-        dense = set(read.ints("mlp_only_layers"))
-        layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+        dense = read.ints("mlp_only_layers")
+        layers = tuple(i for i in range(num_layers) if is_qwen_moe_layer(i, step, dense))
         return {"num_experts": read.count("num_experts"),
                 "num_experts_per_tok": read.count("num_experts_per_tok"),
                 "moe_intermediate_size": read.count("moe_intermediate_size"),

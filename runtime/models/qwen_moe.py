@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardserve.planner.model_spec import is_qwen_moe_layer
 from shardserve.runtime.config import ModelConfig
 from shardserve.runtime.layers.linear import ReplicatedLinear
 from shardserve.runtime.layers.moe import FusedMoE, wrapped_moe_target
@@ -45,10 +46,8 @@ class QwenSparseMoeBlock(nn.Module):
 
 
 def is_sparse_layer(config, index: int) -> bool:
-    """transformers' rule: routed experts unless listed in mlp_only_layers or off decoder_sparse_step."""
-    step = getattr(config, "decoder_sparse_step", 1) or 1
-    return (index not in (getattr(config, "mlp_only_layers", None) or [])
-            and config.num_experts > 0 and (index + 1) % step == 0)
+    return config.num_experts > 0 and is_qwen_moe_layer(
+        index, getattr(config, "decoder_sparse_step", 1) or 1, getattr(config, "mlp_only_layers", None) or ())
 
 
 class QwenMoeForCausalLM(ComposedLlama):
