@@ -9,6 +9,8 @@ from pathlib import Path
 import yaml
 
 _CATALOG_DIR = Path(__file__).parent / "catalog"
+# the bundled catalogs through libyaml where PyYAML has it: the pure-Python loader took 0.23 s of a 0.55 s plan
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _VENDOR_WORDS = re.compile(r"\b(nvidia|tesla|geforce)\b", re.IGNORECASE)
 
 
@@ -21,7 +23,7 @@ def normalize_gpu_name(name: str) -> str:
 @functools.cache
 def gpu_catalog() -> dict[str, dict]:
     with open(_CATALOG_DIR / "gpus.yaml") as f:
-        return yaml.safe_load(f)
+        return yaml.load(f, Loader=_LOADER)
 
 
 @functools.cache
@@ -42,7 +44,7 @@ def find_gpu(name: str) -> tuple[str, dict] | None:
 @functools.cache
 def model_catalog() -> dict[str, dict]:
     with open(_CATALOG_DIR / "models.yaml") as f:
-        return yaml.safe_load(f)
+        return yaml.load(f, Loader=_LOADER)
 
 
 def find_model(model_id: str) -> tuple[str, dict] | None:
