@@ -69,93 +69,99 @@ _TREE = re.compile(r"/api/models/([^/]+/[^/]+)/tree/([^/]+)(?:/(.*))?$")
 _RESOLVE = re.compile(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$")
 
 
-def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args) -> None:  # quiet: the requests are in hub.requests
-            pass
+class _HubHandler(BaseHTTPRequestHandler):
+    """Answers as the Hub does for the repos of `hub` (set by _handler on a subclass)."""
 
-        def do_HEAD(self) -> None:
-            self._answer(body=False)
+    hub: FakeHub
 
-        def do_GET(self) -> None:
-            self._answer(body=True)
+    def log_message(self, *args) -> None:  # quiet: the requests are in hub.requests
+        pass
 
-        def _answer(self, body: bool) -> None:
-            path = unquote(urlsplit(self.path).path)
-            hub.requests.append(Request(self.command, path, self.headers.get("Range")))
-            for pattern, route in ((_TREE, self._tree), (_API, self._info), (_RESOLVE, self._resolve)):
-                match = pattern.match(path)
-                if match:
-                    return route(body, *match.groups())
-            self._error(404, "EntryNotFound", body)
+    def do_HEAD(self) -> None:
+        self._answer(body=False)
 
-        def _commit(self, repo_id: str, revision: str | None, body: bool) -> tuple[Repo, str] | None:
-            repo = hub.repos.get(repo_id)
-            if repo is None:
-                return self._error(401, "RepoNotFound", body)
-            sha = repo.refs.get(revision or "main", revision if revision in repo.commits else None)
-            if sha is None:
-                return self._error(404, "RevisionNotFound", body)
-            return repo, sha
+    def do_GET(self) -> None:
+        self._answer(body=True)
 
-        def _info(self, body: bool, repo_id: str, revision: str | None) -> None:
-            found = self._commit(repo_id, revision, body)
-            if found:
-                repo, sha = found
-                self._json({"id": repo_id, "sha": sha, "gated": "manual" if repo.token else False,
-                            "siblings": [{"rfilename": p} for p in repo.commits[sha]]}, body)
+    def _answer(self, body: bool) -> None:
+        path = unquote(urlsplit(self.path).path)
+        self.hub.requests.append(Request(self.command, path, self.headers.get("Range")))
+        for pattern, route in ((_TREE, self._tree), (_API, self._info), (_RESOLVE, self._resolve)):
+            match = pattern.match(path)
+            if match:
+                return route(body, *match.groups())
+        self._error(404, "EntryNotFound", body)
 
-        def _tree(self, body: bool, repo_id: str, revision: str, folder: str | None) -> None:
-            found = self._commit(repo_id, revision, body)
-            if found:
-                repo, sha = found
-                self._json([{"type": "file", "path": p, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
-                            for p, data in repo.commits[sha].items() if p.startswith(folder or "")], body)
+    def _commit(self, repo_id: str, revision: str | None, body: bool) -> tuple[Repo, str] | None:
+        repo = self.hub.repos.get(repo_id)
+        if repo is None:
+            return self._error(401, "RepoNotFound", body)
+        sha = repo.refs.get(revision or "main", revision if revision in repo.commits else None)
+        if sha is None:
+            return self._error(404, "RevisionNotFound", body)
+        return repo, sha
 
-        def _resolve(self, body: bool, repo_id: str, revision: str, filename: str) -> None:
-            found = self._commit(repo_id, revision, body)
-            if not found:
-                return
+    def _info(self, body: bool, repo_id: str, revision: str | None) -> None:
+        found = self._commit(repo_id, revision, body)
+        if found:
             repo, sha = found
-            if repo.token and self.headers.get("Authorization") != f"Bearer {repo.token}":
-                return self._error(401, "GatedRepo", body)
-            data = repo.commits[sha].get(filename)
-            if data is None:
-                return self._error(404, "EntryNotFound", body, {"X-Repo-Commit": sha})
-            status, part = 200, data
-            ranged = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range") or "")
-            if ranged:
-                start, end = int(ranged[1]), int(ranged[2] or len(data) - 1)
-                status, part = 206, data[start:end + 1]
-            self.send_response(status)
-            self.send_header("X-Repo-Commit", sha)
-            self.send_header("ETag", f'"{hashlib.sha256(data).hexdigest()}"')
-            self.send_header("Content-Length", str(len(part)))
-            if ranged:
-                self.send_header("Content-Range", f"bytes {start}-{start + len(part) - 1}/{len(data)}")
-            self.end_headers()
-            if body:
-                self.wfile.write(part)
+            self._json({"id": repo_id, "sha": sha, "gated": "manual" if repo.token else False,
+                        "siblings": [{"rfilename": p} for p in repo.commits[sha]]}, body)
 
-        def _json(self, value: object, body: bool) -> None:
-            data = json.dumps(value).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            if body:
-                self.wfile.write(data)
+    def _tree(self, body: bool, repo_id: str, revision: str, folder: str | None) -> None:
+        found = self._commit(repo_id, revision, body)
+        if found:
+            repo, sha = found
+            self._json([{"type": "file", "path": p, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
+                        for p, data in repo.commits[sha].items() if p.startswith(folder or "")], body)
 
-        def _error(self, status: int, code: str, body: bool, headers: dict | None = None) -> None:
-            data = json.dumps({"error": code}).encode()
-            self.send_response(status)
-            self.send_header("X-Error-Code", code)
-            for name, value in (headers or {}).items():
-                self.send_header(name, value)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            if body:
-                self.wfile.write(data)
+    def _resolve(self, body: bool, repo_id: str, revision: str, filename: str) -> None:
+        found = self._commit(repo_id, revision, body)
+        if not found:
+            return
+        repo, sha = found
+        if repo.token and self.headers.get("Authorization") != f"Bearer {repo.token}":
+            return self._error(401, "GatedRepo", body)
+        data = repo.commits[sha].get(filename)
+        if data is None:
+            return self._error(404, "EntryNotFound", body, {"X-Repo-Commit": sha})
+        status, part = 200, data
+        ranged = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range") or "")
+        if ranged:
+            start, end = int(ranged[1]), int(ranged[2] or len(data) - 1)
+            status, part = 206, data[start:end + 1]
+        self.send_response(status)
+        self.send_header("X-Repo-Commit", sha)
+        self.send_header("ETag", f'"{hashlib.sha256(data).hexdigest()}"')
+        self.send_header("Content-Length", str(len(part)))
+        if ranged:
+            self.send_header("Content-Range", f"bytes {start}-{start + len(part) - 1}/{len(data)}")
+        self.end_headers()
+        if body:
+            self.wfile.write(part)
 
-    return Handler
+    def _json(self, value: object, body: bool) -> None:
+        data = json.dumps(value).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if body:
+            self.wfile.write(data)
+
+    def _error(self, status: int, code: str, body: bool, headers: dict | None = None) -> None:
+        data = json.dumps({"error": code}).encode()
+        self.send_response(status)
+        self.send_header("X-Error-Code", code)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if body:
+            self.wfile.write(data)
+
+
+
+def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
+    return type("Handler", (_HubHandler,), {"hub": hub})
