@@ -55,8 +55,14 @@ def fewest_gpus(search: Search) -> tuple[Layout, Hardware] | None:
     if best is None or best[0] > MAX_NODES * per_node:
         return None
     gpus, layout = best
-    nodes = math.ceil(gpus / per_node)
-    return layout, _bigger(hw, nodes, per_node if nodes > 1 else gpus)
+    return layout, hardware_for(hw, gpus)
+
+
+def hardware_for(hardware: Hardware, num_gpus: int) -> Hardware:
+    """num_gpus of the hardware's GPU type: one node of them, or full nodes of its GPUs per node."""
+    per_node = _per_node(hardware)
+    nodes = math.ceil(num_gpus / per_node)
+    return _bigger(hardware, nodes, per_node if nodes > 1 else num_gpus)
 
 
 def recommend_hardware(search: Search) -> Hardware:

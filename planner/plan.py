@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from shardserve.planner.errors import InfeasibleError, PlanError
-from shardserve.planner.fixes import cannot_fit, missed_targets, recommend_hardware
+from shardserve.planner.fixes import cannot_fit, hardware_for, missed_targets, recommend_hardware
 from shardserve.planner.hardware import Hardware
 from shardserve.planner.model_source import ModelInfo
 from shardserve.planner.options import (PlanOptions, RuntimeSettings, resolve_settings, resolve_targets,
@@ -72,6 +72,13 @@ def make_plan(model: ModelInfo, hardware: Hardware, options: PlanOptions, recomm
     if pinned:
         raise PlanError(pinned)
     chosen = choose(candidates, hardware, search.targets, search.settings)
+    if recommend and chosen is not None and chosen.layout.num_gpus < hardware.total_gpus:
+        # NOTE: the search tries step budgets and expert placements that the count of GPUs does not (it
+        # would take minutes): what it chose may need fewer GPUs, and then the hardware is that many
+        hardware = hardware_for(hardware, chosen.layout.num_gpus)
+        search = replace(search, hardware=hardware)
+        candidates = search.candidates()
+        chosen = choose(candidates, hardware, search.targets, search.settings)
     if chosen is None:
         if any(c.is_feasible for c in candidates) and search.targets.is_set:
             raise InfeasibleError(missed_targets(search, candidates))

@@ -34,16 +34,22 @@ def _decode_context(w: Workload) -> int:
 def _residual_wait(p: float, steps: list[tuple[float, float]]) -> float:
     """The wait, exceeded by a fraction 1 - p of arrivals at random times, for the step in progress
     to end, when a share of the time goes to steps of each length (the rest idle): within a step of
-    length L the wait is uniform over [0, L]."""
-    def exceeds(x: float) -> float:
-        return sum(share * max(0.0, 1 - x / length) for share, length in steps if length > 0)
-    lo, hi = 0.0, max(length for _, length in steps)
-    if exceeds(lo) <= 1 - p:
-        return 0.0
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if exceeds(mid) > 1 - p else (lo, mid)
-    return hi
+    length L the wait is uniform over [0, L]. The fraction exceeding x, sum of share * (1 - x / L) over
+    the steps longer than x, falls linearly between the lengths: solved segment by segment."""
+    target = 1 - p
+    steps = sorted((length, share) for share, length in steps if length > 0 and share > 0)
+    start = 0.0
+    for i, (length, _) in enumerate(steps):
+        longer = steps[i:]  # the steps still running past `start`
+        level = sum(share for _, share in longer)  # the fraction exceeding x: level - x * slope
+        slope = sum(share / step for step, share in longer)
+        if level - slope * start <= target:
+            return start  # (only on the first segment: each later one starts above the target)
+        x = (level - target) / slope
+        if x <= length:
+            return x
+        start = length
+    return start
 
 
 @dataclass(frozen=True)

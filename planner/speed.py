@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from shardserve.planner.hardware import Hardware
+from shardserve.planner.hardware import GpuSpec, Hardware
 from shardserve.planner.model_spec import ModelSpec
 from shardserve.planner.operators import Chunk, Operators, StageShape, stage_step_ms
 from shardserve.planner.options import RuntimeSettings
@@ -82,10 +82,25 @@ def database_for(hardware: Hardware) -> Database:
     return db
 
 
+_OPERATORS: dict[tuple[GpuSpec, int], Operators] = {}
+
+
+def _operators(gpu: GpuSpec, db: Database) -> Operators:
+    """One Operators per GPU and database, so that its cached operator times serve every layout a
+    search compares (each candidate used to start from an empty cache)."""
+    key = (gpu, id(db))
+    found = _OPERATORS.get(key)
+    if found is None or found.db is not db:  # (an id reused after its database was dropped)
+        if len(_OPERATORS) >= 16:  # databases made per plan (links filtered, a new calibration): no hoard
+            _OPERATORS.clear()
+        found = _OPERATORS[key] = Operators(gpu, db, gpu.link_bytes_per_s)
+    return found
+
+
 def replica_model(spec: ModelSpec, split: list[int], tp: int, expert_parallel: bool,
                   hardware: Hardware, settings: RuntimeSettings, kv_cache_tokens: int) -> Replica:
     db = database_for(hardware)
-    ops = Operators(hardware.gpu, db, hardware.gpu.link_bytes_per_s)
+    ops = _operators(hardware.gpu, db)
     shapes = stage_shapes(spec, split, tp, expert_parallel, settings, hardware)
     hops = [_hop_cost(spec, settings, h, hardware) for h in _hop_links(hardware, tp, len(split))]
     cache: dict = {}

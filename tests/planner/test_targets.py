@@ -69,6 +69,17 @@ def test_recommend_plans_the_fewest_gpus_of_the_type():
     assert by_users.chosen.estimates.tpot_ms <= 25
 
 
+def test_recommend_names_no_more_nodes_than_the_chosen_layout_fills():
+    """The count of GPUs tries each shape at its default step budget and expert placement; the search
+    then tries others, and DeepSeek-V3's chosen layout (expert parallel) needs 16 H200s, not 40."""
+    plan = make_plan(load_model("deepseek-ai/DeepSeek-V3"), parse_declared("H200"), PlanOptions(
+        request_rate=10, input_len=1000, output_len=300, ttft_ms=2000, tpot_ms=60), recommend=True)
+    layout = plan.chosen.layout
+    assert plan.hardware.describe() == "2x8xH200" and layout.num_gpus == 16 and plan.chosen.expert_parallel
+    assert not any("left idle" in w for w in plan.warnings)
+    assert plan.rationale[1].startswith("recommend: 2x8xH200 is the least H200 hardware that meets the targets")
+
+
 @pytest.mark.parametrize("options, message", [
     (dict(concurrency=4, request_rate=2), "concurrency and request_rate both given"),
     (dict(input_len=7000, output_len=2000, max_model_len=8192), "is beyond max_model_len 8192"),
