@@ -21,6 +21,9 @@ import sys
 import tempfile
 import time
 import urllib.request
+from pathlib import Path
+
+from shardserve.planner import PlanError
 
 STARTUP_TIMEOUT_S = 300.0
 WARMUP = 2  # first requests: compiles, allocator, tokenizer caches
@@ -32,7 +35,7 @@ def measure_request_ms(device: str, num_requests: int = 16, prompt_len: int = 32
 
     with tempfile.TemporaryDirectory(prefix="shardserve-request-") as folder:
         make_micro_model(folder)
-        proc, url = _start(folder, device)
+        proc, url = _start(folder, device, Path(folder) / "server.log")
         try:
             outside = []
             engine_before = 0.0
@@ -46,21 +49,23 @@ def measure_request_ms(device: str, num_requests: int = 16, prompt_len: int = 32
     return round(max(0.0, statistics.median(outside[WARMUP:])) * 1e3, 3)
 
 
-def _start(folder: str, device: str) -> tuple[subprocess.Popen, str]:
+def _start(folder: str, device: str, log: Path) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     command = [sys.executable, "-m", "shardserve.launch", "launch", "--model", folder, "--port", str(port),
                "--device", device, "--max-model-len", "256", "--served-model-name", "calibrate",
                "--set", "enable_prefix_caching=false", "--set", f"kv_cache_memory_bytes={64 << 20}"]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    with open(log, "w") as out:  # a file, not a pipe that nothing reads while the requests run
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while not _is_healthy(url):
         if proc.poll() is not None or time.monotonic() > deadline:
-            output = _stop(proc)
-            raise RuntimeError(f"the calibration server did not come up: {output[-2000:]}")
+            _stop(proc)
+            last = " | ".join(log.read_text().strip().splitlines()[-3:])
+            raise PlanError(f"calibrate: the server that times a request's way (`shardserve launch` of a micro "
+                            f"model on {device}) did not come up: {last}")
         time.sleep(0.25)
     return proc, url
 
@@ -73,16 +78,15 @@ def _is_healthy(url: str) -> bool:
         return False
 
 
-def _stop(proc: subprocess.Popen) -> str:
-    """Stops the server (by its pid) and gives its output."""
+def _stop(proc: subprocess.Popen) -> None:
+    """Stops the server by its pid (and kills it if it does not stop)."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
     try:
-        out, _ = proc.communicate(timeout=60)
+        proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
         proc.kill()
-        out, _ = proc.communicate()
-    return out or ""
+        proc.wait()
 
 
 def _first_token_s(url: str, prompt: list[int]) -> float:
@@ -98,7 +102,7 @@ def _first_token_s(url: str, prompt: list[int]) -> float:
                 first = time.perf_counter() - start
                 response.read()  # the rest of the stream, so the request ends before the next one
                 return first
-    raise RuntimeError("the calibration server streamed no token")
+    raise PlanError("calibrate: the server that times a request's way streamed no token")
 
 
 def _histogram_sum(url: str, name: str) -> float:
@@ -107,5 +111,5 @@ def _histogram_sum(url: str, name: str) -> float:
         text = response.read().decode()
     sums = re.findall(rf"^{re.escape(name)}_sum(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
     if not sums:
-        raise RuntimeError(f"the calibration server's /metrics has no {name}")
+        raise PlanError(f"calibrate: the server that times a request's way has no {name} in /metrics")
     return sum(float(value) for value in sums)

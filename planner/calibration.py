@@ -7,7 +7,8 @@ A calibration file has the shape of planner/perfdata/*.json.gz (one per GPU):
                                   "ms": [C-order over the axes, milliseconds, null where not measured]},
                 "prefill_attention.<kv dtype>", "decode_attention.<kv dtype>", "allreduce": ...},
      "host": {"step_ms": a, "per_request_ms": b,        # host time per engine step = a + b * requests
-              "eager_layer_ms": c}}                      # per decoder layer of a step without CUDA graphs
+              "eager_layer_ms": c,                       # per decoder layer of a step without CUDA graphs
+              "request_ms": d}}                          # a request's TTFT outside the engine's steps
 """
 
 from __future__ import annotations

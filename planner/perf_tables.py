@@ -112,8 +112,8 @@ class HostModel:
 # and answer the first token 15-45 ms after the kernels could (GPUStack's published runs, in
 # bench/published_results.yaml); `shardserve calibrate` measures this runtime's own step time.
 # eager_layer_ms: an eager decode layer of this runtime launches about 35 kernels (bench/NOTES.md) at
-# an assumed 7 us of host time each, until `shardserve calibrate` measures it on the GPU's host; on the
-# 2-core EPYC of the test machine it measured 0.7-0.8 ms (the torch attention path's many small ops).
+# an assumed 7 us of host time each, until `shardserve calibrate` measures it on the GPU's host (on the
+# 2-core EPYC of the test machine a layer's small torch ops took 0.4-0.7 ms beyond its GEMMs and attention).
 DEFAULT_HOST = HostModel(step_ms=0.5, per_request_ms=0.002, request_ms=15.0, eager_layer_ms=0.25)
 
 

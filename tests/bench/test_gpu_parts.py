@@ -87,6 +87,6 @@ def test_an_unknown_part_is_refused_with_the_list():
     done = subprocess.run(["bash", str(ROOT / "bench" / "run_gpu.sh")], capture_output=True, text=True)
     assert done.returncode == 2 and "Llama-3.1-8B shape: batch-1 decode" in done.stdout
     done = subprocess.run(["bash", str(ROOT / "bench" / "run_gpu.sh"), "--part", "9"], capture_output=True, text=True)
-    assert done.returncode == 2 and "use 1 to 7" in done.stderr
-    assert "7  `shardserve calibrate`" in subprocess.run(["bash", str(ROOT / "bench" / "run_gpu.sh")],
-                                                       capture_output=True, text=True).stdout
+    assert done.returncode == 2 and "use 1 to 8" in done.stderr
+    usage = subprocess.run(["bash", str(ROOT / "bench" / "run_gpu.sh")], capture_output=True, text=True).stdout
+    assert "7  `shardserve calibrate`" in usage and "8  Llama-3.1-8B shape: the plan's decode step" in usage
