@@ -167,13 +167,19 @@ def make_awq_checkpoint(folder: Path) -> Path:
     return awq
 
 
+def planner_gpu(device: str) -> str | None:
+    """The hardware the planner plans this device as: a catalog GPU, "cpu", or None (a GPU without data)."""
+    if device == "cpu":
+        return "cpu"
+    return next((name for key, name in GPU_NAMES.items() if key in device_name(device)), None)
+
+
 def plan_estimate(folder: Path, device: str, input_len: int, output_len: int,
                   concurrency: float | None = None, enforce_eager: bool = False) -> dict | None:
     """The planner's figures for this checkpoint on this GPU and workload (None off a catalog GPU);
     without a concurrency, full batches."""
     from shardserve.planner import PlanOptions, load_model, make_plan, parse_declared
-    gpu = next((name for key, name in GPU_NAMES.items()
-                if device == "cuda" and key in device_name(device)), None)
+    gpu = planner_gpu(device) if device == "cuda" else None
     if gpu is None:
         return None
     plan = make_plan(load_model(str(folder)), parse_declared(gpu), PlanOptions(
@@ -297,8 +303,7 @@ def run_decode(args, folder: Path, base: dict) -> None:
 def run_steps(args, folder: Path, base: dict) -> None:
     """The plan's decode step (from this GPU's calibration where part 7 left one, else the shipped
     tables) beside the engine's, batch by batch."""
-    gpu = next((name for key, name in GPU_NAMES.items() if args.device == "cuda" and key in device_name(args.device)),
-               "cpu" if args.device == "cpu" else None)
+    gpu = planner_gpu(args.device)
     if gpu is None:
         raise SystemExit(f"steps: {device_name(args.device)} is not a GPU the planner has data for")
     prompt_len, steps = (16, 8) if args.small else (128, 64)

@@ -6,65 +6,25 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
-import socket
 import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import serve  # bench/serve.py (gpu_bench.py puts bench/ on the path)
+
+from shardserve.launch import local_server
 
 SERVED_NAME = "bench"
 STARTUP_TIMEOUT_S = 420.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def is_healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
-            return response.status == 200
-    except OSError:
-        return False
-
-
 def start_server(folder: Path, device: str, max_model_len: int, log_path: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    command = [sys.executable, "-m", "shardserve.launch", "launch", "--model", str(folder),
-               "--port", str(port), "--served-model-name", SERVED_NAME, "--max-model-len", str(max_model_len),
-               "--set", "enable_prefix_caching=false"]
+    args = ["--model", str(folder), "--served-model-name", SERVED_NAME, "--max-model-len", str(max_model_len),
+            "--set", "enable_prefix_caching=false"]
     env = dict(os.environ)
     if device == "cpu":
-        command += ["--set", f"kv_cache_memory_bytes={256 << 20}"]
+        args += ["--set", f"kv_cache_memory_bytes={256 << 20}"]
         env["CUDA_VISIBLE_DEVICES"] = ""
-    log = open(log_path, "w")
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    log.close()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while not is_healthy(url):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop_server(proc)
-            raise RuntimeError(f"the server did not come up (exit {proc.returncode}):\n"
-                               + log_path.read_text()[-4000:])
-        time.sleep(0.5)
-    return proc, url
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    return local_server.start(args, log_path, "the benchmark server", STARTUP_TIMEOUT_S, env)
 
 
 def serve_levels(folder: Path, device: str, levels: list[int], max_prompts: int, input_len: int,
@@ -93,7 +53,7 @@ def serve_levels(folder: Path, device: str, levels: list[int], max_prompts: int,
     try:
         levels_out = asyncio.run(run_all())
     finally:
-        stop_server(proc)
+        local_server.stop(proc)
     return [{"benchmark": "serving", **level,
              "settings": {"input_len": input_len, "output_len": output_len, "prefix_caching": False}}
             for level in levels_out]

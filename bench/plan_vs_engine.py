@@ -17,17 +17,13 @@ import json
 import time
 
 from shardserve.planner import PlanOptions, load_model, make_plan, parse_declared
-from shardserve.planner.replay import hardware_of, settings_of
-from shardserve.planner.speed import replica_model
+from shardserve.planner.replay import replica_of
 
 
 def predicted_ms(model: str, hardware: str, options: PlanOptions, batches: list[int], context: int) -> dict:
     """The plan's cycle (ms between two tokens of a request) for each batch decoding over `context`."""
     info = load_model(model)
-    plan = make_plan(info, parse_declared(hardware), options).record()
-    par = plan.parallel
-    replica = replica_model(info.spec, list(par.layer_split), par.tensor_parallel_size, par.enable_expert_parallel,
-                            hardware_of(plan), settings_of(plan), plan.memory.kv_cache_tokens)
+    replica = replica_of(make_plan(info, parse_declared(hardware), options).record(), info)
     return {"source": replica.source, **{b: replica.cycle_ms(b, (), context) for b in batches}}
 
 

@@ -14,6 +14,7 @@ from shardserve.planner.hardware import GpuSpec, Hardware, Node
 from shardserve.planner.model_source import ModelInfo
 from shardserve.planner.options import RuntimeSettings
 from shardserve.planner.plan_file import GpuSection, PlanFile
+from shardserve.planner.serving import Replica
 from shardserve.planner.settings import default
 from shardserve.planner.speed import Estimates, estimate, replica_model
 from shardserve.planner.workload import Targets, Workload
@@ -49,12 +50,17 @@ def settings_of(plan: PlanFile) -> RuntimeSettings:
         max_loras=rt.max_loras or default("max_loras"), max_lora_rank=rt.max_lora_rank or default("max_lora_rank"))
 
 
+def replica_of(plan: PlanFile, model: ModelInfo) -> Replica:
+    """The speed model of one of the plan's replicas: its layout, split, GPU, settings and KV cache."""
+    par = plan.parallel
+    return replica_model(model.spec, list(par.layer_split), par.tensor_parallel_size, par.enable_expert_parallel,
+                         hardware_of(plan), settings_of(plan), plan.memory.kv_cache_tokens)
+
+
 def predict(plan: PlanFile, model: ModelInfo, workload: Workload) -> Estimates:
     """The plan's deployment under `workload` (whole deployment), within the plan's targets."""
     par, svc = plan.parallel, plan.service
-    hardware = hardware_of(plan)
-    replica = replica_model(model.spec, list(par.layer_split), par.tensor_parallel_size, par.enable_expert_parallel,
-                            hardware, settings_of(plan), plan.memory.kv_cache_tokens)
+    replica = replica_of(plan, model)
     targets = Targets(svc.ttft_ms, svc.tpot_ms)
     rate = replica.max_request_rate(workload.per_replica(1),
                                     lambda s: not targets.misses(s.ttft_ms, s.tpot_ms))

@@ -210,11 +210,8 @@ def test_an_eager_step_waits_for_its_host_to_issue_every_layer(monkeypatch, tmp_
     lora = plan_for(llama, "H100-80GB", concurrency=1, enable_lora=True, **work).chosen.estimates
     assert lora.decode_tokens_per_s_batch1 <= eager.decode_tokens_per_s_batch1  # LoRA steps run eagerly too
     # with graphs too, a step that carries a prompt runs eagerly (the runtime graphs decode-only steps)
-    from shardserve.planner.replay import hardware_of, settings_of
-    from shardserve.planner.speed import replica_model
-    record = plan_for(llama, "H100-80GB", concurrency=1, **work).record()
-    replica = replica_model(load_model(llama).spec, [32], 1, False, hardware_of(record), settings_of(record),
-                            record.memory.kv_cache_tokens)
+    from shardserve.planner.replay import replica_of
+    replica = replica_of(plan_for(llama, "H100-80GB", concurrency=1, **work).record(), load_model(llama))
     assert replica.cycle_ms(1, (Chunk(8, 8),), 8) == pytest.approx(issue_ms, rel=1e-3)
     full = [plan_for(llama, "H100-80GB", concurrency=256, enforce_eager=flag, **work).chosen.estimates
             for flag in (False, True)]
