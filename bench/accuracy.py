@@ -14,13 +14,14 @@ import argparse
 import math
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
 
 from shardserve.planner import PlanError, PlanOptions, load_model, make_plan, parse_declared
 from shardserve.planner.perf_tables import load_database
+from shardserve.planner.replay import predict_replicas, replica_of
 
 HERE = Path(__file__).resolve().parent
 ASSUMPTIONS = {
@@ -35,6 +36,8 @@ ASSUMPTIONS = {
              "at small batches; the planner predicts a steady state, so they are summed up apart",
     "percentile": "means and medians are compared with the p50 estimate, p99 figures with the p99 estimate",
     "fp8": "fp8 results serve fp8 weights; TensorRT-LLM fp8 engines an fp8 KV cache too",
+    "scheduler_steps": "vLLM 0.6 runs with --num-scheduler-steps 10 schedule once every 10 decode steps: a new "
+                       "request waits for the run in progress, and tokens stream 10 at a time (ITL = 10 TPOT)",
 }
 SHAREGPT = (217, 202)
 # Checkpoints outside the catalog, planned as the catalog model with the same shapes.
@@ -45,11 +48,6 @@ SAME_SHAPES = {
     "nvidia/Llama-3.1-8B-Instruct-FP8": "meta-llama/Llama-3.1-8B-Instruct",
 }
 VLLM_CLASS = ("vllm", "sglang")
-# Figures set aside, each with its reason (shown in the table).
-SET_ASIDE = {
-    ("vllm060-llama31-8b-a100-sharegpt-rps8", "itl_ms_median"):
-        "multi-step scheduling (10 tokens per step) makes ITL a step of 10 tokens, not TPOT",
-}
 
 
 @dataclass(frozen=True)
@@ -111,11 +109,9 @@ def predict(entry: dict) -> list[Row]:
         return [Row(entry["id"], entry["engine"], k, v, None, str(e)[:80]) for k, v in entry["measured"].items()]
     rows = []
     for metric, value in entry["measured"].items():
-        aside = SET_ASIDE.get((entry["id"], metric)) or (
-            "per-token spikes (a step carrying a prefill chunk) are not modelled; TPOT is"
-            if metric.startswith("itl_ms_p99") else None)
-        if aside:
-            rows.append(Row(entry["id"], entry["engine"], metric, value, None, aside))
+        if metric.startswith("itl_ms_p99"):
+            rows.append(Row(entry["id"], entry["engine"], metric, value, None,
+                            "per-token spikes (a step carrying a prefill chunk) are not modelled; TPOT is"))
             continue
         est = _estimates(plan, model, entry, opts, metric)
         predicted = _same_quantity(metric, est, opts, entry)
@@ -131,12 +127,18 @@ def _is_burst(entry: dict) -> bool:
 
 
 def _estimates(plan, model, entry: dict, opts: dict, metric: str):
-    """The plan's estimates, or, for a p99 figure, the same plan's at the 99th percentile."""
-    if not metric.endswith("_p99"):
+    """The plan's estimates (for a p99 figure, the same plan's at the 99th percentile), its replicas
+    scheduling as the engine measured did."""
+    if metric.endswith("_p99"):
+        dtype = "float16" if entry["dtype"] == "fp16" else "bfloat16"
+        plan = make_plan(model, parse_declared(f"{entry['num_gpus']}x{entry['gpu']}"),
+                         PlanOptions(dtype=dtype, target_percentile=99, **opts))
+    steps = entry.get("scheduler_steps") or 1
+    if steps == 1:
         return plan.chosen.estimates
-    dtype = "float16" if entry["dtype"] == "fp16" else "bfloat16"
-    return make_plan(model, parse_declared(f"{entry['num_gpus']}x{entry['gpu']}"),
-                     PlanOptions(dtype=dtype, target_percentile=99, **opts)).chosen.estimates
+    record = plan.record()
+    replica = replace(replica_of(record, model), scheduler_steps=steps)
+    return predict_replicas(record, replica, plan.chosen.estimates.workload)
 
 
 def _same_quantity(metric: str, est, opts: dict, entry: dict) -> float | None:
@@ -149,8 +151,10 @@ def _same_quantity(metric: str, est, opts: dict, entry: dict) -> float | None:
     if metric.startswith(("ttft_ms", "first_token_latency")) or metric == "ttft_ms":
         overhead = load_database(entry["gpu"]).host.request_ms if mode == "static_batch" else 0.0
         return est.ttft_ms - overhead
-    if metric.startswith(("tpot_ms", "itl_ms")):
+    if metric.startswith("tpot_ms"):
         return est.tpot_ms
+    if metric.startswith("itl_ms"):  # the gap between two streamed pieces, each a schedule's tokens
+        return est.tpot_ms * (entry.get("scheduler_steps") or 1)
     if metric.startswith("e2e_latency_ms"):
         overhead = load_database(entry["gpu"]).host.request_ms if mode == "static_batch" else 0.0
         return est.ttft_ms - overhead + (o - 1) * est.tpot_ms

@@ -59,8 +59,12 @@ def replica_of(plan: PlanFile, model: ModelInfo) -> Replica:
 
 def predict(plan: PlanFile, model: ModelInfo, workload: Workload) -> Estimates:
     """The plan's deployment under `workload` (whole deployment), within the plan's targets."""
+    return predict_replicas(plan, replica_of(plan, model), workload)
+
+
+def predict_replicas(plan: PlanFile, replica: Replica, workload: Workload) -> Estimates:
+    """The plan's replicas and targets, each replica served as `replica` models it."""
     par, svc = plan.parallel, plan.service
-    replica = replica_of(plan, model)
     targets = Targets(svc.ttft_ms, svc.tpot_ms)
     rate = replica.max_request_rate(workload.per_replica(1),
                                     lambda s: not targets.misses(s.ttft_ms, s.tpot_ms))

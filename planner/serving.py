@@ -13,7 +13,8 @@ b = rate * (TTFT + (output_len - 1) * TPOT), found by fixed-point iteration; a r
 is overload. Prefill queueing is M/D/1 with Poisson arrivals: the wait exceeded by a fraction
 1 - p of requests is 0 when p <= 1 - rho, else mean_wait / rho * ln(rho / (1 - p)). A request
 arriving at a random time first waits for the step in progress: a decode step, or now and then a
-longer one carrying another prompt (what sets TTFT's tail at light load).
+longer one carrying another prompt (what sets TTFT's tail at light load). An engine that schedules
+once every k decode steps (vLLM 0.6's --num-scheduler-steps) makes it wait for the whole run of k.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class Replica:
     kv_cache_tokens: int
     request_ms: float = 0.0  # a request's way through the server before its first step and after its first token
     source: str = ""  # where the step times come from (measured tables or the fitted roofline)
+    scheduler_steps: int = 1  # decode steps between two schedules; this runtime schedules every step
 
     def max_running(self, w: Workload) -> float:
         """Requests the KV cache holds at once, each at its mean length over its life."""
@@ -121,7 +123,7 @@ class Replica:
         if rate_per_ms is not None:  # the rest of the step running when the request arrives
             in_prefill = min(1.0, rate_per_ms * service)  # the share of time in steps that carry a prompt
             step_wait = _residual_wait(p, [(in_prefill, service / len(own)),
-                                           ((1 - in_prefill) * min(1.0, b), decode_only)])
+                                           ((1 - in_prefill) * min(1.0, b), decode_only * self.scheduler_steps)])
         return mean, self.request_ms + step_wait + service + wait, max(rho, busy)
 
     def closed_loop(self, w: Workload) -> ReplicaSpeed:

@@ -71,7 +71,8 @@ def _replica(per_token_ms=0.01, base_ms=10.0, **kw) -> Replica:
     def cycle(b, chunks, context):
         return base_ms + per_token_ms * (b + sum(c.tokens for c in chunks))
     return Replica(cycle, kw.get("max_num_seqs", 256), kw.get("max_num_batched_tokens", 8192),
-                   kw.get("kv_cache_tokens", 10**6), kw.get("request_ms", 0.0))
+                   kw.get("kv_cache_tokens", 10**6), kw.get("request_ms", 0.0),
+                   scheduler_steps=kw.get("scheduler_steps", 1))
 
 
 def test_closed_loop_by_hand():
@@ -122,6 +123,19 @@ def test_open_loop_by_hand():
     s = r.open_loop(Workload(500, 200, request_rate=20))
     decode = 10 + 0.01 * math.ceil(s.batch)
     assert s.tpot_ms == pytest.approx(decode / (1 - 20 / 1e3 * 0.01 * 500), rel=1e-3)
+
+
+def test_a_run_of_decode_steps_between_schedules_delays_the_first_token():
+    """Scheduling once every 10 decode steps (vLLM 0.6's multi-step): a prompt step's share of the
+    time is rate x its length; the rest is runs of 10 decode steps, L long. The median arrival waits
+    past the prompt steps, where the fraction still waiting is (1 - share) (1 - x / L) = 0.5."""
+    s = _replica(scheduler_steps=10).open_loop(Workload(500, 200, request_rate=20))
+    b = math.ceil(s.batch)
+    prompt_step, run = 10 + 0.01 * (b + 500), 10 * (10 + 0.01 * b)
+    share = 20 / 1e3 * prompt_step
+    assert s.ttft_ms == pytest.approx(prompt_step + run * (1 - 0.5 / (1 - share)), rel=1e-3)
+    every_step = _replica().open_loop(Workload(500, 200, request_rate=20))
+    assert s.ttft_ms - every_step.ttft_ms > 20  # a run of 10 steps, not one, to wait for
 
 
 def test_prefill_time_bounds_the_rate():
