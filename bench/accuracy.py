@@ -36,8 +36,13 @@ ASSUMPTIONS = {
              "at small batches; the planner predicts a steady state, so they are summed up apart",
     "percentile": "means and medians are compared with the p50 estimate, p99 figures with the p99 estimate",
     "fp8": "fp8 results serve fp8 weights; TensorRT-LLM fp8 engines an fp8 KV cache too",
+    "mixed": "prefill steps as each engine defaults: SGLang (--enable-mixed-chunk off) and vLLM 0.6 (no chunked "
+             "prefill below 32K tokens of context) run a prompt's step alone while the decodes wait; vLLM V1, "
+             "TensorRT-LLM and NIM put prefill chunks in the decode steps",
     "scheduler_steps": "vLLM 0.6 runs with --num-scheduler-steps 10 schedule once every 10 decode steps: a new "
                        "request waits for the run in progress, and tokens stream 10 at a time (ITL = 10 TPOT)",
+    "itl": "mean ITL is compared with TPOT; median ITL with a decode step alone where fewer than half the steps "
+           "carry a prompt (else TPOT)",
 }
 SHAREGPT = (217, 202)
 # Checkpoints outside the catalog, planned as the catalog model with the same shapes.
@@ -70,6 +75,11 @@ def _max_num_seqs(entry: dict) -> int:
     if engine == "vllm":
         return 256 if version.startswith("0.6") else 1024
     return 256 if engine == "nim" else 2048
+
+
+def _mixes_prefill(entry: dict) -> bool:
+    version = str(entry.get("engine_version") or "")
+    return not (entry["engine"] == "sglang" or (entry["engine"] == "vllm" and version.startswith("0.6")))
 
 
 def _options(entry: dict, workload: dict) -> dict:
@@ -113,8 +123,8 @@ def predict(entry: dict) -> list[Row]:
             rows.append(Row(entry["id"], entry["engine"], metric, value, None,
                             "per-token spikes (a step carrying a prefill chunk) are not modelled; TPOT is"))
             continue
-        est = _estimates(plan, model, entry, opts, metric)
-        predicted = _same_quantity(metric, est, opts, entry)
+        est, median_gap = _estimates(plan, model, entry, opts, metric)
+        predicted = _same_quantity(metric, est, median_gap, opts, entry)
         if predicted is not None:
             rows.append(Row(entry["id"], entry["engine"], metric, value, predicted, "", _is_burst(entry)))
     return rows
@@ -127,21 +137,25 @@ def _is_burst(entry: dict) -> bool:
 
 
 def _estimates(plan, model, entry: dict, opts: dict, metric: str):
-    """The plan's estimates (for a p99 figure, the same plan's at the 99th percentile), its replicas
-    scheduling as the engine measured did."""
+    """(the plan's estimates, the median gap between two streamed pieces) with its replicas scheduling as
+    the engine measured did; for a p99 figure, the same plan's at the 99th percentile."""
     if metric.endswith("_p99"):
         dtype = "float16" if entry["dtype"] == "fp16" else "bfloat16"
         plan = make_plan(model, parse_declared(f"{entry['num_gpus']}x{entry['gpu']}"),
                          PlanOptions(dtype=dtype, target_percentile=99, **opts))
     steps = entry.get("scheduler_steps") or 1
-    if steps == 1:
-        return plan.chosen.estimates
     record = plan.record()
-    replica = replace(replica_of(record, model), scheduler_steps=steps)
-    return predict_replicas(record, replica, plan.chosen.estimates.workload)
+    replica = replace(replica_of(record, model), scheduler_steps=steps, mixes_prefill=_mixes_prefill(entry))
+    est = predict_replicas(record, replica, plan.chosen.estimates.workload)
+    w = est.workload
+    running = replica.speed(w.per_replica(record.parallel.data_parallel_size)).batch
+    # a prompt starts every output_len / running steps: when fewer than half the steps carry one, the
+    # median gap is a decode step alone
+    gap = replica.decode_step_ms(w, running) if running / w.output_len < 0.5 else est.tpot_ms
+    return est, gap * steps
 
 
-def _same_quantity(metric: str, est, opts: dict, entry: dict) -> float | None:
+def _same_quantity(metric: str, est, median_gap: float, opts: dict, entry: dict) -> float | None:
     """The prediction of a published figure; None where the figure is the offered load itself."""
     i, o = opts["input_len"], opts["output_len"]
     open_loop, mode = "request_rate" in opts, entry["workload"]["mode"]
@@ -153,7 +167,9 @@ def _same_quantity(metric: str, est, opts: dict, entry: dict) -> float | None:
         return est.ttft_ms - overhead
     if metric.startswith("tpot_ms"):
         return est.tpot_ms
-    if metric.startswith("itl_ms"):  # the gap between two streamed pieces, each a schedule's tokens
+    if metric.startswith("itl_ms_median"):
+        return median_gap
+    if metric.startswith("itl_ms"):  # the mean gap between two streamed pieces, each a schedule's tokens
         return est.tpot_ms * (entry.get("scheduler_steps") or 1)
     if metric.startswith("e2e_latency_ms"):
         overhead = load_database(entry["gpu"]).host.request_ms if mode == "static_batch" else 0.0

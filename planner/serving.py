@@ -74,6 +74,7 @@ class Replica:
     request_ms: float = 0.0  # a request's way through the server before its first step and after its first token
     source: str = ""  # where the step times come from (measured tables or the fitted roofline)
     scheduler_steps: int = 1  # decode steps between two schedules; this runtime schedules every step
+    mixes_prefill: bool = True  # prefill chunks share a step with the decodes; else a prompt's steps run alone
 
     def max_running(self, w: Workload) -> float:
         """Requests the KV cache holds at once, each at its mean length over its life."""
@@ -93,6 +94,25 @@ class Replica:
             done += n
         return chunks
 
+    def decode_step_ms(self, w: Workload, b: float) -> float:
+        """A step of b requests decoding over the workload's mean context, no prompt beside them."""
+        return self.cycle_ms(max(1, math.ceil(b)), (), _decode_context(w))
+
+    def _prompt_steps(self, bi: int, w: Workload, together: float) -> tuple[list[float], float]:
+        """(the steps that carry a new prompt, the time each prompt adds to the decodes' cycle) with bi
+        requests decoding and `together` prompts arriving per cycle. Mixed: the prompt's chunks ride in
+        decode steps, adding their compute. Not mixed: its steps run alone (one decode token, a step's
+        least) while the decodes wait; prompts arriving together share one step's weight reads."""
+        context = _decode_context(w)
+        if self.mixes_prefill:
+            own = [self.cycle_ms(bi, (c,), context) for c in self._chunks(bi, w)]
+            return own, sum(own) - self.cycle_ms(bi, (), context) * len(own)
+        chunks = self._chunks(0, w)
+        k = 1 if len(chunks) > 1 else max(1, min(math.ceil(together),
+                                                 self.max_num_batched_tokens // chunks[0].tokens))
+        own = [self.cycle_ms(1, (c,) * k, context) for c in chunks]
+        return own, sum(own) / k
+
     def _steady(self, b: float, w: Workload, per_cycle: float | None = None,
                 rate_per_ms: float | None = None) -> tuple[float, float, float]:
         """(mean cycle ms, TTFT ms at the percentile, prefill utilisation) with b requests running and
@@ -100,16 +120,18 @@ class Replica:
         end) or at random times, `rate_per_ms` (an open loop: a request first waits for the running
         step to end). Utilisation 1 or more is overload."""
         bi = max(1, math.ceil(b))
-        context = _decode_context(w)
-        decode_only = self.cycle_ms(bi, (), context)
-        chunks = self._chunks(bi, w)
-        own = [self.cycle_ms(bi, (c,), context) for c in chunks]  # the steps that carry this prompt
-        extra = sum(own) - decode_only * len(own)
-        new, room = max(1, w.input_len - w.prefix_len), max(1, self.max_num_batched_tokens - bi)
+        decode_only = self.decode_step_ms(w, bi)
+        own, extra = self._prompt_steps(bi, w, 1.0 if per_cycle is None else per_cycle)
+        new = max(1, w.input_len - w.prefix_len)
+        room = max(1, self.max_num_batched_tokens - (bi if self.mixes_prefill else 0))
         busy = 0.0
         if rate_per_ms is not None:  # arrivals per cycle while cycles stretch by the prefills they carry;
-            busy = rate_per_ms * extra  # past saturation (every step's budget full of prefill) overload
-            per_cycle = room / new if busy >= 1 else min(room / new, rate_per_ms * decode_only / (1 - busy))
+            for _ in range(2):  # past saturation (every step's budget full of prefill) overload; a second
+                busy = rate_per_ms * extra  # pass when prompts come fast enough to share a step
+                per_cycle = room / new if busy >= 1 else min(room / new, rate_per_ms * decode_only / (1 - busy))
+                if self.mixes_prefill or per_cycle <= 1:
+                    break
+                own, extra = self._prompt_steps(bi, w, per_cycle)
         assert per_cycle is not None  # a closed loop gives it; an open loop's rate sets it above
         mean = decode_only + per_cycle * extra
         rho = 1.0 if busy >= 1 or per_cycle >= room / new else per_cycle * new / room
@@ -121,7 +143,8 @@ class Replica:
             wait = mean_wait / rho * math.log(rho / (1 - p))
         step_wait = 0.0
         if rate_per_ms is not None:  # the rest of the step running when the request arrives
-            in_prefill = min(1.0, rate_per_ms * service)  # the share of time in steps that carry a prompt
+            # the share of time in steps that carry a prompt (alone, a step is shared by the prompts in it)
+            in_prefill = min(1.0, rate_per_ms * (service if self.mixes_prefill else extra))
             step_wait = _residual_wait(p, [(in_prefill, service / len(own)),
                                            ((1 - in_prefill) * min(1.0, b), decode_only * self.scheduler_steps)])
         return mean, self.request_ms + step_wait + service + wait, max(rho, busy)

@@ -158,8 +158,7 @@ def estimate(replica: Replica, workload: Workload, targets: Targets, dp: int, nu
     if workload.concurrency is None and workload.request_rate is None:  # full batches
         workload = replace(workload, concurrency=round(replica.max_running(workload) * dp, 1))
     speed: ReplicaSpeed = replica.speed(workload.per_replica(dp))
-    # one request decoding alone, over the workload's mean context (no prefill beside it)
-    batch1_ms = replica.cycle_ms(1, (), workload.input_len + workload.output_len // 2)
+    batch1_ms = replica.decode_step_ms(workload, 1)  # one request decoding alone
     total = speed.output_tokens_per_s * dp
     return Estimates(workload, speed.ttft_ms, speed.tpot_ms, total, total / num_gpus,
                      1e3 / speed.tpot_ms, replica_max_rate * dp, 1e3 / batch1_ms,

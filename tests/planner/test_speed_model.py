@@ -72,7 +72,7 @@ def _replica(per_token_ms=0.01, base_ms=10.0, **kw) -> Replica:
         return base_ms + per_token_ms * (b + sum(c.tokens for c in chunks))
     return Replica(cycle, kw.get("max_num_seqs", 256), kw.get("max_num_batched_tokens", 8192),
                    kw.get("kv_cache_tokens", 10**6), kw.get("request_ms", 0.0),
-                   scheduler_steps=kw.get("scheduler_steps", 1))
+                   scheduler_steps=kw.get("scheduler_steps", 1), mixes_prefill=kw.get("mixes_prefill", True))
 
 
 def test_closed_loop_by_hand():
@@ -84,6 +84,25 @@ def test_closed_loop_by_hand():
     assert s.output_tokens_per_s == pytest.approx(50 / s.tpot_ms * 1e3)
     # the first token: the prompt's own step (50 decodes beside its 1000 tokens), no wait in a closed loop
     assert s.ttft_ms == pytest.approx(10 + 0.01 * 1050)
+
+
+def test_prompts_in_steps_of_their_own_by_hand():
+    """An engine that does not mix (SGLang's default): a prompt's step runs alone (one decode token)
+    while the decodes wait, and prompts arriving in the same cycle share one step."""
+    r = _replica(mixes_prefill=False, max_num_seqs=512)
+    s = r.closed_loop(Workload(1000, 100, concurrency=50))  # half a prompt per cycle: a step each
+    prompt_step = 10 + 0.01 * (1 + 1000)
+    assert s.tpot_ms == pytest.approx(10 + 0.01 * 50 + 0.5 * prompt_step)
+    assert s.ttft_ms == pytest.approx(prompt_step)
+    s = r.closed_loop(Workload(1000, 100, concurrency=400))  # 4 prompts per cycle share one step
+    shared = 10 + 0.01 * (1 + 4000)
+    assert s.tpot_ms == pytest.approx(10 + 0.01 * 400 + shared)
+    assert s.ttft_ms == pytest.approx(shared)
+    mixed = _replica(max_num_seqs=512).closed_loop(Workload(1000, 100, concurrency=50))
+    assert mixed.tpot_ms < r.closed_loop(Workload(1000, 100, concurrency=50)).tpot_ms
+    s = r.open_loop(Workload(500, 200, request_rate=20))  # 20/s x a 15.01 ms step of its own each
+    decode = 10 + 0.01 * math.ceil(s.batch)
+    assert s.tpot_ms == pytest.approx(decode / (1 - 20 / 1e3 * (10 + 0.01 * 501)), rel=1e-3)
 
 
 def test_closed_loop_queues_past_max_num_seqs_and_the_kv_cache():
