@@ -16,52 +16,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
-import sys
+import tempfile
 import time
 import urllib.request
+from pathlib import Path
 
 import openai
+
+from shardserve.launch import local_server
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(name: str, settings: list[str], replicas: int, port: int) -> subprocess.Popen:
-    args = [sys.executable, "-m", "shardserve.launch", "launch", "--profile", "demo", "--set",
-            f"hardware={replicas}xcpu" if replicas > 1 else "hardware=cpu", "--set", f"data_parallel_size={replicas}",
-            *(a for kv in settings for a in ("--set", kv)), "--port", str(port)]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise SystemExit(f"the {name} server did not come up in 300 s")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+def launch_args(settings: list[str], replicas: int) -> list[str]:
+    return ["--profile", "demo", "--set", f"hardware={replicas}xcpu" if replicas > 1 else "hardware=cpu",
+            "--set", f"data_parallel_size={replicas}", *(a for kv in settings for a in ("--set", kv))]
 
 
 COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total")
@@ -119,17 +91,17 @@ async def workload(url: str, args) -> list[float]:
 
 
 def one_run(name: str, settings: list[str], run: int, args) -> dict:
-    port = free_port()
-    proc = start_server(name, settings, args.replicas, port)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        before = settled_counts(url)
-        start = time.perf_counter()
-        ttfts = asyncio.run(workload(url, args))
-        elapsed = time.perf_counter() - start
-        queries, hits, loaded = (a - b for a, b in zip(settled_counts(url), before))
-    finally:
-        stop_server(proc)
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, url = local_server.start(launch_args(settings, args.replicas), Path(tmp) / "server.log",
+                                       f"the {name} server", 300)
+        try:
+            before = settled_counts(url)
+            start = time.perf_counter()
+            ttfts = asyncio.run(workload(url, args))
+            elapsed = time.perf_counter() - start
+            queries, hits, loaded = (a - b for a, b in zip(settled_counts(url), before))
+        finally:
+            local_server.stop(proc)
     return {"side": name, "settings": settings, "replicas": args.replicas, "run": run,
             "conversations": args.conversations, "turns": args.turns, "requests": len(ttfts),
             "prompt_tokens": int(queries), "cached_tokens": int(hits), "cpu_tier_tokens": int(loaded),

@@ -1,5 +1,6 @@
 """A `shardserve launch` in a process of its own on a free loopback port, for measurements that need a real
-server (calibrate's request timing, bench/gpu_serve.py): started, waited for, stopped by its pid."""
+server (calibrate's request timing, bench/gpu_serve.py, bench/multiturn.py): started, waited for,
+stopped by its pid."""
 
 from __future__ import annotations
 
