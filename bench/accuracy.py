@@ -118,13 +118,16 @@ def predict(entry: dict) -> list[Row]:
     except PlanError as e:
         return [Row(entry["id"], entry["engine"], k, v, None, str(e)[:80]) for k, v in entry["measured"].items()]
     rows = []
+    by_percentile: dict[int, tuple] = {}  # the estimates at p50 and at p99, each made once
     for metric, value in entry["measured"].items():
         if metric.startswith("itl_ms_p99"):
             rows.append(Row(entry["id"], entry["engine"], metric, value, None,
                             "per-token spikes (a step carrying a prefill chunk) are not modelled; TPOT is"))
             continue
-        est, median_gap = _estimates(plan, model, entry, opts, metric)
-        predicted = _same_quantity(metric, est, median_gap, opts, entry)
+        percentile = 99 if metric.endswith("_p99") else 50
+        if percentile not in by_percentile:
+            by_percentile[percentile] = _estimates(plan, model, entry, opts, percentile)
+        predicted = _same_quantity(metric, *by_percentile[percentile], opts, entry)
         if predicted is not None:
             rows.append(Row(entry["id"], entry["engine"], metric, value, predicted, "", _is_burst(entry)))
     return rows
@@ -136,13 +139,13 @@ def _is_burst(entry: dict) -> bool:
     return at_once and w.get("dataset") == "sharegpt"
 
 
-def _estimates(plan, model, entry: dict, opts: dict, metric: str):
-    """(the plan's estimates, the median gap between two streamed pieces) with its replicas scheduling as
-    the engine measured did; for a p99 figure, the same plan's at the 99th percentile."""
-    if metric.endswith("_p99"):
+def _estimates(plan, model, entry: dict, opts: dict, percentile: int):
+    """(the plan's estimates at the percentile, the mean and the median gap between two streamed pieces)
+    with its replicas scheduling as the engine measured did."""
+    if percentile != 50:
         dtype = "float16" if entry["dtype"] == "fp16" else "bfloat16"
         plan = make_plan(model, parse_declared(f"{entry['num_gpus']}x{entry['gpu']}"),
-                         PlanOptions(dtype=dtype, target_percentile=99, **opts))
+                         PlanOptions(dtype=dtype, target_percentile=percentile, **opts))
     steps = entry.get("scheduler_steps") or 1
     record = plan.record()
     replica = replace(replica_of(record, model), scheduler_steps=steps, mixes_prefill=_mixes_prefill(entry))
@@ -151,11 +154,12 @@ def _estimates(plan, model, entry: dict, opts: dict, metric: str):
     running = replica.speed(w.per_replica(record.parallel.data_parallel_size)).batch
     # a prompt starts every output_len / running steps: when fewer than half the steps carry one, the
     # median gap is a decode step alone
-    gap = replica.decode_step_ms(w, running) if running / w.output_len < 0.5 else est.tpot_ms
-    return est, gap * steps
+    median = replica.decode_step_ms(w, running) if running / w.output_len < 0.5 else est.tpot_ms
+    return est, est.tpot_ms * steps, median * steps
 
 
-def _same_quantity(metric: str, est, median_gap: float, opts: dict, entry: dict) -> float | None:
+def _same_quantity(metric: str, est, mean_gap: float, median_gap: float, opts: dict,
+                   entry: dict) -> float | None:
     """The prediction of a published figure; None where the figure is the offered load itself."""
     i, o = opts["input_len"], opts["output_len"]
     open_loop, mode = "request_rate" in opts, entry["workload"]["mode"]
@@ -169,8 +173,8 @@ def _same_quantity(metric: str, est, median_gap: float, opts: dict, entry: dict)
         return est.tpot_ms
     if metric.startswith("itl_ms_median"):
         return median_gap
-    if metric.startswith("itl_ms"):  # the mean gap between two streamed pieces, each a schedule's tokens
-        return est.tpot_ms * (entry.get("scheduler_steps") or 1)
+    if metric.startswith("itl_ms"):
+        return mean_gap
     if metric.startswith("e2e_latency_ms"):
         overhead = load_database(entry["gpu"]).host.request_ms if mode == "static_batch" else 0.0
         return est.ttft_ms - overhead + (o - 1) * est.tpot_ms

@@ -106,7 +106,7 @@ class Replica:
         context = _decode_context(w)
         if self.mixes_prefill:
             own = [self.cycle_ms(bi, (c,), context) for c in self._chunks(bi, w)]
-            return own, sum(own) - self.cycle_ms(bi, (), context) * len(own)
+            return own, sum(own) - self.decode_step_ms(w, bi) * len(own)
         chunks = self._chunks(0, w)
         k = 1 if len(chunks) > 1 else max(1, min(math.ceil(together),
                                                  self.max_num_batched_tokens // chunks[0].tokens))
