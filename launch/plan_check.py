@@ -45,7 +45,7 @@ class FinishedRequest:
 class Prediction:
     """The plan's estimates and the workload they were made for."""
 
-    ttft_ms: float
+    ttft_ms: float | None  # None: the plan's load outruns it (overloaded: TTFT unbounded)
     tpot_ms: float
     percentile: int  # the percentile the estimates are stated at
     input_len: int
@@ -139,15 +139,15 @@ class PlanCheck:
                     for name, measured, predicted in (("TTFT", ttft_ms, expected[0]), ("TPOT", tpot_ms, expected[1]))]
         return replace(report, warnings=tuple(w for w in warnings if w))
 
-    def expected(self, report: WindowReport) -> tuple[float, float]:
+    def expected(self, report: WindowReport) -> tuple[float | None, float]:
         """The plan's TTFT and TPOT for the traffic seen (its own estimates without a speed model)."""
         if self.for_traffic is None:
             return self.prediction.ttft_ms, self.prediction.tpot_ms
         return self.for_traffic(max(1, round(report.mean_prompt_tokens)), max(1, round(report.mean_output_tokens)),
                                 max(1.0, report.mean_in_flight))
 
-    def _off(self, name: str, measured: float | None, predicted: float, report: WindowReport) -> str | None:
-        if measured is None or predicted <= 0 or abs(measured - predicted) <= TOLERANCE * predicted:
+    def _off(self, name: str, measured: float | None, predicted: float | None, report: WindowReport) -> str | None:
+        if measured is None or predicted is None or predicted <= 0 or abs(measured - predicted) <= TOLERANCE * predicted:
             return None
         q = self.prediction.percentile
         direction = "above" if measured > predicted else "below"
@@ -162,18 +162,18 @@ class PlanCheck:
         tpot = (" ".join(f"p{q} {v:.1f} ms" for q, v in report.tpot_ms.items()) if report.tpot_ms
                 else "none (no request had 2 output tokens)")
         ttft_now, tpot_now = self.expected(report)
-        here = (f"; for this traffic the plan's model says TTFT {ttft_now:.1f} ms, TPOT {tpot_now:.1f} ms"
+        here = (f"; for this traffic the plan's model says TTFT {_ms(ttft_now)}, TPOT {tpot_now:.1f} ms"
                 if self.for_traffic is not None else "")
         return (f"plan check, last {report.seconds:.0f} s: {report.num_requests} requests, {_workload(report)}; "
                 f"TTFT {' '.join(f'p{q} {v:.1f} ms' for q, v in report.ttft_ms.items())} (plan p{p.percentile} "
-                f"{p.ttft_ms:.1f} ms), TPOT {tpot} (plan p{p.percentile} {p.tpot_ms:.1f} ms); the plan is for "
+                f"{_ms(p.ttft_ms)}), TPOT {tpot} (plan p{p.percentile} {p.tpot_ms:.1f} ms); the plan is for "
                 f"{p.describe_workload()}{here}")
 
     async def run(self) -> None:
         """Tick at each window's end until cancelled (the launcher cancels it on shutdown)."""
         p = self.prediction
-        logger.info("checking TTFT and TPOT against the plan's (p%d %.1f ms and %.1f ms for %s) every %.0f s with "
-                    "%d requests or more", p.percentile, p.ttft_ms, p.tpot_ms, p.describe_workload(),
+        logger.info("checking TTFT and TPOT against the plan's (p%d %s and %.1f ms for %s) every %.0f s with "
+                    "%d requests or more", p.percentile, _ms(p.ttft_ms), p.tpot_ms, p.describe_workload(),
                     self.window_seconds, MIN_REQUESTS)
         while True:
             await asyncio.sleep(max(0.05, self._window_start + self.window_seconds - self.clock()))
@@ -213,9 +213,9 @@ def rederived(plan: PlanFile, source: str, settings: dict, model: ModelInfo) -> 
     fresh = replace(fresh, inputs_digest=fresh.digest())
     old, new = plan.estimates, fresh.estimates
     logger.info("%s: planned again with the layout as written (%s, layer_split %s), its settings or layout "
-                "differing from those its predictions were made for: TTFT p%d %.1f -> %.1f ms, TPOT %.1f -> "
+                "differing from those its predictions were made for: TTFT p%d %s -> %s, TPOT %.1f -> "
                 "%.1f ms, KV cache %d -> %d tokens; the self-check uses these", source, _layout(fresh),
-                list(fresh.parallel.layer_split), new.workload.percentile, old.ttft_ms, new.ttft_ms, old.tpot_ms,
+                list(fresh.parallel.layer_split), new.workload.percentile, _ms(old.ttft_ms), _ms(new.ttft_ms), old.tpot_ms,
                 new.tpot_ms, plan.memory.kv_cache_tokens, fresh.memory.kv_cache_tokens)
     return fresh
 
@@ -231,6 +231,11 @@ def _traffic_within(plan: PlanFile, settings: dict, source: str) -> dict:
     logger.info("%s: its traffic of %d prompt + %d output tokens is beyond max_model_len %d: planned for the "
                 "default lengths within it", source, service.input_len, service.output_len, max_model_len)
     return {k: v for k, v in settings.items() if k not in ("input_len", "output_len")}
+
+
+def _ms(value: float | None) -> str:
+    """A plan's TTFT for a log line: '183.0 ms', or 'unbounded' (overloaded)."""
+    return "unbounded" if value is None else f"{value:.1f} ms"
 
 
 def _layout(plan: PlanFile) -> str:

@@ -156,7 +156,8 @@ def render_estimates(plan: PlanFile, console: Console) -> None:
                   show_header=False)
     targets = {"ttft_ms": svc.ttft_ms, "tpot_ms": svc.tpot_ms}
     for key, label, value, unit in (
-            ("ttft_ms", f"TTFT p{p}", f"{est.ttft_ms:,.0f}", "ms"),
+            ("ttft_ms", f"TTFT p{p}", "unbounded" if est.ttft_ms is None else f"{est.ttft_ms:,.0f}",
+             "(overloaded: see the warning)" if est.ttft_ms is None else "ms"),
             ("tpot_ms", f"TPOT p{p}", f"{est.tpot_ms:,.1f}", "ms"),
             ("", "output tokens/s", f"{est.output_tokens_per_s:,.0f}", "whole deployment"),
             ("", f"  per {'CPU rank' if plan.runtime.device == 'cpu' else 'GPU'}",

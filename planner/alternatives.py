@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from shardserve.planner.hardware import Hardware
+from shardserve.planner.schema import finite
 from shardserve.planner.search import PREFERENCE_MARGIN, Candidate, estimates_of, pareto_front, preference, rank_key
 from shardserve.planner.workload import Targets
 
@@ -41,8 +42,8 @@ def alternatives(chosen: Candidate, candidates: list[Candidate], hardware: Hardw
                                rank_key(c, hardware) if c.is_feasible else c.layout))
     out = []
     for c in others[:limit]:
-        # a layout that cannot run has no speed: its cells stay empty
-        speed = {name: None if c.estimates is None else round(getattr(c.estimates, name), digits)
+        # a layout that cannot run has no speed, an overloaded one no TTFT (unbounded): their cells stay empty
+        speed = {name: None if c.estimates is None else finite(getattr(c.estimates, name), digits)
                  for name, digits in SPEED_FIELDS}
         out.append({
             "tensor_parallel_size": c.layout.tensor_parallel_size,
@@ -62,12 +63,15 @@ def why_not(c: Candidate, chosen: Candidate, hardware: Hardware, targets: Target
         return c.problem
     e, best = estimates_of(c), estimates_of(chosen)
     if targets.is_set:
-        misses = targets.misses(e.ttft_ms, e.tpot_ms) + (["overloaded"] if e.is_overloaded else [])
+        misses = targets.misses(e.ttft_ms, e.tpot_ms) + [m for m in (e.overload(),) if m]
         if misses:
             return "; ".join(misses)
         if c.layout.num_gpus > chosen.layout.num_gpus:
             return f"meets the targets on {c.layout.num_gpus} GPUs; the plan needs {chosen.layout.num_gpus}"
         ratio = e.output_tokens_per_s_per_gpu / best.output_tokens_per_s_per_gpu
+        if round(ratio, 2) == 1 and e.max_request_rate < best.max_request_rate:  # a rate both keep up with
+            return (f"meets the targets on as many GPUs, up to {e.max_request_rate:,.2f} req/s (the plan "
+                    f"{best.max_request_rate:,.2f})")
         return f"meets the targets with {ratio:.0%} of the plan's output tokens/s per GPU"
     idle = hardware.total_gpus - c.layout.num_gpus
     if idle > hardware.total_gpus - chosen.layout.num_gpus:
@@ -78,4 +82,4 @@ def why_not(c: Candidate, chosen: Candidate, hardware: Hardware, targets: Target
                 "preferred shape wins")
     if preference(c, hardware) < preference(chosen, hardware):
         return f"the rules prefer it, but it is estimated at {ratio:.0%} of the plan's output tokens/s"
-    return f"slower: {ratio:.0%} of the plan's estimated output tokens/s"
+    return f"slower: {ratio:.0%} of the plan's estimated output tokens/s" + (f" ({e.overload()})" if e.is_overloaded else "")

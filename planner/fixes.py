@@ -85,12 +85,13 @@ def _targets_text(search: Search) -> str:
 def missed_targets(search: Search, candidates: list[Candidate]) -> str:
     """The nearest miss, and what would meet the targets: more GPUs, an fp8 KV cache, fp8 weights."""
     runnable = [c for c in candidates if c.is_feasible]
-    nearest = min(runnable, key=lambda c: (estimates_of(c).is_overloaded, search.targets.shortfall(
-        estimates_of(c).ttft_ms, estimates_of(c).tpot_ms), c.layout.num_gpus))
+    def distance(c: Candidate) -> tuple[bool, float, int]:  # of the overloaded, the one that serves the most
+        e = estimates_of(c)
+        far = -e.output_tokens_per_s if e.is_overloaded else search.targets.shortfall(e.ttft_ms, e.tpot_ms)
+        return e.is_overloaded, far, c.layout.num_gpus
+    nearest = min(runnable, key=distance)
     e = estimates_of(nearest)
-    why = "; ".join(search.targets.misses(e.ttft_ms, e.tpot_ms))
-    if e.is_overloaded:
-        why = (why + "; " if why else "") + "overloaded: the load outruns it"
+    why = "; ".join(search.targets.misses(e.ttft_ms, e.tpot_ms) + [m for m in (e.overload(),) if m])
     lines = [f"no layout on {search.hardware.describe()} meets {_targets_text(search)} at "
              f"{search.workload.describe()}: the nearest, {nearest.layout}, has {why}."]
     more = fewest_gpus(search) if search.workload.concurrency is not None or \

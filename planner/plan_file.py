@@ -153,7 +153,7 @@ class WorkloadSection:
 @dataclass(frozen=True)
 class EstimatesSection:
     workload: WorkloadSection
-    ttft_ms: float
+    ttft_ms: float | None  # None: overloaded, the rate outruns the layout and TTFT grows without bound
     tpot_ms: float
     output_tokens_per_s: float  # the whole deployment
     output_tokens_per_s_per_gpu: float

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from shardserve.planner.hardware import GIB, Hardware
 from shardserve.planner.model_source import ModelInfo
 from shardserve.planner.options import RuntimeSettings
@@ -223,4 +225,20 @@ def warnings(model: ModelInfo, hardware: Hardware, settings: RuntimeSettings,
                            "another process holds memory; lower --gpu-memory-utilization")
     if model.tensors_from == "config":
         out.append("weight sizes derived from config.json (no safetensors files read)")
+    overload = _overload_line(chosen)
+    if overload:
+        out.append(overload)
     return out
+
+
+def _overload_line(chosen: Candidate) -> str | None:
+    """How the load outruns the chosen layout and, at a request rate, how many replicas would keep up."""
+    e, layout = estimates_of(chosen), chosen.layout
+    said, rate = e.overload(), e.workload.request_rate
+    if said is None or rate is None or e.max_request_rate <= 0:
+        return said
+    # (a plan is overloaded only without targets: max_request_rate is then the rate before overload)
+    replicas = math.ceil(rate / (e.max_request_rate / layout.data_parallel_size))
+    return (f"{said}: {replicas} replicas of tp {layout.tensor_parallel_size} x pp {layout.pipeline_parallel_size} "
+            f"({replicas * layout.gpus_per_replica} GPUs) would keep up; --recommend with --ttft-ms/--tpot-ms "
+            "plans for a latency too")

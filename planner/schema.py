@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from shardserve.planner.plan_file import (SCHEMA_VERSION, EstimatesSection, GpuSection, HardwareSection,
@@ -67,12 +68,17 @@ def _service_section(search) -> ServiceSection:
                           tpot_ms=t.tpot_ms, target_percentile=w.percentile)
 
 
+def finite(value: float, digits: int) -> float | None:
+    """A figure as a plan writes it: rounded, or None where it is unbounded (an overloaded layout's TTFT)."""
+    return round(value, digits) if math.isfinite(value) else None
+
+
 def _estimates_section(est) -> EstimatesSection:
     w = est.workload
     return EstimatesSection(
         workload=WorkloadSection(input_len=w.input_len, output_len=w.output_len, prefix_len=w.prefix_len,
                                  concurrency=w.concurrency, request_rate=w.request_rate, percentile=w.percentile),
-        ttft_ms=round(est.ttft_ms, 1), tpot_ms=round(est.tpot_ms, 2),
+        ttft_ms=finite(est.ttft_ms, 1), tpot_ms=round(est.tpot_ms, 2),
         output_tokens_per_s=round(est.output_tokens_per_s, 1),
         output_tokens_per_s_per_gpu=round(est.output_tokens_per_s_per_gpu, 1),
         output_tokens_per_s_per_user=round(est.output_tokens_per_s_per_user, 1),

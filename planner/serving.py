@@ -8,13 +8,14 @@ step's remaining token budget (max_num_batched_tokens - b) goes to prefill chunk
     TTFT   = wait for a step + the prompt's own chunk steps + queueing for the prefill budget
 
 Closed loop (`concurrency`): b = the concurrency, capped by max_num_seqs and the KV cache; the rest
-wait their turn. Open loop (`request_rate`): b is where arrivals match completions,
-b = rate * (TTFT + (output_len - 1) * TPOT), found by fixed-point iteration; a rate no b sustains
-is overload. Prefill queueing is M/D/1 with Poisson arrivals: the wait exceeded by a fraction
-1 - p of requests is 0 when p <= 1 - rho, else mean_wait / rho * ln(rho / (1 - p)). A request
-arriving at a random time first waits for the step in progress: a decode step, or now and then a
-longer one carrying another prompt (what sets TTFT's tail at light load). An engine that schedules
-once every k decode steps (vLLM 0.6's --num-scheduler-steps) makes it wait for the whole run of k.
+wait their turn. Open loop (`request_rate`): b is where arrivals match completions, b = rate *
+(TTFT + (output_len - 1) * TPOT), found by fixed-point iteration; a rate no b sustains is overload:
+the replica runs full (`saturated`) while TTFT grows without bound (inf). Prefill queueing is M/D/1
+with Poisson arrivals: the wait exceeded by a fraction 1 - p of requests is 0 when p <= 1 - rho,
+else mean_wait / rho * ln(rho / (1 - p)). A request arriving at a random time first waits for the
+step in progress: a decode step, or now and then a longer one carrying another prompt (what sets
+TTFT's tail at light load). An engine that schedules once every k decode steps (vLLM 0.6's
+--num-scheduler-steps) makes it wait for the whole run of k.
 """
 
 from __future__ import annotations
@@ -157,6 +158,12 @@ class Replica:
             ttft += (c - b) / b * (ttft + (w.output_len - 1) * cycle)
         return ReplicaSpeed(ttft, cycle, b / cycle * 1e3, b, rho >= 1)
 
+    def saturated(self, w: Workload) -> ReplicaSpeed:
+        """The replica kept full: as many requests running as max_num_seqs and the KV cache allow, the
+        next admitted as one finishes (what it serves while a queue waits)."""
+        return self.closed_loop(Workload(w.input_len, w.output_len, w.prefix_len, self.max_running(w), None,
+                                         w.percentile))
+
     def open_loop(self, w: Workload) -> ReplicaSpeed:
         rate = (w.request_rate or 0.0) / 1e3  # per ms
         cap = self.max_running(w)
@@ -165,13 +172,22 @@ class Replica:
             cycle, ttft, rho = self._steady(b, w, rate_per_ms=rate)
             nxt = rate * (ttft + (w.output_len - 1) * cycle)
             if rho >= 1 or nxt > cap:
-                return ReplicaSpeed(ttft, cycle, rate * w.output_len * 1e3, cap, True)
+                return self._overloaded(w)
             if abs(nxt - b) <= 1e-3 * max(1.0, b):
                 b = nxt
                 break
             b = 0.5 * (b + nxt)
         cycle, ttft, rho = self._steady(b, w, rate_per_ms=rate)
-        return ReplicaSpeed(ttft, cycle, rate * w.output_len * 1e3, b, rho >= 1)
+        if rho >= 1:
+            return self._overloaded(w)
+        return ReplicaSpeed(ttft, cycle, rate * w.output_len * 1e3, b, False)
+
+    def _overloaded(self, w: Workload) -> ReplicaSpeed:
+        """Arrivals outrun the replica: it runs full (saturated) while the queue, and so TTFT, grows
+        without bound (math.inf); it serves its full batch's tokens, never more than were asked for."""
+        full = self.saturated(w)
+        asked = (w.request_rate or 0.0) * w.output_len
+        return ReplicaSpeed(math.inf, full.tpot_ms, min(asked, full.output_tokens_per_s), full.batch, True)
 
     def speed(self, w: Workload) -> ReplicaSpeed:
         return self.open_loop(w) if w.request_rate is not None else self.closed_loop(w)
@@ -179,9 +195,7 @@ class Replica:
     def max_request_rate(self, w: Workload, meets: Callable[[ReplicaSpeed], bool]) -> float:
         """The highest Poisson rate (requests/s) this replica serves without overload and with
         `meets` true; 0 when not even a trickle meets it."""
-        full = self.closed_loop(Workload(w.input_len, w.output_len, w.prefix_len, self.max_running(w),
-                                         None, w.percentile))
-        hi = full.output_tokens_per_s / max(1, w.output_len) * 1.05
+        hi = self.saturated(w).output_tokens_per_s / max(1, w.output_len) * 1.05
         lo = 0.0
 
         def ok(rate: float) -> bool:

@@ -37,6 +37,18 @@ class Estimates:
     def meets(self, targets: Targets) -> bool:
         return not self.is_overloaded and not targets.misses(self.ttft_ms, self.tpot_ms)
 
+    def overload(self) -> str | None:
+        """None, or how the load outruns the layout: at a request rate, 'overloaded: serves at most 12.8 of
+        the 100 req/s asked for (3,843 output tokens/s); TTFT grows without bound' (the queue never ends)."""
+        if not self.is_overloaded:
+            return None
+        w = self.workload
+        if w.request_rate is None or math.isfinite(self.ttft_ms):
+            return "overloaded: prompts arrive faster than the steps prefill them"
+        return (f"overloaded: serves at most {self.output_tokens_per_s / w.output_len:.3g} of the "
+                f"{w.request_rate:g} req/s asked for ({self.output_tokens_per_s:,.0f} output tokens/s); "
+                "TTFT grows without bound")
+
 
 def _dtypes(spec: ModelSpec, settings: RuntimeSettings, hardware: Hardware) -> dict:
     gpu, q = hardware.gpu, spec.quantization

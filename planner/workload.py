@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -45,9 +46,10 @@ class Targets:
         return " and ".join(parts)
 
     def misses(self, ttft_ms: float, tpot_ms: float) -> list[str]:
-        """What a speed misses, worded for a reader: 'TTFT 620 ms > 500 ms'."""
+        """What a speed misses, worded for a reader: 'TTFT 620 ms > 500 ms'. An overloaded speed's TTFT
+        (inf: it grows without bound) is left to Estimates.overload to word."""
         out = []
-        if self.ttft_ms is not None and ttft_ms > self.ttft_ms:
+        if self.ttft_ms is not None and ttft_ms > self.ttft_ms and math.isfinite(ttft_ms):
             out.append(f"TTFT {ttft_ms:,.0f} ms > {self.ttft_ms:g} ms")
         if self.tpot_ms is not None and tpot_ms > self.tpot_ms:
             out.append(f"TPOT {tpot_ms:.1f} ms > {self.tpot_ms:g} ms")

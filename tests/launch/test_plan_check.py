@@ -79,6 +79,15 @@ def test_a_fast_ttft_beyond_the_tolerance_warns_too_and_requests_are_not_counted
     assert check.tick() is None  # the next window has no requests of its own
 
 
+def test_an_overloaded_plan_has_no_ttft_to_compare(caplog):
+    """A plan whose rate outruns it (TTFT unbounded, null in the file): TPOT is still checked, TTFT never."""
+    overloaded = dataclasses.replace(PLAN, ttft_ms=None, concurrency=None, request_rate=100.0)
+    report, lines = run_window(finished(5000, 40, 13), caplog, overloaded)
+    assert [level for level, _ in lines] == ["INFO", "WARNING"]
+    assert "(plan p50 unbounded)" in lines[0][1] and lines[1][1].startswith("measured TPOT p50")
+    assert [w.split(" p50")[0] for w in report.warnings] == ["measured TPOT"]
+
+
 def test_the_plan_percentile_is_the_one_compared():
     requests = [FinishedRequest(0.2, 0.02, 2.0, 1000, 100)] * 10 + [FinishedRequest(0.2, 0.06, 6.0, 1000, 100)] * 2
     assert PlanCheck(PLAN, Clock()).report(requests, 60.0).warnings == ()  # p50: 20 ms as planned

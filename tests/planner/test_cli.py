@@ -57,6 +57,18 @@ def test_json_on_stdout_for_tools():
     assert sum(plan["parallel"]["layer_split"]) == plan["model"]["num_layers"]
 
 
+def test_an_overloaded_plan_says_so_in_json_and_the_table():
+    args = ("plan", "--model", "meta-llama/Llama-3.1-8B-Instruct", "--hardware", "H100-80GB",
+            "--request-rate", "100", "--input-len", "2000", "--output-len", "300")
+    r = shardserve(*args, "--format", "json")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert plan["estimates"]["ttft_ms"] is None and plan["estimates"]["output_tokens_per_s"] < 100 * 300
+    assert any(w.startswith("overloaded: serves at most") for w in plan["warnings"])
+    table = shardserve(*args).stdout
+    assert "TTFT p50" in table and "unbounded" in table and "(overloaded: see the warning)" in table
+
+
 def test_version_and_help():
     assert shardserve("--version").stdout.startswith("shardserve ")
     r = shardserve("plan", "--help")

@@ -135,6 +135,23 @@ def test_open_loop_overload_and_the_highest_rate():
     assert r.open_loop(w.with_rate(best * 1.05)).tpot_ms > 14.0 or r.open_loop(w.with_rate(best * 1.05)).is_overloaded
 
 
+def test_an_overloaded_replica_serves_its_full_batch_by_hand():
+    """1,000 req/s of 500 in / 200 out outrun a replica of 64: it runs full, a prompt admitted as a
+    request finishes, and serves what that batch does while its queue, and TTFT, grow without bound."""
+    r = _replica(max_num_seqs=64)
+    s = r.open_loop(Workload(500, 200, request_rate=1000))
+    step = 10 + 0.01 * (64 + 64 / 200 * 500)  # 64 decodes and 64 / 200 prompts of 500 tokens a step
+    assert s.is_overloaded and s.ttft_ms == math.inf and s.batch == 64
+    assert s.tpot_ms == pytest.approx(step)
+    assert s.output_tokens_per_s == pytest.approx(64 / step * 1e3)  # 5,229 of the 200,000 asked for
+    # below the highest rate it holds it serves what is asked; above it, what its full batch does
+    top = r.max_request_rate(Workload(500, 200), lambda s: True)
+    under, over = (r.open_loop(Workload(500, 200, request_rate=top * f)) for f in (0.99, 1.2))
+    assert not under.is_overloaded and under.output_tokens_per_s == pytest.approx(top * 0.99 * 200)
+    assert over.is_overloaded and over.output_tokens_per_s == pytest.approx(s.output_tokens_per_s)
+    assert over.output_tokens_per_s < top * 1.2 * 200
+
+
 def test_open_loop_by_hand():
     """Prompts arriving at `rate` take rate x (their prefill's extra step time) of every second:
     a decode step stretches to decode / (1 - that share)."""

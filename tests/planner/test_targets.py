@@ -1,6 +1,8 @@
 """Plans from service targets: the fewest GPUs that meet them, refusals that say what would, --recommend,
 and the workload settings' round trip through plan, plan file, profile and launch."""
 
+import math
+
 import pytest
 
 from shardserve.planner import InfeasibleError, PlanError, load_model, make_plan, parse_declared
@@ -113,6 +115,46 @@ def test_the_service_settings_round_trip_through_the_plan_file():
         PlanFile.from_dict(bad, "plan.yaml")
 
 
+def test_a_rate_beyond_the_layout_is_overloaded_not_served():
+    """Without targets the plan is made but says the load outruns it: TTFT unbounded (null in the plan
+    file), the tokens/s its full batches serve, and how many replicas would keep up (and fewer would not)."""
+    work = dict(input_len=2000, output_len=300)
+    plan = plan_for(LLAMA_8B, "H100-80GB", request_rate=100, **work)
+    e = plan.chosen.estimates
+    full = plan_for(LLAMA_8B, "H100-80GB", concurrency=512, **work).chosen.estimates  # queued, never overloaded
+    assert e.is_overloaded and e.ttft_ms == math.inf and e.output_tokens_per_s < 100 * 300
+    assert e.output_tokens_per_s == pytest.approx(full.output_tokens_per_s, rel=1e-3)
+    assert e.tpot_ms == pytest.approx(full.tpot_ms, rel=1e-3)
+    record = PlanFile.from_dict(plan.to_dict(), "plan.yaml")
+    assert record.estimates.ttft_ms is None and record.estimates.output_tokens_per_s < 100 * 300
+    replicas = math.ceil(100 / (e.output_tokens_per_s / 300))
+    said = [w for w in plan.warnings if w.startswith(f"overloaded: serves at most {e.output_tokens_per_s / 300:.3g} "
+                                                     "of the 100 req/s asked for")]
+    assert len(said) == 1 and f"{replicas} replicas of tp 1 x pp 1 ({replicas} GPUs) would keep up" in said[0]
+    assert not plan_for(LLAMA_8B, f"{replicas}xH100-80GB", request_rate=100, **work).chosen.estimates.is_overloaded
+    assert plan_for(LLAMA_8B, f"{replicas - 1}xH100-80GB", request_rate=100, **work).chosen.estimates.is_overloaded
+
+
+def test_the_nearest_miss_of_overloaded_layouts_serves_the_most():
+    """Every layout on 8 H100s is overloaded at 20 req/s of 70B: the refusal names the one that serves the
+    most, with what it serves, not one that happens to use the fewest GPUs."""
+    search_plan = plan_for(LLAMA_70B, "8xH100-80GB", request_rate=20, input_len=2000, output_len=300)
+    most = max((c for c in search_plan.search.candidates() if c.is_feasible),
+               key=lambda c: c.estimates.output_tokens_per_s)
+    with pytest.raises(InfeasibleError) as e:
+        plan_for(LLAMA_70B, "8xH100-80GB", request_rate=20, **SERVICE)
+    assert f"the nearest, {most.layout}, has " in str(e.value)
+    assert "overloaded: serves at most" in str(e.value) and "TTFT grows without bound" in str(e.value)
+
+
+def test_an_equal_layout_lost_on_headroom_says_so():
+    """At a rate both keep up with, tp 8 x 4 and tp 4 x 8 serve the same tokens/s on 32 H100s: the plan
+    takes the one that holds the higher rate within the targets, and the other's reason says so."""
+    plan = plan_for(LLAMA_70B, "4x8xH100-80GB", request_rate=20, **SERVICE)
+    other = [a for a in plan.alternatives if a["why_not"].startswith("meets the targets on as many GPUs")]
+    assert other and all(f"(the plan {plan.chosen.estimates.max_request_rate:,.2f})" in a["why_not"] for a in other)
+
+
 def test_launch_reads_the_service_settings_back():
     from shardserve.launch.launcher import plan_settings
 
@@ -141,6 +183,7 @@ def test_a_tpot_target_under_a_closed_loop_caps_the_batch():
     ("Qwen/Qwen3-30B-A3B", "4xA10G", dict(concurrency=32)),
     ("Qwen/Qwen2.5-14B-Instruct", "3xL4", dict(kv_cache_dtype="fp8")),
     (LLAMA_8B, "H100-80GB", dict(concurrency=512, tpot_ms=12, ttft_ms=60000)),
+    (LLAMA_8B, "H100-80GB", dict(request_rate=100, input_len=2000, output_len=300)),  # overloaded
 ])
 def test_the_plan_file_alone_predicts_what_the_plan_did(model, hardware, options):
     """plan = launch: launch re-makes the speed model from the plan file (and the model) alone."""
