@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from shardserve.planner.errors import PlanError
+from shardserve.planner.errors import InfeasibleError, PlanError
 from shardserve.planner.hardware import Hardware, Node
 from shardserve.planner.options import resolve_settings
 from shardserve.planner.quantized_releases import quantized_fix
@@ -41,21 +41,27 @@ def _replicas_needed(search: Search, shape, dp_limit: int) -> int | None:
 
 def fewest_gpus(search: Search) -> tuple[Layout, Hardware] | None:
     """The layout on the fewest GPUs of this type (up to MAX_NODES nodes) that meets the targets."""
-    hw = search.hardware
-    per_node = _per_node(hw)
-    big = replace(search, hardware=_bigger(hw, MAX_NODES, per_node))
-    best: tuple[int, Layout] | None = None
+    best = _fewest(search)
+    if best is None or best.num_gpus > MAX_NODES * _per_node(search.hardware):
+        return None
+    return best, hardware_for(search.hardware, best.num_gpus)
+
+
+def _fewest(search: Search) -> Layout | None:
+    """The layout on the fewest GPUs of this type that meets the targets, each replica's shape fitting
+    MAX_NODES nodes: at a request rate, however many replicas that takes; at a concurrency, as many as
+    MAX_NODES nodes hold (None beyond)."""
+    per_node = _per_node(search.hardware)
+    big = replace(search, hardware=_bigger(search.hardware, MAX_NODES, per_node))
+    best: Layout | None = None
     for tp in range(1, per_node + 1):
         for pp in range(1, min(search.model.spec.num_layers, MAX_STAGES, MAX_NODES * per_node // tp) + 1):
-            if best and tp * pp > best[0]:
+            if best and tp * pp > best.num_gpus:
                 break
             dp = _replicas_needed(big, big.shape(tp, pp), MAX_NODES * per_node // (tp * pp))
-            if dp is not None and (best is None or dp * tp * pp < best[0]):
-                best = (dp * tp * pp, Layout(tp, pp, dp))
-    if best is None or best[0] > MAX_NODES * per_node:
-        return None
-    gpus, layout = best
-    return layout, hardware_for(hw, gpus)
+            if dp is not None and (best is None or dp * tp * pp < best.num_gpus):
+                best = Layout(tp, pp, dp)
+    return best
 
 
 def hardware_for(hardware: Hardware, num_gpus: int) -> Hardware:
@@ -70,12 +76,23 @@ def recommend_hardware(search: Search) -> Hardware:
     if not search.targets.is_set or (w.request_rate is None and w.concurrency is None):
         raise PlanError("--recommend needs a load (--request-rate or --concurrency) and a target (--ttft-ms "
                         "and/or --tpot-ms): the fewest GPUs that serve that load within the targets")
-    found = fewest_gpus(search)
-    if found is None:
-        raise PlanError(f"no layout on up to {MAX_NODES} nodes of {_per_node(search.hardware)}x"
-                        f"{search.hardware.gpu.name} meets {_targets_text(search)} at "
-                        f"{search.workload.describe()}")
-    return found[1]
+    best = _fewest(search)
+    if best is None:
+        raise InfeasibleError(f"no layout on up to {MAX_NODES} nodes of {_per_node(search.hardware)}x"
+                        f"{search.hardware.gpu.name} meets {_targets_text(search)} at {search.workload.describe()}")
+    if best.num_gpus > MAX_NODES * _per_node(search.hardware):
+        raise InfeasibleError(_beyond_recommend(search, best))
+    return hardware_for(search.hardware, best.num_gpus)
+
+
+def _beyond_recommend(search: Search, best: Layout) -> str:
+    """A load that takes more than MAX_NODES nodes: how many, and what to do."""
+    per_node, w = _per_node(search.hardware), search.workload
+    return (f"{w.describe()} within {_targets_text(search)} takes {best.data_parallel_size} replicas of tp "
+            f"{best.tensor_parallel_size} x pp {best.pipeline_parallel_size}: {best.num_gpus:,} "
+            f"{search.hardware.gpu.name} ({math.ceil(best.num_gpus / per_node)} nodes of {per_node}), more than the "
+            f"{MAX_NODES} nodes --recommend plans; split the traffic, and --recommend at each share's "
+            "--request-rate plans its deployment")
 
 
 def _targets_text(search: Search) -> str:
@@ -94,12 +111,13 @@ def missed_targets(search: Search, candidates: list[Candidate]) -> str:
     why = "; ".join(search.targets.misses(e.ttft_ms, e.tpot_ms) + [m for m in (e.overload(),) if m])
     lines = [f"no layout on {search.hardware.describe()} meets {_targets_text(search)} at "
              f"{search.workload.describe()}: the nearest, {nearest.layout}, has {why}."]
-    more = fewest_gpus(search) if search.workload.concurrency is not None or \
+    best = _fewest(search) if search.workload.concurrency is not None or \
         search.workload.request_rate is not None else None
-    if more:
-        layout, hw = more
-        lines.append(f"{layout.num_gpus} GPUs would meet them ({layout} on {hw.describe()}; "
-                     "--recommend plans it).")
+    if best is not None and best.num_gpus <= MAX_NODES * _per_node(search.hardware):
+        lines.append(f"{best.num_gpus} GPUs would meet them ({best} on "
+                     f"{hardware_for(search.hardware, best.num_gpus).describe()}; --recommend plans it).")
+    elif best is not None:
+        lines.append(_beyond_recommend(search, best) + ".")
     lines += _variant_fixes(search, "would meet them")
     return " ".join(lines)
 

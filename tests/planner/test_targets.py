@@ -71,6 +71,24 @@ def test_recommend_plans_the_fewest_gpus_of_the_type():
     assert by_users.chosen.estimates.tpot_ms <= 25
 
 
+def test_a_load_beyond_what_recommend_plans_says_how_many_gpus_it_takes():
+    """1,000 req/s of 70B within TTFT 500 ms / TPOT 30 ms: as many replicas of the shape that serves 20
+    req/s best as the rate each holds within the targets asks, past the 16 nodes --recommend plans."""
+    hw = parse_declared("8xH100-80GB")
+    twenty = make_plan(load_model(LLAMA_70B), hw, PlanOptions(request_rate=20, **SERVICE), recommend=True)
+    layout = twenty.chosen.layout
+    replicas = math.ceil(1000 / (twenty.chosen.estimates.max_request_rate / layout.data_parallel_size))
+    said = (f"takes {replicas} replicas of tp {layout.tensor_parallel_size} x pp {layout.pipeline_parallel_size}: "
+            f"{replicas * layout.gpus_per_replica:,} H100-80GB ({math.ceil(replicas * layout.gpus_per_replica / 8)} "
+            "nodes of 8), more than the 16 nodes --recommend plans")
+    with pytest.raises(InfeasibleError) as e:  # (exit 2, as every refusal)
+        make_plan(load_model(LLAMA_70B), hw, PlanOptions(request_rate=1000, **SERVICE), recommend=True)
+    assert said in str(e.value)
+    with pytest.raises(InfeasibleError) as e:  # the refusal on 8 GPUs says the same
+        plan_for(LLAMA_70B, "8xH100-80GB", request_rate=1000, **SERVICE)
+    assert said in str(e.value)
+
+
 def test_recommend_names_no_more_nodes_than_the_chosen_layout_fills():
     """The count of GPUs tries each shape at its default step budget and expert placement; the search
     then tries others, and DeepSeek-V3's chosen layout (expert parallel) needs 16 H200s, not 40."""
