@@ -225,13 +225,13 @@ def warnings(model: ModelInfo, hardware: Hardware, settings: RuntimeSettings,
                            "another process holds memory; lower --gpu-memory-utilization")
     if model.tensors_from == "config":
         out.append("weight sizes derived from config.json (no safetensors files read)")
-    overload = _overload_line(chosen)
+    overload = _overload_line(chosen, hardware)
     if overload:
         out.append(overload)
     return out
 
 
-def _overload_line(chosen: Candidate) -> str | None:
+def _overload_line(chosen: Candidate, hardware: Hardware) -> str | None:
     """How the load outruns the chosen layout and, at a request rate, how many replicas would keep up."""
     e, layout = estimates_of(chosen), chosen.layout
     said, rate = e.overload(), e.workload.request_rate
@@ -239,6 +239,6 @@ def _overload_line(chosen: Candidate) -> str | None:
         return said
     # (a plan is overloaded only without targets: max_request_rate is then the rate before overload)
     replicas = math.ceil(rate / (e.max_request_rate / layout.data_parallel_size))
-    return (f"{said}: {replicas} replicas of tp {layout.tensor_parallel_size} x pp {layout.pipeline_parallel_size} "
-            f"({replicas * layout.gpus_per_replica} GPUs) would keep up; --recommend with --ttft-ms/--tpot-ms "
-            "plans for a latency too")
+    line = (f"{said}: {replicas} replicas of tp {layout.tensor_parallel_size} x pp {layout.pipeline_parallel_size} "
+            f"({replicas * layout.gpus_per_replica} {hardware.gpu.unit}s) would keep up")
+    return line if hardware.is_cpu else line + "; --recommend with --ttft-ms/--tpot-ms plans for a latency too"
