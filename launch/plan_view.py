@@ -87,12 +87,15 @@ def render_plan(plan: PlanFile, console: Console) -> None:
     layout.add_row("dtype / kv_cache_dtype", f"{rt.dtype} / {rt.kv_cache_dtype}")
     console.print(layout)
 
-    memory = Table(title=f"Memory per {'CPU rank' if rt.device == 'cpu' else 'GPU'}", title_justify="left")
-    for col in ("stage", "total", "weights", "activations", "overhead", "KV cache"):
+    # a GPU's size, and what the plan fills of it (used: the parts shown, and the LoRA slots said below)
+    of_gpu = ("" if rt.device == "cpu" else f": {_gib(mem.per_stage[0].total_bytes)}, used up to "
+              f"gpu_memory_utilization {rt.gpu_memory_utilization}")
+    memory = Table(title=f"Memory per {'CPU rank' if rt.device == 'cpu' else 'GPU'}{of_gpu}", title_justify="left")
+    for col in ("stage", "used", "weights", "activations", "overhead", "KV cache"):
         memory.add_column(col, justify="right")
     for i, stage in enumerate(mem.per_stage):
-        memory.add_row(str(i), _gib(stage.total_bytes), _gib(stage.weights_bytes),
-                       _gib(stage.activation_bytes), _gib(stage.overhead_bytes), _gib(stage.kv_cache_bytes))
+        parts = (stage.weights_bytes, stage.activation_bytes, stage.overhead_bytes, stage.kv_cache_bytes)
+        memory.add_row(str(i), _gib(sum(parts) + (stage.lora_bytes or 0)), *(_gib(b) for b in parts))
     console.print(memory)
     console.print(f"KV cache: [bold]{mem.kv_cache_tokens:,}[/] tokens per replica "
                   f"({mem.num_blocks:,} blocks of {mem.block_size}); maximum concurrency "

@@ -36,7 +36,7 @@ def test_plan_writes_the_versioned_schema(tmp_path):
     r = shardserve("plan", "--model", "meta-llama/Llama-3.1-70B-Instruct",
                    "--hardware", "8xH100-80GB", "-o", str(out))
     assert r.returncode == 0, r.stderr
-    assert "rule 2" in r.stdout and "Memory per GPU" in r.stdout
+    assert "rule 2" in r.stdout and "Memory per GPU: 79.6 GiB, used up to gpu_memory_utilization 0.9" in r.stdout
     plan = yaml.safe_load(out.read_text())
     assert plan["version"] == 2
     for section, keys in SCHEMA.items():
