@@ -39,7 +39,7 @@ class Estimates:
 
     def overload(self) -> str | None:
         """None, or how the load outruns the layout: at a request rate, 'overloaded: serves at most 12.8 of
-        the 100 req/s asked for (3,843 output tokens/s); TTFT grows without bound' (the queue never ends)."""
+        the 100 req/s asked for (3,847 output tokens/s); TTFT grows without bound' (the queue never ends)."""
         if not self.is_overloaded:
             return None
         w = self.workload
