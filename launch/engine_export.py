@@ -59,7 +59,7 @@ class EngineCommand:
     flags: tuple[tuple[str, str | None], ...]  # (flag, value); value None for a switch
     env: tuple[tuple[str, str], ...] = ()  # variables set in front of the command
     how_to_run: tuple[str, ...] = ()  # comment lines before the command (several nodes)
-    notes: tuple[str, ...] = ()  # flags the engine takes with another meaning
+    notes: tuple[str, ...] = ()  # flags the engine takes with another meaning; an overloaded plan
     unsupported: tuple[str, ...] = ()  # "<setting> (<why>)": what the engine cannot take
 
     @property
@@ -121,7 +121,17 @@ def export_plan(plan: PlanFile, engine: str) -> EngineCommand:
     else:
         raise ValueError(f"engine {engine!r}: one of {', '.join(ENGINES)}")
     draft.unsupported += _latency_targets(plan, ENGINE_NAMES[engine]) + _unhandled(plan)
+    draft.notes += _overload(plan)
     return draft.done(engine, program)
+
+
+def _overload(plan: PlanFile) -> list[str]:
+    """An overloaded plan (TTFT unbounded): the engine would serve it no better, so the command says so."""
+    est, rate = plan.estimates, plan.estimates.workload.request_rate
+    if est.ttft_ms is not None or rate is None:
+        return []
+    return [f"the plan's {rate:g} req/s outrun this layout, which holds {est.max_request_rate:g} req/s before "
+            "overload: requests queue without end (`shardserve plan` says how many replicas would keep up)"]
 
 
 def _hub_flags(plan: PlanFile, draft: _Draft) -> None:

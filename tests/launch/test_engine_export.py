@@ -240,6 +240,17 @@ def test_latency_targets_are_named():
         assert f"{name} takes no latency target" in line
 
 
+def test_an_overloaded_plan_says_so_in_the_command():
+    plan = record(LLAMA_8B, "H100-80GB", request_rate=100.0, input_len=2000, output_len=300)
+    assert plan.estimates.ttft_ms is None  # the rate outruns one H100
+    for engine in ("vllm", "sglang"):
+        text = export_plan(plan, engine).render()
+        assert (f"# note: the plan's 100 req/s outrun this layout, which holds {plan.estimates.max_request_rate:g} "
+                "req/s before overload: requests queue without end") in text
+    served = record(LLAMA_8B, "H100-80GB", request_rate=5.0, input_len=2000, output_len=300)
+    assert not any("outrun" in note for note in export_plan(served, "vllm").notes)
+
+
 def test_an_unknown_engine_is_refused():
     with pytest.raises(ValueError, match="vllm, sglang"):
         export_plan(record(LLAMA_8B, "H100"), "trtllm")
