@@ -37,7 +37,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-# Lint, then the whole suite, as CI runs it (25 to 50 minutes on two CPU cores, as fast as the machine is that day: 1,978 tests on a fresh clone).
+# Lint, then the whole suite, as CI runs it (25 to 50 minutes on two CPU cores, as fast as the machine is that day: 1,979 tests on a fresh clone).
 test: lint
 	$(PY) -m pytest -q
 
