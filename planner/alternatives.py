@@ -63,7 +63,7 @@ def why_not(c: Candidate, chosen: Candidate, hardware: Hardware, targets: Target
         return c.problem
     e, best = estimates_of(c), estimates_of(chosen)
     if targets.is_set:
-        misses = targets.misses(e.ttft_ms, e.tpot_ms) + [m for m in (e.overload(),) if m]
+        misses = e.misses(targets)
         if misses:
             return "; ".join(misses)
         if c.layout.num_gpus > chosen.layout.num_gpus:
@@ -82,4 +82,5 @@ def why_not(c: Candidate, chosen: Candidate, hardware: Hardware, targets: Target
                 "preferred shape wins")
     if preference(c, hardware) < preference(chosen, hardware):
         return f"the rules prefer it, but it is estimated at {ratio:.0%} of the plan's output tokens/s"
-    return f"slower: {ratio:.0%} of the plan's estimated output tokens/s" + (f" ({e.overload()})" if e.is_overloaded else "")
+    overload = e.overload()
+    return f"slower: {ratio:.0%} of the plan's estimated output tokens/s" + (f" ({overload})" if overload else "")

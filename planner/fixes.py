@@ -42,7 +42,7 @@ def _replicas_needed(search: Search, shape, dp_limit: int) -> int | None:
 def fewest_gpus(search: Search) -> tuple[Layout, Hardware] | None:
     """The layout on the fewest GPUs of this type (up to MAX_NODES nodes) that meets the targets."""
     best = _fewest(search)
-    if best is None or best.num_gpus > MAX_NODES * _per_node(search.hardware):
+    if best is None or not _within_recommend(search, best):
         return None
     return best, hardware_for(search.hardware, best.num_gpus)
 
@@ -80,9 +80,14 @@ def recommend_hardware(search: Search) -> Hardware:
     if best is None:
         raise InfeasibleError(f"no layout on up to {MAX_NODES} nodes of {_per_node(search.hardware)}x"
                         f"{search.hardware.gpu.name} meets {_targets_text(search)} at {search.workload.describe()}")
-    if best.num_gpus > MAX_NODES * _per_node(search.hardware):
+    if not _within_recommend(search, best):
         raise InfeasibleError(_beyond_recommend(search, best))
     return hardware_for(search.hardware, best.num_gpus)
+
+
+def _within_recommend(search: Search, layout: Layout) -> bool:
+    """Whether the layout fits the MAX_NODES nodes --recommend plans."""
+    return layout.num_gpus <= MAX_NODES * _per_node(search.hardware)
 
 
 def _beyond_recommend(search: Search, best: Layout) -> str:
@@ -108,12 +113,12 @@ def missed_targets(search: Search, candidates: list[Candidate]) -> str:
         return e.is_overloaded, far, c.layout.num_gpus
     nearest = min(runnable, key=distance)
     e = estimates_of(nearest)
-    why = "; ".join(search.targets.misses(e.ttft_ms, e.tpot_ms) + [m for m in (e.overload(),) if m])
+    why = "; ".join(e.misses(search.targets))
     lines = [f"no layout on {search.hardware.describe()} meets {_targets_text(search)} at "
              f"{search.workload.describe()}: the nearest, {nearest.layout}, has {why}."]
     best = _fewest(search) if search.workload.concurrency is not None or \
         search.workload.request_rate is not None else None
-    if best is not None and best.num_gpus <= MAX_NODES * _per_node(search.hardware):
+    if best is not None and _within_recommend(search, best):
         lines.append(f"{best.num_gpus} GPUs would meet them ({best} on "
                      f"{hardware_for(search.hardware, best.num_gpus).describe()}; --recommend plans it).")
     elif best is not None:

@@ -35,7 +35,11 @@ class Estimates:
     source: str                  # where the operator times came from
 
     def meets(self, targets: Targets) -> bool:
-        return not self.is_overloaded and not targets.misses(self.ttft_ms, self.tpot_ms)
+        return not self.misses(targets)
+
+    def misses(self, targets: Targets) -> list[str]:
+        """What keeps it from the targets, worded for a reader: the latencies over them, then an overload."""
+        return targets.misses(self.ttft_ms, self.tpot_ms) + [m for m in (self.overload(),) if m]
 
     def overload(self) -> str | None:
         """None, or how the load outruns the layout: at a request rate, 'overloaded: serves at most 12.8 of
