@@ -5,15 +5,25 @@
 #     shardserve launch --model Qwen/Qwen3-8B --host 0.0.0.0
 # The server listens on 127.0.0.1 unless --host says otherwise: in a container, pass --host 0.0.0.0.
 # --ipc=host: NCCL and the ranks keep buffers in /dev/shm (Docker's default is 64 MiB).
+# For a cluster, tag it where the cluster pulls from and push it; `shardserve deploy --image` names that tag:
+#   docker build -t registry.example.com/shardserve:0.1.0 . && docker push registry.example.com/shardserve:0.1.0
 
 # The base image's CUDA is TORCH_INDEX's (cu130: CUDA 13.0; the host needs driver 580 or later).
 ARG CUDA_IMAGE=nvidia/cuda:13.0.2-runtime-ubuntu24.04
+ARG PYTHON_VERSION=3.11
+
+# The wheel, built from the source as `pip wheel` builds it anywhere (tests/launch/test_installed_package.py
+# installs the same wheel and serves from it); the image holds the installed wheel, not the source.
+FROM python:${PYTHON_VERSION}-slim AS wheel
+COPY . /src
+RUN pip wheel --no-deps --wheel-dir /wheels /src
+
 FROM ${CUDA_IMAGE}
 
-ARG PYTHON_VERSION=3.11
+ARG PYTHON_VERSION
 ARG TORCH_SPEC=torch==2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cu130
-ARG EXTRAS=runtime,ray
+ARG EXTRAS=gpu,ray
 
 ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \
@@ -36,9 +46,8 @@ RUN python${PYTHON_VERSION} -m venv ${VIRTUAL_ENV} \
  && pip install --upgrade pip \
  && pip install "${TORCH_SPEC}" --index-url ${TORCH_INDEX}
 
-WORKDIR /opt/shardserve-src
-COPY . .
-RUN pip install ".[${EXTRAS}]"
+COPY --from=wheel /wheels /opt/wheels
+RUN pip install "$(echo /opt/wheels/shardserve-*.whl)[${EXTRAS}]"
 
 RUN useradd --create-home --shell /bin/bash shardserve
 USER shardserve

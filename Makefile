@@ -2,6 +2,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# What serving needs (`make demo`), then the test and lint tools on top (`make install`, `make test`).
+SERVE_STAMP := $(VENV)/.installed-serve
 STAMP := $(VENV)/.installed
 # The CPU wheel: an unpinned torch would pull gigabytes of CUDA packages.
 TORCH_SPEC ?= torch==2.13.0
@@ -9,12 +11,16 @@ TORCH_SPEC ?= torch==2.13.0
 # build) needs NVIDIA driver 580 or later; TORCH_INDEX=https://download.pytorch.org/whl/cu126 for older.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cu130
 # What a GPU server installs beside torch (the Dockerfile's EXTRAS too).
-SERVER_EXTRAS := runtime,ray
+SERVER_EXTRAS := gpu,ray
 GPU_STAMP := $(VENV)/.installed-gpu
+# Each install step says what it fetches, and pip shows its progress.
+STEP = @printf '\n==> %s\n' 
 
-.PHONY: test test-fast lint demo install install-gpu clean
+.PHONY: test test-fast lint demo install install-serve install-gpu clean
 
 install: $(STAMP)
+
+install-serve: $(SERVE_STAMP)
 
 # The venv of `make install` with the CUDA build of torch (replacing a CPU build of the same version),
 # then `shardserve doctor` says whether CUDA, Triton and NCCL work here. `make test` and `make demo`
@@ -22,19 +28,30 @@ install: $(STAMP)
 install-gpu: $(GPU_STAMP)
 	$(VENV)/bin/shardserve doctor
 
-$(GPU_STAMP): pyproject.toml
+$(GPU_STAMP): pyproject.toml setup.py
+	$(STEP) "[1/3] $(VENV): a virtual environment with the latest pip"
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -c 'import torch, sys; sys.exit(torch.version.cuda is None)' 2>/dev/null || $(PY) -m pip uninstall --quiet --yes torch
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)" --index-url $(TORCH_INDEX)
-	$(PY) -m pip install --quiet -e '.[$(SERVER_EXTRAS),test]'
-	touch $(STAMP) $(GPU_STAMP)
+	$(PY) -m pip install --upgrade pip
+	$(STEP) "[2/3] torch's CUDA wheel ($(TORCH_SPEC) from $(TORCH_INDEX))"
+	$(PY) -c 'import torch, sys; sys.exit(torch.version.cuda is None)' 2>/dev/null || $(PY) -m pip uninstall --yes torch
+	$(PY) -m pip install "$(TORCH_SPEC)" --index-url $(TORCH_INDEX)
+	$(STEP) "[3/3] shardserve, editable, with what a GPU server needs and the test tools (.[$(SERVER_EXTRAS),test])"
+	$(PY) -m pip install -e '.[$(SERVER_EXTRAS),test]'
+	touch $(SERVE_STAMP) $(STAMP) $(GPU_STAMP)
 
-$(STAMP): pyproject.toml
+$(SERVE_STAMP): pyproject.toml setup.py
+	$(STEP) "[1/3] $(VENV): a virtual environment with the latest pip"
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --upgrade pip
+	$(STEP) "[2/3] torch's CPU wheel ($(TORCH_SPEC), about 750 MB installed)"
+	$(PY) -m pip install "$(TORCH_SPEC)"
+	$(STEP) "[3/3] shardserve, editable, with what serving needs (.[runtime])"
+	$(PY) -m pip install -e '.[runtime]'
+	touch $(SERVE_STAMP)
+
+$(STAMP): $(SERVE_STAMP)
+	$(STEP) "the test and lint tools (.[test]: Triton for its interpreter, Ray, pytest, ruff, mypy...)"
+	$(PY) -m pip install -e '.[test]'
 	touch $(STAMP)
 
 # Lint, then the whole suite, as CI runs it (25 to 50 minutes on two CPU cores, as fast as the machine is that day: 1,979 tests on a fresh clone).
@@ -54,11 +71,12 @@ lint: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
-demo: $(STAMP)
+demo: $(SERVE_STAMP)
 	@echo "Serving the bundled demo model on http://localhost:8000 (Ctrl-C stops it). Try:"
 	@echo "  curl http://localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\"
 	@echo "    -d '{\"model\": \"shardserve-demo\", \"messages\": [{\"role\": \"user\", \"content\": \"What is a list?\"}], \"max_tokens\": 48, \"temperature\": 0.7}'"
-	@echo "  $(VENV)/bin/python -c \"import openai; c = openai.OpenAI(base_url='http://localhost:8000/v1', api_key='none'); print(c.completions.create(model='shardserve-demo', prompt='The function', max_tokens=32).choices[0].text)\""
+	@echo "  curl http://localhost:8000/v1/completions -H 'Content-Type: application/json' \\"
+	@echo "    -d '{\"model\": \"shardserve-demo\", \"prompt\": \"The function\", \"max_tokens\": 32}'"
 	$(VENV)/bin/shardserve launch --profile demo
 
 clean:

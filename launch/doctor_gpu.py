@@ -76,7 +76,7 @@ def check_triton(torch, probe=None) -> Check:
         version = metadata.version("triton")
     except metadata.PackageNotFoundError:
         gpu = torch is not None and bool(torch.version.cuda) and torch.cuda.is_available()
-        return Check("triton", "fail" if gpu else "skip", "triton is not installed (the runtime extra)", INSTALL_GPU)
+        return Check("triton", "fail" if gpu else "skip", "triton is not installed (the gpu extra)", INSTALL_GPU)
     if torch is None or not torch.version.cuda or not torch.cuda.is_available():
         return Check("triton", "skip", f"triton {version}: no CUDA GPU to compile a kernel for", INSTALL_GPU)
     if os.environ.get("TRITON_INTERPRET") == "1":

@@ -1,4 +1,4 @@
-"""Find the YAML profiles people edit: the repo's profiles/ and their own folder."""
+"""Find the YAML profiles people edit: their own folders, then the bundled ones."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from pathlib import Path
 from shardserve.launch.deploy_config import DeployConfig, load_yaml_config
 from shardserve.planner import PlanError
 
+# profiles/ sits beside launch/ in the checkout, and the wheel installs it as shardserve/profiles/ beside
+# shardserve/launch/ (setup.py), so one relative path finds the bundled profiles in both.
 BUNDLED_DIR = Path(__file__).resolve().parent.parent / "profiles"
 
 

@@ -51,14 +51,18 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> No
     raise RuntimeError("server did not become healthy in time")
 
 
-def start_server(*args: str, env: dict | None = None, own_group: bool = False) -> tuple[subprocess.Popen, str]:
+def start_server(*args: str, env: dict | None = None, own_group: bool = False, program: list[str] | None = None,
+                 cwd: str | None = None) -> tuple[subprocess.Popen, str]:
     """`own_group`: the server and its children in a process group of their own (as a service manager
-    starts them), which a test may signal as a whole."""
+    starts them), which a test may signal as a whole. `program`: the command before `launch` (this
+    interpreter's `-m shardserve.launch` unless given); `env` entries set to None are removed."""
     port = free_port()
+    environment = {key: value for key, value in {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}.items()
+                   if value is not None}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "shardserve.launch", "launch", *args, "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=own_group,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+        [*(program or [sys.executable, "-m", "shardserve.launch"]), "launch", *args, "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=own_group, cwd=cwd,
+        env=environment)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc)
     return proc, url

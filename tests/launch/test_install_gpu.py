@@ -69,27 +69,33 @@ def test_same_extras_and_they_exist():
     make, docker, extras = make_variables(), docker_args(), pyproject()["project"]["optional-dependencies"]
     assert docker["EXTRAS"] == make["SERVER_EXTRAS"]
     server = make["SERVER_EXTRAS"].split(",")
-    assert set(server) <= set(extras) and "runtime" in server and "ray" in server
+    assert set(server) <= set(extras) and "gpu" in server and "ray" in server
     assert any(line.startswith("ray[default]") for line in extras["ray"])
+    # the GPU extra is what serving needs anywhere, plus Triton; the demo's lean venv has no Triton
+    assert "shardserve[runtime]" in extras["gpu"] and any(line.startswith("triton") for line in extras["gpu"])
+    assert not any(line.startswith("triton") for line in extras["runtime"])
     # `make install` (the test extra) keeps everything a server has, so CPU tests cover the same packages
-    assert f"shardserve[{make['SERVER_EXTRAS']}]" in extras["test"]
+    assert any(line.startswith(f"shardserve[{make['SERVER_EXTRAS']}]") for line in extras["test"])
 
 
 def test_docker_installs_torch_from_the_index_before_the_extras():
     runs = docker_runs()
     torch_at = next(i for i, run in enumerate(runs) if "${TORCH_SPEC}" in run)
     assert shlex.split(runs[torch_at])[-2:] == ["--index-url", "${TORCH_INDEX}"]
-    extras_at = next(i for i, run in enumerate(runs) if run == 'pip install ".[${EXTRAS}]"')
+    # the image installs the wheel that `pip wheel` builds from the source, as the installed-package test does
+    assert "pip wheel --no-deps --wheel-dir /wheels /src" in runs
+    extras_at = next(i for i, run in enumerate(runs) if run == 'pip install "$(echo /opt/wheels/shardserve-*.whl)[${EXTRAS}]"')
     assert torch_at < extras_at
     steps = dockerfile()
-    copy_at = next(i for i, (instruction, _) in enumerate(steps) if instruction == "COPY")
+    copy_at = next(i for i, (instruction, args) in enumerate(steps) if instruction == "COPY" and "--from=wheel" in args)
     assert copy_at > next(i for i, (_, args) in enumerate(steps) if "${TORCH_SPEC}" in args), \
-        "the source is copied after torch's layer, so an edit does not download torch again"
+        "the wheel is copied after torch's layer, so an edit does not download torch again"
     python = docker_args()["PYTHON_VERSION"]
     assert python == pyproject()["tool"]["mypy"]["python_version"]
     assert any(run.startswith("python${PYTHON_VERSION} -m venv") for run in runs)
 
 
+@pytest.mark.slow
 def test_docker_runs_shardserve_as_a_user_on_the_default_port():
     steps = dockerfile()
     user = [args for instruction, args in steps if instruction == "USER"]
@@ -109,6 +115,7 @@ def test_dockerignore_leaves_out_the_venv_and_build_outputs():
     assert {".git", ".venv", "build", "*.egg-info"} <= ignored
 
 
+@pytest.mark.slow
 def test_make_install_gpu_is_install_with_the_cuda_torch(tmp_path):
     make = make_variables()
     gpu, cpu = make_dry_run("install-gpu", tmp_path), make_dry_run("install", tmp_path)
@@ -117,7 +124,17 @@ def test_make_install_gpu_is_install_with_the_cuda_torch(tmp_path):
     assert gpu.index(torch_gpu) > next(i for i, line in enumerate(gpu) if "pip uninstall" in line)
     assert gpu.index(torch_gpu) < next(i for i, line in enumerate(gpu) if f".[{make['SERVER_EXTRAS']},test]" in line)
     assert gpu[-1].endswith("bin/shardserve doctor")
-    # the CPU path stays as it was: the pinned torch from the default index, then the test extra
+    # the CPU path: the pinned torch from the default index, what serving needs, then the test extra
     assert not any("--index-url" in line or "uninstall" in line for line in cpu)
-    assert any(line.endswith(f'pip install --quiet "{make["TORCH_SPEC"]}"') for line in cpu)
-    assert any(line.endswith("pip install --quiet -e '.[test]'") for line in cpu)
+    installs = [line.split(" pip install ", 1)[1] for line in cpu if " pip install " in line]
+    assert installs[1:] == [f'"{make["TORCH_SPEC"]}"', "-e '.[runtime]'", "-e '.[test]'"], installs
+
+
+@pytest.mark.slow
+def test_make_demo_installs_what_serving_needs_and_says_so(tmp_path):
+    demo = make_dry_run("demo", tmp_path)
+    installs = [line.split(" pip install ", 1)[1] for line in demo if " pip install " in line]
+    make = make_variables()
+    assert installs == ["--upgrade pip", f'"{make["TORCH_SPEC"]}"', "-e '.[runtime]'"], "pip shows its progress"
+    steps = [line for line in demo if line.startswith("printf '\\n==> %s\\n'")]
+    assert len(steps) == 3 and all(f"[{i}/3]" in step for i, step in enumerate(steps, 1)), steps
