@@ -2,7 +2,7 @@
 
 A process can exit between being listed and being read; each helper counts it as gone then."""
 
-import subprocess
+import os
 import time
 
 
@@ -14,11 +14,19 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
+def _parent(pid: int) -> int | None:
+    """The parent's pid, from /proc/PID/stat (the field after the state, past the name's last ')')."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def children(pid: int, module: str, recursive: bool = False) -> list[int]:
     """The live children (every descendant when recursive) of pid whose command line names module."""
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
     found = []
-    for child in (int(p) for p in out.split()):
+    for child in sorted(int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == pid):
         if module.encode() in _cmdline(child):
             found.append(child)
         if recursive:

@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,6 +19,7 @@ def test_the_published_results_are_complete_records():
             e.get("data_parallel_size") or 1)
 
 
+@pytest.mark.slow
 def test_accuracy_table_is_current():
     """Regenerate with `python bench/accuracy.py` when the speed model changes."""
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "accuracy.py"), "--check"],

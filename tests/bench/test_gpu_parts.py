@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test here starts a process
+
 ROOT = Path(__file__).parents[2]
 SMOKE = ["--small", "--device", "cpu", "--num-prompts", "4", "--shapes", "16/8",
          "--concurrency", "1", "2", "--input-len", "16", "--output-len", "8", "--batches", "1", "4"]

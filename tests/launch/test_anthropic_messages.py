@@ -60,6 +60,7 @@ def texts(message) -> str:
     return "".join(block.text for block in message.content if block.type == "text")
 
 
+@pytest.mark.slow
 def test_text_whole_and_streamed_is_chats_text(claude, client, server):
     asked = dict(model=MODEL, max_tokens=12, metadata={"user_id": "u1"}, extra_body=GREEDY,
                  system=[{"type": "text", "text": TERSE, "cache_control": {"type": "ephemeral"}}],
@@ -87,6 +88,7 @@ def test_text_whole_and_streamed_is_chats_text(claude, client, server):
     assert status == 200 and raw.split("\n\n")[1] == 'event: ping\ndata: {"type":"ping"}'
 
 
+@pytest.mark.slow
 def test_a_final_assistant_message_is_continued(claude, client):
     prefill = [{"role": "user", "content": "Tell me a story"}, {"role": "assistant", "content": "Once upon"}]
     reply = claude.messages.create(model=MODEL, max_tokens=8, messages=prefill, extra_body=GREEDY)
@@ -95,6 +97,7 @@ def test_a_final_assistant_message_is_continued(claude, client):
     assert texts(reply) == same.choices[0].message.content
 
 
+@pytest.mark.slow
 def test_a_stop_sequence_ends_the_message_as_chats_stop_does(claude, client):
     text = chat(client, ASK, max_tokens=12).choices[0].message.content
     stop = next(word for word in text.split()[1:] if text.find(word) > 0)
@@ -108,6 +111,7 @@ def test_a_stop_sequence_ends_the_message_as_chats_stop_does(claude, client):
     assert (final.delta.stop_reason, final.delta.stop_sequence) == ("stop_sequence", stop)
 
 
+@pytest.mark.slow
 def test_tool_use_round_trips_as_chats_tool_calls(claude, client):
     named = dict(model=MODEL, max_tokens=40, messages=ASK, tools=TOOLS, extra_body=GREEDY,
                  tool_choice={"type": "tool", "name": "get_weather"})
@@ -143,6 +147,7 @@ def test_tool_use_round_trips_as_chats_tool_calls(claude, client):
                                                        for c in required]
 
 
+@pytest.mark.slow
 def test_reasoning_comes_back_as_a_thinking_block(claude, client):
     opened = {"chat_template_kwargs": {"open_think": True}}  # the prompt opens <think>: qwen3 reads reasoning
     asked = dict(model=MODEL, max_tokens=10, messages=ASK, extra_body=GREEDY | opened)
@@ -157,6 +162,7 @@ def test_reasoning_comes_back_as_a_thinking_block(claude, client):
                    and e.delta.type == "thinking_delta") == reasoning
 
 
+@pytest.mark.slow
 def test_what_cannot_be_honoured_is_refused_by_name(server):
     refused = [({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
                ({"output_config": {"effort": "low"}}, "output_config"), ({"foo": 1}, "foo"),
@@ -185,6 +191,7 @@ def test_what_cannot_be_honoured_is_refused_by_name(server):
     assert code == 200 and data["type"] == "message", data
 
 
+@pytest.mark.slow
 def test_x_api_key_and_every_error_in_anthropics_shape(server):
     assert post(server, "/v1/messages", BASE, headers={"x-api-key": API_KEY})[0] == 200
     assert post(server, "/v1/messages", BASE, headers=AUTH)[0] == 200

@@ -8,6 +8,8 @@ import pytest
 
 from tests.launch.conftest import MODEL, http, serving
 
+pytestmark = pytest.mark.slow  # every test here starts a process
+
 SURROGATE = "ab\ud800cd"  # json.dumps writes it as JSON's "\ud800" escape: an unpaired surrogate
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 

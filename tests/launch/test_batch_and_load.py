@@ -11,6 +11,8 @@ import pytest
 from tests.launch.conftest import MODEL, http, open_request, post, serving
 from tests.launch.test_disconnects import LONG, wait_for
 
+pytestmark = pytest.mark.slow  # every test here starts a process
+
 BATCH = "/v1/chat/completions/batch"
 TERSE = "You are terse. " * 4
 CONVERSATIONS = [[{"role": "user", "content": "hi"}],

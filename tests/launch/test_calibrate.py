@@ -160,6 +160,7 @@ def test_calibrate_on_cpu_writes_the_file_plan_reads(tmp_path):
     assert 0 < data["host"]["request_ms"] < 1000 and "request: " in done.stdout
 
 
+@pytest.mark.slow
 def test_a_server_that_does_not_come_up_is_one_line_naming_it():
     from shardserve.launch.request_timing import measure_request_ms
     from shardserve.planner import PlanError

@@ -14,6 +14,8 @@ import yaml
 from shardserve.launch.cli_options import launch_command_settings, plan_command_settings
 from shardserve.planner.settings import BY_NAME
 
+pytestmark = pytest.mark.slow  # every test here starts a process
+
 
 def cli(*args: str, columns: int = 80, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "shardserve.launch", *args], capture_output=True, text=True,

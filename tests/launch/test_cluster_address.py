@@ -39,6 +39,7 @@ def test_auto_is_the_cluster_this_host_joined_and_says_so(tmp_path, capsys):
     assert resolve_address("10.9.9.9:1234", tmp_path) == "10.9.9.9:1234"  # an address is Ray's to read
 
 
+@pytest.mark.slow
 def test_a_record_whose_node_no_longer_runs_is_refused(tmp_path):
     ended = subprocess.Popen(["true"], start_new_session=True)
     ended.wait()
@@ -48,6 +49,7 @@ def test_a_record_whose_node_no_longer_runs_is_refused(tmp_path):
         resolve_address("auto", tmp_path)
 
 
+@pytest.mark.slow
 def test_without_a_record_a_running_ray_is_named_not_joined(tmp_path):
     # a process with the command line of a Ray process (Ray's own 'auto' would attach to it)
     fake = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--gcs-address=203.0.113.7:6379"])
@@ -71,6 +73,7 @@ def test_without_a_record_or_a_ray_auto_says_how_to_make_one(tmp_path, monkeypat
         resolve_address("auto", tmp_path)
 
 
+@pytest.mark.slow
 def test_plan_with_auto_and_no_record_is_one_red_line(tmp_path):
     done = subprocess.run([*SHARDSERVE, "plan", "--model", "shardserve-demo", "--ray-address", "auto"],
                           capture_output=True, text=True, timeout=60,
@@ -92,6 +95,7 @@ def test_a_head_port_among_rays_own_is_refused_before_ray_starts(tmp_path, port,
     assert not state.exists()  # nothing started, nothing recorded
 
 
+@pytest.mark.slow
 def test_a_head_port_in_use_is_refused_with_a_free_choice(tmp_path):
     with socket.socket() as taken:
         taken.bind(("", 0))

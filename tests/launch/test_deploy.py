@@ -112,6 +112,7 @@ def test_custom_kinds_meet_their_crd_schemas(golden, kind):
     assert not crd_validator(kind).is_valid(broken)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("golden", [name for name in CASES if not name.startswith("k8s")])  # k8s runs launch itself
 def test_every_script_passes_shellcheck_and_bash_n(golden, tmp_path):
     shellcheck = shutil.which("shellcheck", path=str(Path(sys.executable).parent)) or shutil.which("shellcheck")

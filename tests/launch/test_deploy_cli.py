@@ -30,6 +30,7 @@ def refused(done: subprocess.CompletedProcess, *named: str) -> None:
         assert text in message, message
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("plan, args, named", [
     ("1node", ["--target", "kuberay", "--image", IMAGE], ["executor is mp", "--target k8s"]),
     ("2node", ["--target", "k8s", "--image", IMAGE], ["spans 2 nodes", "--target lws"]),
@@ -45,6 +46,7 @@ def test_a_target_that_cannot_serve_the_plan_is_refused_naming_the_fix(tmp_path,
     assert not folder.exists()
 
 
+@pytest.mark.slow
 def test_a_non_empty_folder_is_refused_without_force(tmp_path):
     folder = tmp_path / "out"
     folder.mkdir()
@@ -56,10 +58,12 @@ def test_a_non_empty_folder_is_refused_without_force(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == ["keep", "notes.yaml"]
 
 
+@pytest.mark.slow
 def test_no_output_folder_is_refused(tmp_path):
     refused(deploy(str(plan_path("2node")), "--target", "slurm"), "-o DIR is required")
 
 
+@pytest.mark.slow
 def test_deploy_writes_the_files_and_says_what_to_run(tmp_path):
     folder = tmp_path / "out"
     done = deploy(str(plan_path("2node")), "--target", "lws", "--image", IMAGE, "--namespace", "llm",
@@ -73,6 +77,7 @@ def test_deploy_writes_the_files_and_says_what_to_run(tmp_path):
     assert f"kubectl apply -f {folder}" in done.stdout
 
 
+@pytest.mark.slow
 def test_force_replaces_a_previous_deploy_whole(tmp_path):
     folder = tmp_path / "out"
     assert deploy(str(plan_path("1node")), "--target", "k8s", "--image", IMAGE, "-o", str(folder)).returncode == 0
@@ -81,6 +86,7 @@ def test_force_replaces_a_previous_deploy_whole(tmp_path):
     assert [p.name for p in folder.iterdir()] == ["slurm.sbatch"]  # no stale k8s.yaml for kubectl to apply
 
 
+@pytest.mark.slow
 def test_deploy_plans_from_flags_as_plan_does(tmp_path):
     folder = tmp_path / "out"
     done = deploy("--model", "meta-llama/Llama-3.1-70B-Instruct", "--hardware", "8xH100-80GB",

@@ -8,6 +8,8 @@ import pytest
 
 from tests.launch.conftest import MODEL, http, metric, open_request, serving
 
+pytestmark = pytest.mark.slow  # every test here starts a process
+
 LIMIT = 4  # --max-queued-requests: API requests in flight before a 503
 LONG = {"model": MODEL, "prompt": "Once", "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
 RUNNING, KV = "vllm:num_requests_running", "vllm:kv_cache_usage_perc"

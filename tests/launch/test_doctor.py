@@ -9,6 +9,8 @@ import sys
 import types
 from importlib import metadata
 
+import pytest
+
 from shardserve.launch.doctor import (check_gpus, check_interfaces, check_model, check_shm,
                                       interface_names, run_checks)
 from shardserve.launch.doctor_gpu import (OLDER_TORCH_INDEX, check_driver, check_nccl, check_torch_cuda, check_triton,
@@ -48,6 +50,7 @@ def test_gpu_count_and_memory_against_the_plan():
     assert check_gpus(none, None).status == "skip"
 
 
+@pytest.mark.slow
 def test_model_files_complete_and_truncated(tmp_path):
     r = subprocess.run([sys.executable, "-m", "shardserve.launch", "plan", "--profile", "demo",
                         "-o", str(tmp_path / "plan.yaml")], capture_output=True, text=True)
@@ -69,6 +72,7 @@ def test_cpu_machine_says_what_it_skipped():
     assert {checks[n].status for n in ("nccl_transport", "ray_nodes", "model")} == {"skip"}
 
 
+@pytest.mark.slow
 def test_cli_json_and_exit_code(tmp_path):
     ok = subprocess.run([sys.executable, "-m", "shardserve.launch", "doctor", "--format",
                          "json"], capture_output=True, text=True, timeout=60)

@@ -17,6 +17,8 @@ import torch
 from tests.launch.conftest import API_KEY, AUTH, MODEL, http, metric, post, start_server, stop_server
 from tests.runtime.runtime_checkpoints import pooled_reference, save_sentence_transformers_model
 
+pytestmark = pytest.mark.slow  # every test here starts a process
+
 NAME = "tiny-embed"
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Paged attention stores keys and values.", "fox"]
 

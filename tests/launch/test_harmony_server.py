@@ -14,6 +14,8 @@ from shardserve.launch.harmony import CALL, CHANNEL, CONSTRAIN, END, MARKERS, ME
 from tests.launch.conftest import API_KEY, post, serving, stream_chunks
 from tests.runtime.runtime_checkpoints import save_checkpoint
 
+pytestmark = pytest.mark.slow  # every test here starts a process
+
 NAME = "tiny-harmony"
 # a harmony template after the format's description: tools in a developer message, an assistant turn's
 # reasoning on the analysis channel, its calls on commentary, its answer on final

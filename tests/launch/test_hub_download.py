@@ -18,6 +18,8 @@ from shardserve.planner.catalog import model_catalog
 from tests.fake_hub import FakeHub
 from tests.launch.conftest import http, start_server, stop_server
 
+pytestmark = pytest.mark.slow  # every test here starts a process
+
 TOKEN = "hf_fake_token_for_the_gated_repo"
 BIG = "acme/Llama-3.1-70B-Instruct"  # too big for one L4: a plan of it is refused, naming quantized weights
 SMALL = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")

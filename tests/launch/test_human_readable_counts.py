@@ -63,6 +63,7 @@ def test_auto_still_means_the_longest_that_fits():
     assert plan_json("--max-model-len", "auto")["runtime"]["max_model_len"] == 2048  # the demo's positions
 
 
+@pytest.mark.slow
 def test_a_bad_flag_is_one_line():
     done = subprocess.run([sys.executable, "-m", "shardserve.launch", "plan", "--model", "shardserve-demo",
                            "--hardware", "cpu", "--max-model-len", "1.5K"], capture_output=True, text=True,

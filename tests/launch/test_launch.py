@@ -25,6 +25,7 @@ def launch(*args, timeout=60):
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_gpu_plan_on_a_cpu_machine_fails_fast(tmp_path):
     plan = tmp_path / "plan.yaml"
     plan.write_text(yaml.safe_dump(plan_for("meta-llama/Llama-3.1-8B-Instruct",
@@ -52,6 +53,7 @@ def test_not_a_plan(tmp_path):
         read_plan_file(str(bad))
 
 
+@pytest.mark.slow
 def test_catalog_id_not_in_the_cache_is_a_hub_id_to_download(tmp_path):
     """Offline here (HF_HUB_OFFLINE): the line says how to get it (tests/launch/test_hub_download.py downloads)."""
     r = subprocess.run([sys.executable, "-m", "shardserve.launch", "launch", "--model", "Qwen/Qwen3-0.6B",
@@ -62,6 +64,7 @@ def test_catalog_id_not_in_the_cache_is_a_hub_id_to_download(tmp_path):
     assert "hf download Qwen/Qwen3-0.6B" in r.stderr
 
 
+@pytest.mark.slow
 def test_unknown_setting():
     r = launch("--set", "max_num_seqz=3")
     assert r.returncode == 1 and "max_num_seqz: unknown key" in r.stderr
@@ -75,6 +78,7 @@ def test_listening_beyond_loopback_without_key_warns(caplog):
     assert len(caplog.records) == 1 and "without an API key" in caplog.records[0].message
 
 
+@pytest.mark.slow
 def test_served_from_a_plan_file_and_sigterm_exits_cleanly(tmp_path):
     plan = tmp_path / "plan.yaml"
     r = subprocess.run([sys.executable, "-m", "shardserve.launch", "plan", "--profile", "demo",
@@ -89,6 +93,7 @@ def test_served_from_a_plan_file_and_sigterm_exits_cleanly(tmp_path):
     assert "shut down cleanly" in out
 
 
+@pytest.mark.slow
 def test_max_model_len_auto_serves_what_the_plan_chose(tmp_path):
     """plan = launch: the plan records the number auto chose, launch logs it and serves exactly it."""
     plan_path = tmp_path / "plan.yaml"
@@ -107,6 +112,7 @@ def test_max_model_len_auto_serves_what_the_plan_chose(tmp_path):
     assert code == 0, out
 
 
+@pytest.mark.slow
 def test_only_rank_0_shows_loading_progress():
     """Two mp ranks (tensor parallel) load their shards; the log shows one rank's progress and total."""
     proc, url = start_server("--profile", "demo", "--set", "hardware=2xcpu", "--set", "tensor_parallel_size=2",
@@ -119,6 +125,7 @@ def test_only_rank_0_shows_loading_progress():
     assert not [line for line in progress if "(rank 1)" in line]
 
 
+@pytest.mark.slow
 def test_tensor_parallel_server_and_a_dead_rank():
     proc, url = start_server("--profile", "cpu-tp2")
     ranks = children(proc.pid, "shardserve.runtime.worker_process", recursive=True)
@@ -150,6 +157,7 @@ def _text(body: str) -> str:
     return json.loads(body)["choices"][0]["text"]
 
 
+@pytest.mark.slow
 def test_restart_brings_the_gang_back_then_gives_up():
     proc, url = start_server("--profile", "cpu-tp2", "--restart", "1")
     request = {"model": "shardserve-demo", "prompt": "The function returns", "max_tokens": 8,
@@ -176,6 +184,7 @@ def test_restart_brings_the_gang_back_then_gives_up():
     assert "giving up (--restart 1)" in out
 
 
+@pytest.mark.slow
 def test_an_empty_api_key_is_refused_not_taken_as_no_auth():
     done = launch("--api-key", "", "--port", "0")
     assert done.returncode == 1 and "--api-key is empty" in done.stderr and "Traceback" not in done.stderr
@@ -209,6 +218,7 @@ def test_each_gpu_replica_takes_its_own_gpus():
         replica_devices("cuda", 2, 1, "0,1,2")
 
 
+@pytest.mark.slow
 def test_overload_answers_503_and_recovers():
     proc, url = start_server("--profile", "demo", "--set", "max_queued_requests=2")
     try:

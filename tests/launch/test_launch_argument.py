@@ -31,6 +31,7 @@ def test_two_models_or_a_missing_plan_are_refused():
         launch_target("nothing.yaml", None)
 
 
+@pytest.mark.slow
 def test_the_cli_names_both_models_in_one_line():
     r = subprocess.run([sys.executable, "-m", "shardserve.launch", "launch", str(DEMO_MODEL_DIR), "--model",
                         "acme/b"], capture_output=True, text=True, timeout=60)

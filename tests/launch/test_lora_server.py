@@ -16,6 +16,8 @@ from shardserve.launch.demo import DEMO_MODEL_DIR
 from tests.launch.conftest import API_KEY, AUTH, MODEL, http, post, serving
 from tests.runtime.lora_adapters import ALL_MODULES, save_adapter
 
+pytestmark = pytest.mark.slow  # every test here starts a process
+
 PROMPT = [1, 15, 27, 8, 99, 4, 61, 33]
 MAX_TOKENS = 6
 

@@ -81,6 +81,7 @@ def test_node_ip_choice_on_this_machines_interfaces():
         choose_node_ip(None, "203.0.113.77")
 
 
+@pytest.mark.slow
 def test_host_with_two_networks_and_no_default_route(tmp_path):
     """A real host (a namespace) with two interfaces and no default route: `up` cannot guess and
     says so; `join` takes the interface on the head's network and fails fast when nothing listens."""

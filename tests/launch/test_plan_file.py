@@ -12,6 +12,8 @@ import yaml
 from shardserve.launch.demo import DEMO_MODEL_DIR
 from tests.launch.conftest import http, start_server, stop_server
 
+pytestmark = pytest.mark.slow  # every test here starts a process
+
 CPU_PP2 = ["--hardware", "2xcpu", "--pipeline-parallel-size", "2", "--max-model-len", "256",
            "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(1 << 24)]
 

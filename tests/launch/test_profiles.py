@@ -73,6 +73,7 @@ def test_set_values_are_yaml_scalars():
         parse_set(["max_num_seqs"])
 
 
+@pytest.mark.slow
 def test_cli_profiles_list_show_and_plan():
     def run(*args):
         return subprocess.run([sys.executable, "-m", "shardserve.launch", *args],

@@ -6,7 +6,11 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from shardserve.launch.demo import DEMO_MODEL_DIR
+
+pytestmark = pytest.mark.slow  # every test here starts a process
 
 SERVED = "awq, gptq, fp8, compressed-tensors, mxfp4"
 

@@ -24,6 +24,8 @@ import pytest
 from shardserve.launch.demo import DEMO_MODEL_DIR
 from tests.launch.conftest import free_port, http, stop_server, wait_healthy
 
+pytestmark = pytest.mark.slow  # every test here starts a process
+
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
 DOCS = (README, REPO / "docs" / "guide.md", REPO / "docs" / "server.md")  # deploy.md: tests/launch/test_deploy*

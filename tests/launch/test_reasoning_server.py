@@ -12,6 +12,8 @@ import pytest
 
 from tests.launch.conftest import API_KEY, MODEL, post, serving, stream_chunks
 
+pytestmark = pytest.mark.slow  # every test here starts a process
+
 HI = [{"role": "user", "content": "What is a list?"}]
 THINKING = {"structured_outputs": {"regex": "<think>[a-z]{3,6}</think>[a-z]{2,5}"}}
 OPENS = "{% for m in messages %}{{ m.content }}\n{% endfor %}<think>\n"  # the prompt leaves <think> open

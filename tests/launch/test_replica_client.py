@@ -7,6 +7,8 @@ import os
 import signal
 import time
 
+import pytest
+
 from shardserve.launch.demo import DEMO_MODEL_DIR
 from shardserve.launch.replica_client import start_replicas
 from shardserve.launch.replicas import ReplicaSet
@@ -14,6 +16,8 @@ from shardserve.runtime import AsyncEngine, SamplingParams
 from shardserve.runtime.errors import EngineDeadError
 
 from tests.processes import children, wait_gone
+
+pytestmark = pytest.mark.slow  # every test here starts a process
 
 KWARGS = {"device": "cpu", "kv_cache_memory_bytes": 32 << 20, "max_model_len": 512}
 PROMPTS = ["The function returns", "Once upon a time", "def main():"]

@@ -12,6 +12,8 @@ import pytest
 from tests.launch.conftest import http, kill_if_running, start_server, stop_server
 from tests.processes import children, wait_gone
 
+pytestmark = pytest.mark.slow  # every test here starts a process
+
 DP2 = ("--profile", "demo", "--set", "hardware=2xcpu", "--set", "data_parallel_size=2",
        "--set", "kv_cache_memory_bytes=33554432", "--set", "enable_prompt_tokens_details=true")
 

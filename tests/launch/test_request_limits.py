@@ -16,6 +16,8 @@ from shardserve.runtime.structured_output import (MAX_CHOICE_CHARS, MAX_CHOICES,
                                                   MAX_SCHEMA_CHARS, MAX_SCHEMA_DEPTH)
 from tests.launch.conftest import MODEL, http, serving
 
+pytestmark = pytest.mark.slow  # every test here starts a process
+
 STRICT_BODY_BYTES = 65536
 MESSAGES = [{"role": "user", "content": "hello world"}]
 MAX_GAP_SECONDS = 0.5  # a stream's longest wait for a token while grammars compile (a few ms without)

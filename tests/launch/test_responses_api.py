@@ -49,6 +49,7 @@ def chat_text(client, messages: list[dict], **kwargs) -> tuple[str, object]:
     return reply.choices[0].message.content or "", reply
 
 
+@pytest.mark.slow
 def test_text_whole_and_streamed_is_chats_text(client):
     asked = dict(input="Tell me a story", instructions=TERSE, **STORY)
     reply = client.responses.create(**asked)
@@ -79,6 +80,7 @@ def test_text_whole_and_streamed_is_chats_text(client):
     assert events[2].item.id == events[-2].item.id == final.output[0].id and final.id == events[0].response.id
 
 
+@pytest.mark.slow
 def test_input_items_become_chats_messages(client):
     items = [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
              {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
@@ -91,6 +93,7 @@ def test_input_items_become_chats_messages(client):
     assert reply.output_text == text
 
 
+@pytest.mark.slow
 def test_json_schema_and_json_object_formats(client):
     schema = Pet.model_json_schema() | {"additionalProperties": False}
     text_format = {"format": {"type": "json_schema", "name": "pet", "schema": schema, "strict": True}}
@@ -112,6 +115,7 @@ def test_json_schema_and_json_object_formats(client):
     assert obj.output_text.startswith("{")
 
 
+@pytest.mark.slow
 def test_logprobs_are_chats(client):
     asked = dict(input="Hi", include=["message.output_text.logprobs"], top_logprobs=2, **STORY)
     reply = client.responses.create(**asked)
@@ -125,6 +129,7 @@ def test_logprobs_are_chats(client):
     assert [lp.token for lp in done[0].logprobs] == [lp.token for lp in expected]
 
 
+@pytest.mark.slow
 def test_function_calls_and_their_outputs_round_trip(client):
     named = client.responses.create(model=MODEL, input=ASK, tools=TOOLS, max_output_tokens=40, temperature=0,
                                     tool_choice={"type": "function", "name": "get_weather"})
@@ -158,6 +163,7 @@ def test_function_calls_and_their_outputs_round_trip(client):
     assert events[4].arguments == events[3].delta and events[2].item.call_id == streamed.call_id
 
 
+@pytest.mark.slow
 def test_what_cannot_be_honoured_is_refused_by_name(server):
     base = {"model": MODEL, "input": "hi", "max_output_tokens": 2}
     refused = [({"previous_response_id": "resp_1"}, "previous_response_id"), ({"background": True}, "background"),
@@ -194,6 +200,7 @@ def test_what_cannot_be_honoured_is_refused_by_name(server):
     assert code == 200 and (data["store"], data["metadata"], data["user"]) == (False, {"k": "v"}, "u"), data
 
 
+@pytest.mark.slow
 def test_auth_body_limit_and_metrics_apply(server):
     body = {"model": MODEL, "input": "hi", "max_output_tokens": 2, "ignore_eos": True}
     assert post(server, "/v1/responses", body, headers={})[0] == 401

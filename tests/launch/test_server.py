@@ -10,6 +10,8 @@ import pytest
 
 from tests.launch.conftest import API_KEY, AUTH, MODEL, http, metric, post
 
+pytestmark = pytest.mark.slow  # every test here starts a process
+
 
 def test_health_version_models(server, client):
     assert http(f"{server}/health")[0] == 200

@@ -8,6 +8,8 @@ import pytest
 
 from tests.launch.conftest import AUTH, MODEL, http, post
 
+pytestmark = pytest.mark.slow  # every test here starts a process
+
 
 def test_tokenize_and_detokenize_use_the_served_tokenizer(server):
     from transformers import AutoTokenizer

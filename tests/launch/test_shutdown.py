@@ -9,6 +9,8 @@ import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from tests.launch.conftest import MODEL, http, kill_if_running, metric, start_server
 
 SHORT = {"model": MODEL, "prompt": "Once", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
@@ -35,6 +37,7 @@ def sse_events(text: str) -> list[str]:
     return [event.removeprefix("data: ") for event in text.split("\n\n") if event]
 
 
+@pytest.mark.slow
 def test_requests_in_flight_finish_during_the_drain_and_new_ones_get_503():
     proc, url = start_server("--profile", "demo", "--shutdown-timeout", "20")
     try:
@@ -59,6 +62,7 @@ def test_requests_in_flight_finish_during_the_drain_and_new_ones_get_503():
     assert seconds < 10, out  # it left once they were done, not at the timeout
 
 
+@pytest.mark.slow
 def test_requests_past_the_timeout_are_ended_cleanly_and_the_server_exits_in_time():
     timeout = 2.0
     proc, url = start_server("--profile", "demo", "--shutdown-timeout", str(timeout))
@@ -80,6 +84,7 @@ def test_requests_past_the_timeout_are_ended_cleanly_and_the_server_exits_in_tim
     assert timeout <= seconds < timeout + 2, out
 
 
+@pytest.mark.slow
 def test_a_sigterm_to_the_whole_process_group_drains_too():
     """systemd stops a service by signalling every process of it: replicas and ranks leave the signal to
     the server, which drains them as before."""

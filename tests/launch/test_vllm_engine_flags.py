@@ -21,6 +21,7 @@ def launch(*args: str) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
+@pytest.mark.slow
 def test_the_flags_are_there():
     done = subprocess.run([*SHARDSERVE, "launch", "--help"], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "COLUMNS": "200"})
@@ -28,6 +29,7 @@ def test_the_flags_are_there():
         assert flag in done.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, named", [
     (["--no-enable-chunked-prefill"], "enable_chunked_prefill=False is not served: the scheduler always chunks"),
     (["--load-format", "pt"], "load_format: input should be 'auto', 'safetensors' or 'dummy'"),

@@ -12,6 +12,8 @@ import pytest
 from shardserve.launch.demo import DEMO_MODEL_DIR
 from tests.launch.conftest import AUTH, MODEL, http, post, stream_chunks
 
+pytestmark = pytest.mark.slow  # every test here starts a process
+
 HI = [{"role": "user", "content": "hi"}]
 LONG = "The quick brown fox jumps over the lazy dog. " * 6
 PET = {"type": "object", "additionalProperties": False, "required": ["kind"],

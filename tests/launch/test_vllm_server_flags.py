@@ -13,6 +13,8 @@ import pytest
 from shardserve.launch.demo import DEMO_MODEL_DIR
 from tests.launch.conftest import API_KEY, AUTH, MODEL, http, post, serving, stream_chunks
 
+pytestmark = pytest.mark.slow  # every test here starts a process
+
 HI = [{"role": "user", "content": "hi"}]
 LONG = "The quick brown fox jumps over the lazy dog. " * 6
 VOCAB = 4096  # the demo model's

@@ -8,6 +8,8 @@ import sys
 import pytest
 import yaml
 
+pytestmark = pytest.mark.slow  # every test here starts a process
+
 SCHEMA = {
     "model": {"id", "architecture", "num_layers", "num_attention_heads", "num_kv_heads",
               "head_dim", "hidden_size", "intermediate_size", "vocab_size", "num_params",

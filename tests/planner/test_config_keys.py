@@ -161,6 +161,7 @@ def test_bad_value_names_the_key(tmp_path, change, message):
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
+@pytest.mark.slow
 def test_cli_prints_one_line_not_a_traceback(tmp_path):
     path = write_config(tmp_path / "m", {**LEGACY_QWEN3_MOE, "num_experts": "many"})
     r = subprocess.run([sys.executable, "-m", "shardserve.launch", "plan", "--model", path,

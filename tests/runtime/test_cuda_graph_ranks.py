@@ -157,6 +157,7 @@ def _send_and_receive(rank: int, store_path: str, results) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_static_buffers_are_filled_over_a_process_group(tmp_path):
     assert run_ranks(_send_and_receive, tmp_path) == {0: True, 1: True}
 
@@ -200,6 +201,7 @@ def run_ranks(target, tmp_path, *args) -> dict:
                 process.join()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("settings, expected", [
     ([(False, 8), (False, 8)], CaptureDecision(None, (1, 2, 4, 8))),
     ([(False, 8), (True, 8)], CaptureDecision("rank 1: enforce_eager=True")),

@@ -106,8 +106,9 @@ def run_rounds(folder: str, kv_bytes: int, **kwargs) -> tuple[list[list[int]], o
         return outputs, llm.engine.get_stats()
 
 
-@pytest.mark.parametrize("layout", [{}, {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
-                         ids=["tp1", "tp2", "pp2"])
+@pytest.mark.parametrize("layout", [pytest.param({}, id="tp1"),  # ranks in processes: slow
+                                    pytest.param({"tensor_parallel_size": 2}, id="tp2", marks=pytest.mark.slow),
+                                    pytest.param({"pipeline_parallel_size": 2}, id="pp2", marks=pytest.mark.slow)])
 def test_loaded_prefixes_give_transformers_tokens_with_less_prefill(layout, checkpoint_factory, kv_bytes_for):
     folder, hf_model = checkpoint_factory("llama3")
     expected = reference(hf_model, PROMPTS, GREEDY.max_tokens) * 2

@@ -43,8 +43,9 @@ def generate(llm: LLM, loras) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-@pytest.mark.parametrize("layout", [{}, {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
-                         ids=["tp1", "tp2", "pp2"])
+@pytest.mark.parametrize("layout", [pytest.param({}, id="tp1"),  # ranks in processes: slow
+                                    pytest.param({"tensor_parallel_size": 2}, id="tp2", marks=pytest.mark.slow),
+                                    pytest.param({"pipeline_parallel_size": 2}, id="pp2", marks=pytest.mark.slow)])
 def test_mixed_adapters_in_one_batch_match_transformers(layout, adapters):
     folder, (a1, a2), expected, _ = adapters
     parallel = {**layout, "distributed_executor_backend": "mp"} if layout else {}

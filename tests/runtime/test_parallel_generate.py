@@ -4,7 +4,6 @@ transformers' on the same weights, and stages own the planner's layer split."""
 from __future__ import annotations
 
 import os
-import subprocess
 
 import pytest
 
@@ -12,6 +11,7 @@ from shardserve.runtime import LLM, SamplingParams
 from shardserve.runtime.mp_executor import RANK_MODULE
 from shardserve.runtime.pipeline import plan_layer_split
 from test_runtime_matches_transformers import random_prompts, reference, token_outputs
+from tests.processes import children
 
 PROMPTS = random_prompts(7, [1, 6, 17, 33])
 MAX_TOKENS = 8
@@ -91,9 +91,8 @@ def test_expert_parallel_needs_experts(checkpoint_factory):
 
 
 def rank_pids() -> list[int]:
-    """Processes this one started that run an mp rank (zombies included: a rank must be reaped)."""
-    out = subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", RANK_MODULE], capture_output=True, text=True)
-    return [int(pid) for pid in out.stdout.split()]
+    """Processes this one started that still run an mp rank."""
+    return children(os.getpid(), RANK_MODULE)
 
 
 def abort_while_in_flight(llm: LLM) -> None:

@@ -6,6 +6,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # every test here starts a process
+
 SCRIPT = os.path.join(os.path.dirname(__file__), "triton_compile_check.py")
 
 
