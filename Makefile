@@ -54,9 +54,12 @@ $(STAMP): $(SERVE_STAMP)
 	$(PY) -m pip install -e '.[test]'
 	touch $(STAMP)
 
-# Lint, then the whole suite, as CI runs it (25 to 50 minutes on two CPU cores, as fast as the machine is that day: 1,979 tests on a fresh clone).
+# Lint, then the whole suite, as CI runs it: on TEST_WORKERS workers (pytest-xdist; a module's tests stay on one,
+# sharing its server), then the tests marked serial alone, since they time this machine (N min on two CPU cores).
+TEST_WORKERS ?= 2
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial"
+	$(PY) -m pytest -q -m serial
 
 # ruff and mypy as pyproject.toml configures them (mypy: about 40 s on a cold .mypy_cache, 2 s warm).
 # mypy cannot read the package-dir mapping, so it reads the packages through links in build/mypy-path;

@@ -103,9 +103,16 @@ def serving(*args: str):
     assert code == 0, out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server():
+    """The demo with an API key, shared by every module that asks for it (their tests read metrics as deltas)."""
     yield from serving("--profile", "demo", "--api-key", API_KEY)
+
+
+@pytest.fixture(scope="session")
+def open_server():
+    """The demo as `launch --profile demo` serves it, no API key; shared like `server`."""
+    yield from serving("--profile", "demo")
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.launch.conftest import MODEL, http, serving
+from tests.launch.conftest import MODEL, http
 
 pytestmark = pytest.mark.slow  # every test here starts a process
 
@@ -85,8 +85,8 @@ GOOD = {
 
 
 @pytest.fixture(scope="module")
-def server():
-    yield from serving("--profile", "demo")
+def server(open_server):
+    return open_server
 
 
 @pytest.mark.parametrize("case", BAD)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.launch.conftest import http, serving
+from tests.launch.conftest import http
 
 MODEL = "shardserve-demo"
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
@@ -23,8 +23,8 @@ ODD_TEXT = st.sampled_from(["ab\ud800cd", "\udfff", "x\ud83d"])
 
 
 @pytest.fixture(scope="module")
-def server():
-    yield from serving("--profile", "demo")
+def server(open_server):
+    return open_server
 
 
 def from_schema(schema: dict, components: dict, depth: int = 0) -> st.SearchStrategy:

@@ -136,6 +136,7 @@ def streams_alongside(url: str):
         streaming.join()
 
 
+@pytest.mark.serial
 def test_other_streams_keep_their_pace_while_large_grammars_compile(server):
     """Four grammars just under the size limit arrive while streams run: they compile off the engine's
     loop, so no stream waits for them (compiled in a step, they held every stream for seconds)."""
@@ -152,6 +153,7 @@ def test_other_streams_keep_their_pace_while_large_grammars_compile(server):
     assert max(gaps) < MAX_GAP_SECONDS, f"a stream waited {max(gaps):.2f} s for a token while grammars compiled"
 
 
+@pytest.mark.serial
 def test_other_streams_keep_their_pace_while_a_large_text_is_tokenized(server):
     """/tokenize counts any text under the body limit; 10 MB takes seconds to tokenize, off the event loop
     (on it, every stream waited that long for its next token)."""
@@ -162,6 +164,7 @@ def test_other_streams_keep_their_pace_while_a_large_text_is_tokenized(server):
     assert max(gaps) < MAX_GAP_SECONDS, f"a stream waited {max(gaps):.2f} s for a token while a text was tokenized"
 
 
+@pytest.mark.serial
 def test_a_body_over_the_limit_is_a_413_before_it_is_parsed(server):
     """The default limit is 16 MiB; a 17 MB body is refused unparsed (today's 10 MB one took seconds)."""
     began = time.monotonic()
@@ -190,6 +193,7 @@ def test_a_chunked_body_is_held_to_the_limit_too(strict_server):
     assert status == 413 and f"larger than {STRICT_BODY_BYTES} bytes" in body["error"]["message"]
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_a_prompt_too_long_for_max_model_len_is_refused_untokenized(server, path):
     """10 MB of text cannot fit the demo's 1,024 tokens: refused by its length, in well under the seconds

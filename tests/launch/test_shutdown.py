@@ -63,6 +63,7 @@ def test_requests_in_flight_finish_during_the_drain_and_new_ones_get_503():
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_requests_past_the_timeout_are_ended_cleanly_and_the_server_exits_in_time():
     timeout = 2.0
     proc, url = start_server("--profile", "demo", "--shutdown-timeout", str(timeout))
