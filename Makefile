@@ -54,12 +54,16 @@ $(STAMP): $(SERVE_STAMP)
 	$(PY) -m pip install -e '.[test]'
 	touch $(STAMP)
 
-# Lint, then the whole suite, as CI runs it: on TEST_WORKERS workers (pytest-xdist; a module's tests stay on one,
-# sharing its server), then the tests marked serial alone, since they time this machine (N min on two CPU cores).
+# Lint, then the whole suite, as CI runs it: first the tests marked serial, alone on a quiet machine since they
+# time it, then the rest on TEST_WORKERS workers (pytest-xdist; a module's tests stay on one worker, sharing its
+# server). N min on two CPU cores.
 TEST_WORKERS ?= 2
+# NOTE: the suite starts hundreds of interpreters (servers, ranks, the CLI); each imports this tree's modules
+# faster from bytecode caches, which an environment's PYTHONDONTWRITEBYTECODE would forbid.
+test: export PYTHONDONTWRITEBYTECODE :=
 test: lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial"
 	$(PY) -m pytest -q -m serial
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial"
 
 # ruff and mypy as pyproject.toml configures them (mypy: about 40 s on a cold .mypy_cache, 2 s warm).
 # mypy cannot read the package-dir mapping, so it reads the packages through links in build/mypy-path;
