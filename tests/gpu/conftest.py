@@ -23,13 +23,16 @@ def gpu_skip_reason() -> str | None:
     return None
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    """Every test here is slow (Triton compiles its kernels with ptxas, a process of its own), and skipped
+    where no GPU runs it."""
     reason = gpu_skip_reason()
-    if reason is None:
-        return
     for item in items:
         if HERE in Path(str(item.fspath)).parents:
-            item.add_marker(pytest.mark.skip(reason=reason))
+            item.add_marker(pytest.mark.slow)
+            if reason is not None:
+                item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(scope="session")
