@@ -10,8 +10,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from shardserve.runtime.config import KVCacheInfo, ModelConfig
-    from shardserve.runtime.engine import EngineStats
+    from shardserve.runtime.engine import EngineInfo, EngineStats
     from shardserve.runtime.input_processor import ProcessedPrompt
     from shardserve.runtime.lora_request import LoRARequest
     from shardserve.runtime.outputs import PromptDelta
@@ -22,17 +21,7 @@ if TYPE_CHECKING:
 class EngineClient(Protocol):
     index: int  # the replica's number, in logs, errors and metric labels
 
-    @property
-    def model_config(self) -> ModelConfig:
-        """The loaded model's config (the server's one input processor is built from it)."""
-
-    @property
-    def sampling_defaults(self) -> dict:
-        """The model's generation_config.json sampling fields, for requests that set none."""
-
-    @property
-    def kv_cache_info(self) -> KVCacheInfo:
-        """What the replica's KV cache holds (launch compares it with the plan's)."""
+    info: EngineInfo  # what the engine said when it came up: its model, KV cache, defaults and rules
 
     @property
     def error(self) -> BaseException | None:

@@ -306,7 +306,7 @@ def serve_once(config: DeployConfig, plan: PlanFile, listener: socket.socket, ap
                     "versions", sum(n["alive"] for n in nodes),
                     ", ".join(n["ip"] for n in nodes if n["alive"]))
     engines = start_engines(path, engine_kwargs(config), config.data_parallel_size or 1)
-    info = engines[0].kv_cache_info
+    info = engines[0].info.kv_cache_info
     compare_kv(plan, info)
 
     replicas = ReplicaSet(engines, plan_check=PlanCheck(Prediction.from_plan(plan), for_traffic=expected),
@@ -331,7 +331,8 @@ def start_engines(path: str, kwargs: dict, num_replicas: int) -> Sequence[Engine
     """Every replica, one or many, in a process of its own (its own GIL, its own GPUs), talked to over
     a socket (replica_client.py, the one EngineClient): the API process never steps an engine."""
     from shardserve.launch.replica_client import start_replicas
-    return start_replicas(path, kwargs, num_replicas)
+    from shardserve.runtime.engine_args import EngineArgs
+    return start_replicas(EngineArgs.from_kwargs(path, kwargs, "launch"), num_replicas)
 
 
 def api_key_from_env(flag: str | None) -> str | None:

@@ -1,35 +1,39 @@
 """A replica in a process of its own (every replica the server runs, one or many), seen from the API
 server as an engine.
 
-ReplicaClient starts `python -m shardserve.launch.replica_process`, hands it the engine's settings and
-its devices (a CUDA_VISIBLE_DEVICES slice on GPUs), then relays prompts and deltas over the socket
-(replica_protocol.py): the one implementation of engine_client.EngineClient. It holds no tokenizer:
-the server processes every prompt once, with its one InputProcessor (ReplicaSet.input_processor), and
-the replica takes it as it is. The replica's death (its engine failing, or its process gone) sets
-`error`, as a dead rank does for an engine."""
+ReplicaClient starts `python -m shardserve.launch.replica_process`, hands it the engine's settings
+(EngineArgs) and its devices (a CUDA_VISIBLE_DEVICES slice on GPUs), then relays prompts and deltas over
+the socket (replica_protocol.py): the one implementation of engine_client.EngineClient. It holds no
+tokenizer: the server processes every prompt once, with its one InputProcessor (ReplicaSet.input_processor,
+made from the EngineInfo the replica sends when it is up: the engine's own rules), and the replica takes
+it as it is. The replica's death (its engine failing, or its process gone) sets `error`, as a dead rank does for an engine."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
-import socket
-import subprocess
-import sys
 import time
 import weakref
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from shardserve.launch.replica_protocol import (AbortPrompt, AddPrompt, DeltaBatch, EngineFailed, PromptFailed,
                                                 ReplicaFailed, ReplicaReady, ReplicaStartup, StatsMessage,
-                                                StopReplica, frame, read_message, recv_blocking, send_blocking)
+                                                StopReplica)
+from shardserve.runtime.child_process import (frame, read_message, recv_blocking, send_blocking, start_child,
+                                              stop_process)
 from shardserve.runtime.config import resolve_device
 from shardserve.runtime.errors import EngineDeadError
+
+if TYPE_CHECKING:
+    from shardserve.runtime.engine import EngineInfo
+    from shardserve.runtime.engine_args import EngineArgs
 
 logger = logging.getLogger("shardserve.launch")
 
 REPLICA_MODULE = "shardserve.launch.replica_process"
-SAFE_PATH = ("-P",) if sys.version_info >= (3, 11) else ()  # the caller's working directory stays off the path
 STOP_GRACE_SECONDS = 10.0
 SILENCE_SECONDS = 60.0  # a replica sends stats every half second; this long without a word: hung
 _ABORTED = object()  # ends a prompt's stream here; generate() then tells the replica
@@ -49,21 +53,16 @@ def replica_devices(device: str, num_ranks: int, replica: int, visible: str | No
 
 
 class ReplicaClient:
-    def __init__(self, index: int, model: str, engine_kwargs: dict):
+    def __init__(self, index: int, args: EngineArgs):
         self.index = index
-        kwargs, env = dict(engine_kwargs), dict(os.environ)
-        device = resolve_device(str(kwargs.get("device", "auto")))  # 'auto' on a GPU machine slices too
-        num_ranks = kwargs.get("tensor_parallel_size", 1) * kwargs.get("pipeline_parallel_size", 1)
+        env = dict(os.environ)
+        device = resolve_device(args.device)  # 'auto' on a GPU machine slices too
+        num_ranks = (args.tensor_parallel_size or 1) * (args.pipeline_parallel_size or 1)
         devices = replica_devices(device, num_ranks, index, os.environ.get("CUDA_VISIBLE_DEVICES"))
         if devices is not None:  # the replica's GPUs are its 0..n-1
-            env["CUDA_VISIBLE_DEVICES"], kwargs["device"] = devices, "cuda"
-        self.sock, child = socket.socketpair()
-        self.process = subprocess.Popen([sys.executable, *SAFE_PATH, "-m", REPLICA_MODULE, str(child.fileno()),
-                                         str(os.getpid())], pass_fds=(child.fileno(),), env=env,
-                                        stdin=subprocess.DEVNULL)
-        child.close()
-        weakref.finalize(self, _stop, self.process, 0.0)  # dropped without shutdown(): still stopped
-        send_blocking(self.sock, ReplicaStartup(index, model, kwargs))
+            env["CUDA_VISIBLE_DEVICES"], args = devices, dataclasses.replace(args, device="cuda")
+        self.process, self.sock = start_child(REPLICA_MODULE, ReplicaStartup(index, args), env)
+        weakref.finalize(self, stop_process, self.process, 0.0)  # dropped without shutdown(): still stopped
         self._error: BaseException | None = None
         self._last_heard = time.monotonic()
         self._streams: dict[str, asyncio.Queue] = {}
@@ -86,8 +85,8 @@ class ReplicaClient:
             raise message.error
         if not isinstance(message, ReplicaReady):
             raise RuntimeError(f"replica {self.index} answered {type(message).__name__} to its start-up")
-        self.ready = message
-        self._stats = message.stats
+        self.info: EngineInfo = message.info
+        self._stats = message.info.stats
         logger.info("replica %d up in process %d", self.index, self.pid)
 
     @property
@@ -98,18 +97,6 @@ class ReplicaClient:
             self._fail(EngineDeadError(f"replica {self.index} (pid {self.pid}) has sent nothing for "
                                        f"{SILENCE_SECONDS:.0f} s"))
         return self._error
-
-    @property
-    def kv_cache_info(self):
-        return self.ready.kv_cache_info
-
-    @property
-    def sampling_defaults(self) -> dict:
-        return self.ready.sampling_defaults
-
-    @property
-    def model_config(self):
-        return self.ready.model_config
 
     def get_stats(self):
         """The replica's latest EngineStats (a StatsMessage comes every replica_process.STATS_SECONDS)."""
@@ -205,30 +192,24 @@ class ReplicaClient:
                 send_blocking(self.sock, StopReplica())
             except OSError:
                 pass
-        await asyncio.to_thread(_stop, self.process, STOP_GRACE_SECONDS)
+        await asyncio.to_thread(stop_process, self.process, STOP_GRACE_SECONDS)
         if self._writer is not None:
             self._writer.close()
         self.sock.close()
 
 
-def _stop(process: subprocess.Popen, grace: float) -> None:
-    from shardserve.runtime.mp_executor import stop_process
-
-    stop_process(process, grace)
-
-
-def start_replicas(model: str, engine_kwargs: dict, num_replicas: int) -> list[ReplicaClient]:
+def start_replicas(args: EngineArgs, num_replicas: int) -> list[ReplicaClient]:
     """Every replica's process at once (they load in parallel), then each one's readiness; if one
     fails, the others are stopped and its error raised."""
     replicas: list[ReplicaClient] = []
     try:
         for index in range(num_replicas):
-            replicas.append(ReplicaClient(index, model, engine_kwargs))
+            replicas.append(ReplicaClient(index, args))
         for replica in replicas:
             replica.wait_ready()
     except BaseException:
         for replica in replicas:
-            _stop(replica.process, 0.0)
+            stop_process(replica.process, 0.0)
             replica.sock.close()
         raise
     return replicas

@@ -13,7 +13,7 @@ from shardserve.launch.metrics import PromptTimer, ServerMetrics
 from shardserve.launch.plan_check import FinishedRequest, PlanCheck
 from shardserve.launch.prefix_router import CACHE_AWARE, PrefixRouter, Route
 from shardserve.launch.protocol import shutting_down
-from shardserve.runtime.input_processor import InputProcessor, ProcessedPrompt
+from shardserve.runtime.input_processor import ProcessedPrompt
 from shardserve.runtime.lora_request import LoRARequest
 from shardserve.runtime.outputs import EmbeddingRequestOutput, PromptDelta, embedding_output
 from shardserve.runtime.pooling_params import PoolingParams
@@ -52,7 +52,7 @@ class ReplicaSet:
     def __init__(self, engines: Sequence[EngineClient], metrics: ServerMetrics | None = None,
                  plan_check: PlanCheck | None = None, routing_policy: str = CACHE_AWARE):
         self.replicas = [Replica(i, e) for i, e in enumerate(engines)]
-        kv = self.replicas[0].engine.kv_cache_info  # every replica has the same layout, so the same pool
+        kv = self.replicas[0].engine.info.kv_cache_info  # every replica has the same layout, so the same pool
         self.router = PrefixRouter(len(self.replicas), kv.block_size, kv.num_blocks, routing_policy)
         self.metrics = metrics
         self.plan_check = plan_check  # fed each finished prompt's times (with metrics)
@@ -60,13 +60,13 @@ class ReplicaSet:
         self.is_stopping = False  # shutting down: running prompts are aborted, new ones refused
         # the server's one input processor, with the process's one tokenizer: every prompt is processed here,
         # once, and every replica (they serve the same model) takes it as it is
-        config = self.replicas[0].engine.model_config
-        self.input_processor = InputProcessor(config, load_tokenizer(config))
+        info = self.replicas[0].engine.info
+        self.input_processor = info.input_processor(load_tokenizer(info.model_config))
 
     @property
     def sampling_defaults(self) -> dict:
         """The model's generation_config.json sampling fields (every replica serves the same model)."""
-        return self.replicas[0].engine.sampling_defaults
+        return self.replicas[0].engine.info.sampling_defaults
 
     @property
     def max_model_len(self) -> int:

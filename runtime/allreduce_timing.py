@@ -31,7 +31,7 @@ SECRET_ENV = "SHARDSERVE_RENDEZVOUS_SECRET"  # the environment is the owner's al
 def time_allreduce(num_ranks: int, sizes: list[int], device: torch.device, dtype: torch.dtype) -> dict[int, float]:
     """{bytes: milliseconds} of an all-reduce over num_ranks local ranks (GPUs 0..num_ranks-1)."""
     from shardserve.runtime.distributed import start_rendezvous
-    from shardserve.runtime.mp_executor import SAFE_PATH, stop_process
+    from shardserve.runtime.child_process import SAFE_PATH, stop_process
 
     store, rendezvous = start_rendezvous("127.0.0.1", num_ranks)
     with tempfile.TemporaryDirectory(prefix="shardserve-allreduce-") as folder:
@@ -117,7 +117,7 @@ def run_rank(rank: int, world_size: int, port: int, device: torch.device, dtype:
 
 
 def main() -> None:
-    from shardserve.runtime.worker_process import watch_parent
+    from shardserve.runtime.child_process import watch_parent
 
     rank, world_size, port = (int(a) for a in sys.argv[1:4])
     device, dtype, out = torch.device(sys.argv[4]), getattr(torch, sys.argv[5]), sys.argv[6]

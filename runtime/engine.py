@@ -9,7 +9,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from shardserve.runtime.block_manager import BlockManager
-from shardserve.runtime.config import EngineConfig
+from shardserve.runtime.config import EngineConfig, KVCacheInfo, ModelConfig
 from shardserve.runtime.errors import EngineDeadError
 from shardserve.runtime.executor import make_executor
 from shardserve.runtime.generation_config import sampling_defaults
@@ -45,6 +45,22 @@ class EngineStats:
     iteration_tokens: HistogramSnapshot  # tokens scheduled per step (prompt and output), since start
 
 
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What an engine tells its client once it is up: enough to process prompts for it (the model, the
+    sampling defaults, what its scheduling cannot honour) and to report on it, in one typed record."""
+
+    model_config: ModelConfig
+    sampling_defaults: dict  # the model's generation_config.json sampling fields, for requests that set none
+    kv_cache_info: KVCacheInfo
+    async_scheduling: bool  # the requests it refuses are refused by the client's InputProcessor too
+    stats: EngineStats
+
+    def input_processor(self, tokenizer) -> InputProcessor:
+        """The input rules this engine holds prompts to, for a client with its own tokenizer."""
+        return InputProcessor(self.model_config, tokenizer, self.async_scheduling)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.tokenizer = load_tokenizer(config.model)
@@ -60,7 +76,6 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, config.model.max_model_len,
                                    None if config.lora is None else LoRASlots(config.lora.max_loras))
         self.adapter_checks = AdapterChecks(config)
-        self.input_processor = InputProcessor(config.model, self.tokenizer, config.scheduler.async_scheduling)
         self.output_processor = OutputProcessor(self.tokenizer)
         # with async scheduling, output processing leaves the step loop for a thread of its own
         self.output_thread = OutputThread(self.output_processor) if config.scheduler.async_scheduling else None
@@ -69,6 +84,7 @@ class LLMEngine:
         self._held_updates: list[RequestUpdate] | None = None  # for the output thread, not handed over yet
         self._draining_ids: set[str] = set()  # aborted prompts whose earlier outputs are not all taken yet
         self.iteration_tokens = StepHistogram()
+        self.input_processor = self.info().input_processor(self.tokenizer)  # (the same rules as its clients')
 
     def add_request(self, prompt_id: str, prompt: PromptType | ProcessedPrompt,
                     params: SamplingParams | PoolingParams, lora_request: LoRARequest | None = None) -> None:
@@ -110,6 +126,10 @@ class LLMEngine:
 
     def _output_lock(self):
         return self.output_thread.lock if self.output_thread is not None else contextlib.nullcontext()
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(self.config.model, self.sampling_defaults, self.kv_cache_info,
+                          self.config.scheduler.async_scheduling, self.get_stats())
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation defaults (vLLM's get_default_sampling_params)."""

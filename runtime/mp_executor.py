@@ -1,73 +1,45 @@
-"""The multiprocessing executor: one process per rank on this machine, started from a module, a pipe to each."""
+"""The multiprocessing executor: one process per rank on this machine (runtime/child_process.py), a socket to each."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import pickle
+import socket
 import subprocess
-import sys
 import weakref
+from collections import deque
 
+from shardserve.runtime.child_process import FrameReader, send_payload, start_child, stop_process
 from shardserve.runtime.distributed import Rendezvous
 from shardserve.runtime.distributed_executor import DistributedExecutor, WorkerHandle
 from shardserve.runtime.worker_rpc import RankStartup, WorkerReply
 
 RANK_MODULE = "shardserve.runtime.worker_process"
-KILL_WAIT_SECONDS = 1.0
-SAFE_PATH = ("-P",) if sys.version_info >= (3, 11) else ()  # the caller's working directory stays off the path
 
 
 class ProcessHandle(WorkerHandle):
-    def __init__(self, process: subprocess.Popen, conn):
-        self.process, self.conn = process, conn
+    def __init__(self, process: subprocess.Popen, sock: socket.socket):
+        self.process, self.sock = process, sock
+        self.inbox = FrameReader(sock)
+        self.replies: deque[WorkerReply] = deque()  # read, not yet taken
 
     def send(self, payload: bytes) -> None:
-        self.conn.send_bytes(payload)
+        send_payload(self.sock, payload)
 
     def poll(self, timeout: float) -> WorkerReply | None:
-        try:
-            if self.conn.poll(timeout):
-                return pickle.loads(self.conn.recv_bytes())
-        except (EOFError, OSError):
-            pass  # the rank is gone; is_alive says so once it is reaped
-        return None
+        if not self.replies:  # (the rank gone: is_alive says so once it is reaped)
+            self.replies.extend(r for r in self.inbox.read(timeout) if isinstance(r, WorkerReply))
+        return self.replies.popleft() if self.replies else None
 
     def is_alive(self) -> bool:
         return self.process.poll() is None
 
     def stop(self, grace: float) -> None:
         stop_process(self.process, grace)
-        self.conn.close()
-
-
-def stop_process(process: subprocess.Popen, grace: float) -> None:
-    """Wait up to `grace` seconds for an exit, then SIGKILL it (its pid alone). NOTE: ranks and replicas
-    ignore SIGTERM, which a service manager sends the whole process group: the server drains them."""
-    for stop, wait in ((None, grace), (process.kill, KILL_WAIT_SECONDS)):
-        if stop is not None:
-            stop()
-        try:
-            process.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            pass
+        self.sock.close()
 
 
 def start_rank(startup: RankStartup) -> ProcessHandle:
-    """NOTE: a fresh interpreter runs the rank's module, never the caller's main (spawn imports it
-    again: a script on stdin, or one without a main guard, breaks or runs twice). It imports
-    shardserve as any fresh interpreter would: installed, or on PYTHONPATH."""
-    parent_end, child_end = multiprocessing.Pipe()
-    fd = child_end.fileno()
-    process = subprocess.Popen([sys.executable, *SAFE_PATH, "-m", RANK_MODULE, str(fd), str(os.getpid())],
-                               pass_fds=(fd,), stdin=subprocess.DEVNULL)
-    child_end.close()
-    try:
-        parent_end.send_bytes(pickle.dumps(startup))
-    except OSError:
-        pass  # the rank died at once: the executor's wait for it says so
-    return ProcessHandle(process, parent_end)
+    return ProcessHandle(*start_child(RANK_MODULE, startup))
 
 
 class MultiprocExecutor(DistributedExecutor):

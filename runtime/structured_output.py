@@ -16,7 +16,7 @@ import json
 import os
 import re
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -146,12 +146,16 @@ def compiled_grammar(model_config, tokenizer, outputs: StructuredOutputs):
     return shared_compiler(model_config, tokenizer).compile_grammar(outputs.grammar())
 
 
-async def compile_in_background(model_config, tokenizer, outputs: StructuredOutputs) -> None:
+def submit_compile(model_config, tokenizer, outputs: StructuredOutputs) -> Future:
     """Compile a grammar in a worker thread (xgrammar releases the GIL while it compiles), so the event
-    loop and the engine's steps go on meanwhile. Cancelling the wait leaves a started compile to finish
-    (its result stays cached); one not yet started is dropped."""
-    loop = asyncio.get_running_loop()
-    await loop.run_in_executor(_COMPILE_POOL, compiled_grammar, model_config, tokenizer, outputs)
+    loop or the engine's steps go on meanwhile; the engine's matcher then finds it in the cache."""
+    return _COMPILE_POOL.submit(compiled_grammar, model_config, tokenizer, outputs)
+
+
+async def compile_in_background(model_config, tokenizer, outputs: StructuredOutputs) -> None:
+    """submit_compile, awaited. Cancelling the wait leaves a started compile to finish (its result stays
+    cached); one not yet started is dropped."""
+    await asyncio.wrap_future(submit_compile(model_config, tokenizer, outputs))
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ import pytest
 from shardserve.launch.demo import DEMO_MODEL_DIR
 from shardserve.launch.replica_client import start_replicas
 from shardserve.launch.replicas import ReplicaSet
-from shardserve.runtime import AsyncEngine, SamplingParams
+from shardserve.runtime import AsyncEngine, EngineArgs, SamplingParams
 from shardserve.runtime.errors import EngineDeadError
 
 from tests.processes import children, wait_gone
@@ -58,7 +58,7 @@ async def _in_process() -> list[list[int]]:
 
 
 def test_a_replica_process_gives_the_in_process_tokens_and_aborts_what_is_dropped():
-    (replica,) = start_replicas(str(DEMO_MODEL_DIR), KWARGS, 1)
+    (replica,) = start_replicas(EngineArgs(str(DEMO_MODEL_DIR), **KWARGS), 1)
     outputs, num_running = asyncio.run(_serve_and_abort(replica))
     assert outputs == asyncio.run(_in_process())
     assert num_running == 0
@@ -77,7 +77,7 @@ async def _until_dead(replica, seconds: float) -> BaseException | None:
 
 def test_a_rank_dying_inside_a_replica_marks_it_dead():
     kwargs = KWARGS | {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
-    (replica,) = start_replicas(str(DEMO_MODEL_DIR), kwargs, 1)
+    (replica,) = start_replicas(EngineArgs(str(DEMO_MODEL_DIR), **kwargs), 1)
     ranks = children(replica.pid, "shardserve.runtime.worker_process")
     assert len(ranks) == 2, ranks
     os.kill(ranks[1], signal.SIGKILL)

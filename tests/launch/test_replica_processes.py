@@ -147,6 +147,7 @@ def test_a_killed_replica_is_reported_and_the_server_stops():
 def test_a_replica_that_cannot_start_fails_the_launch(tmp_path):
     from shardserve.launch.demo import DEMO_MODEL_DIR
     from shardserve.launch.replica_client import start_replicas
+    from shardserve.runtime import EngineArgs
 
     with pytest.raises(ValueError, match="max_model_len"):
-        start_replicas(str(DEMO_MODEL_DIR), {"device": "cpu", "max_model_len": 10**7}, 2)
+        start_replicas(EngineArgs(str(DEMO_MODEL_DIR), device="cpu", max_model_len=10**7), 2)
