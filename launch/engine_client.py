@@ -1,7 +1,7 @@
 """What the server asks of an engine replica: the one interface between HTTP and the engines.
 
-ReplicaClient (replica_client.py) is its one implementation, for one replica or many: each engine runs
-in a process of its own, and the API process only relays. mypy holds ReplicaClient to this Protocol
+runtime.core.client.EngineCoreClient is its one implementation, for one replica or many: each engine core
+runs in a process of its own, and the API process only relays. mypy holds the client to this Protocol
 where the launcher hands its replicas to ReplicaSet."""
 
 from __future__ import annotations

@@ -329,8 +329,8 @@ def serve_once(config: DeployConfig, plan: PlanFile, listener: socket.socket, ap
 
 def start_engines(path: str, kwargs: dict, num_replicas: int) -> Sequence[EngineClient]:
     """Every replica, one or many, in a process of its own (its own GIL, its own GPUs), talked to over
-    a socket (replica_client.py, the one EngineClient): the API process never steps an engine."""
-    from shardserve.launch.replica_client import start_replicas
+    a socket (runtime/core/client.py, the one EngineClient): the API process never steps an engine."""
+    from shardserve.runtime.core.client import start_replicas
     from shardserve.runtime.engine_args import EngineArgs
     return start_replicas(EngineArgs.from_kwargs(path, kwargs, "launch"), num_replicas)
 

@@ -37,7 +37,7 @@ def public_message(text: str) -> str:
 
 
 class Replica:
-    """engine: the replica's EngineClient (a ReplicaClient: the replica runs in a process of its own)."""
+    """engine: the replica's EngineClient (an EngineCoreClient: the replica's core runs in a process of its own)."""
 
     def __init__(self, index: int, engine: EngineClient):
         self.index, self.engine = index, engine

@@ -210,7 +210,7 @@ def test_a_second_launch_on_a_taken_port_fails_before_loading_anything():
 
 
 def test_each_gpu_replica_takes_its_own_gpus():
-    from shardserve.launch.replica_client import replica_devices
+    from shardserve.runtime.core.client import replica_devices
     assert [replica_devices("cuda", 4, r, None) for r in range(3)] == ["0,1,2,3", "4,5,6,7", "8,9,10,11"]
     assert replica_devices("cuda:2", 1, 1, "5,6,7,8") == "8"  # counted in the server's visible GPUs
     assert replica_devices("cpu", 2, 1, None) is None

@@ -1,4 +1,4 @@
-"""One replica process seen through its ReplicaClient, without the HTTP server: the deltas match an
+"""One replica process seen through its EngineCoreClient, without the HTTP server: the deltas match an
 in-process engine's, an abandoned prompt is aborted in the replica, a rank dying inside the replica
 marks it dead, and shutdown leaves no process behind."""
 
@@ -10,7 +10,7 @@ import time
 import pytest
 
 from shardserve.launch.demo import DEMO_MODEL_DIR
-from shardserve.launch.replica_client import start_replicas
+from shardserve.runtime.core.client import start_replicas
 from shardserve.launch.replicas import ReplicaSet
 from shardserve.runtime import AsyncEngine, EngineArgs, SamplingParams
 from shardserve.runtime.errors import EngineDeadError
@@ -62,7 +62,7 @@ def test_a_replica_process_gives_the_in_process_tokens_and_aborts_what_is_droppe
     outputs, num_running = asyncio.run(_serve_and_abort(replica))
     assert outputs == asyncio.run(_in_process())
     assert num_running == 0
-    assert replica.process.wait(10) == 0 and replica.error is None
+    assert replica.core.process.wait(10) == 0 and replica.error is None
 
 
 async def _until_dead(replica, seconds: float) -> BaseException | None:

@@ -105,7 +105,7 @@ def _check_a_conversation_goes_back_to_its_cache(url: str) -> None:
 
 def test_replicas_in_their_own_processes_serve_and_stop_cleanly():
     proc, url = start_server(*DP2)
-    replicas = children(proc.pid, "shardserve.launch.replica_process")
+    replicas = children(proc.pid, "shardserve.runtime.core.loop")
     try:
         assert len(replicas) == 2, replicas
         # each replica's engine runs in its own process: no rank and no engine in the server's
@@ -124,7 +124,7 @@ def test_replicas_in_their_own_processes_serve_and_stop_cleanly():
 
 def test_a_killed_replica_is_reported_and_the_server_stops():
     proc, url = start_server(*DP2)
-    replicas = children(proc.pid, "shardserve.launch.replica_process")
+    replicas = children(proc.pid, "shardserve.runtime.core.loop")
     try:
         assert len(replicas) == 2, replicas
         os.kill(replicas[1], signal.SIGKILL)
@@ -146,7 +146,7 @@ def test_a_killed_replica_is_reported_and_the_server_stops():
 
 def test_a_replica_that_cannot_start_fails_the_launch(tmp_path):
     from shardserve.launch.demo import DEMO_MODEL_DIR
-    from shardserve.launch.replica_client import start_replicas
+    from shardserve.runtime.core.client import start_replicas
     from shardserve.runtime import EngineArgs
 
     with pytest.raises(ValueError, match="max_model_len"):

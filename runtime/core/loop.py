@@ -1,10 +1,10 @@
-"""The main of one data-parallel replica's process (`python -m shardserve.launch.replica_process FD PID`).
+"""The engine core's loop, and the main of a core's own process (`python -m shardserve.runtime.core.loop FD
+PID`, what each replica of a server runs).
 
-FD is the replica's end of a socketpair with the API server: a ReplicaStartup arrives, the replica
-builds its engine (and with it its ranks, started as children of this process) and answers
-ReplicaReady. Then a plain loop, no asyncio: take what arrived on the socket (add, abort), step, send
-the step's deltas as one DeltaBatch, until StopReplica, the socket closing, the engine dying
-(EngineFailed, then exit 1) or the server's process disappearing."""
+A plain loop, no asyncio: take what arrived on the socket (add, abort), step, send the step's deltas as
+one DeltaBatch, until StopCore, the socket closing or the engine dying (EngineFailed). In a process of
+its own, a CoreStartup arrives first; the core builds its engine (and with it its ranks, started as
+children of this process) and answers CoreReady; the process also ends when its parent disappears."""
 
 from __future__ import annotations
 
@@ -16,19 +16,19 @@ import time
 import traceback
 from concurrent.futures import Future
 
-from shardserve.launch.replica_protocol import (AbortPrompt, AddPrompt, DeltaBatch, EngineFailed, PromptFailed,
-                                                ReplicaFailed, ReplicaReady, ReplicaStartup, StatsMessage,
-                                                StopReplica, portable_error)
+from shardserve.runtime.core.protocol import (AbortPrompt, AddPrompt, DeltaBatch, EngineFailed, PromptFailed,
+                                                CoreStartFailed, CoreReady, CoreStartup, StatsMessage,
+                                                StopCore, portable_error)
 from shardserve.runtime.child_process import FrameReader, child_main, send_blocking
 
-logger = logging.getLogger("shardserve.launch.replica")
+logger = logging.getLogger("shardserve.runtime.core")
 
 STATS_SECONDS = 0.5  # stats for /metrics, and a sign of life, this often; the idle engine's health as often
 COMPILE_POLL_SECONDS = 0.005  # how often an idle loop looks at the grammars being compiled
 
 
-class ReplicaLoop:
-    """One replica's engine, driven by the server's messages between its steps. NOTE: a prompt under a
+class CoreLoop:
+    """An engine, driven by its client's messages between its steps. NOTE: a prompt under a
     grammar waits here, out of the engine, until its grammar is compiled in a worker thread (xgrammar
     releases the GIL), so no step waits on a compile."""
 
@@ -39,16 +39,16 @@ class ReplicaLoop:
         self.last_report = 0.0
 
     def serve(self) -> int:
-        """Until StopReplica or the server goes; the process's exit code."""
+        """Until StopCore or the client goes; 1 if the engine died, else 0."""
         engine = self.engine
         while True:
             busy = engine.has_unfinished_requests()
             for message in self.inbox.read(0.0 if busy else self._idle_wait()):
-                if isinstance(message, StopReplica):
+                if isinstance(message, StopCore):
                     return 0
                 self._handle(message)
             if self.inbox.closed:
-                return 0  # the server went away
+                return 0  # the client went away
             self._add_compiled()
             try:
                 if busy:
@@ -86,7 +86,7 @@ class ReplicaLoop:
             else:
                 self.engine.abort_request(message.prompt_id)
         else:
-            raise TypeError(f"a replica cannot act on {type(message).__name__}")
+            raise TypeError(f"an engine core cannot act on {type(message).__name__}")
 
     def _add_compiled(self) -> None:
         for prompt_id, (add, compile_) in list(self.compiling.items()):
@@ -106,16 +106,24 @@ class ReplicaLoop:
             send_blocking(self.sock, PromptFailed(add.prompt_id, portable_error(error)))
 
 
-def build_engine(sock: socket.socket, startup: ReplicaStartup):
-    """The replica's engine, announced with ReplicaReady; None (after ReplicaFailed) if it failed."""
+def serve(engine, sock: socket.socket) -> int:
+    """Run the loop, then shut the engine down (its ranks with it); the loop's exit code."""
+    try:
+        return CoreLoop(engine, sock).serve()
+    finally:
+        engine.shutdown()
+
+
+def build_engine(sock: socket.socket, startup: CoreStartup):
+    """The core's engine, announced with CoreReady; None (after CoreStartFailed) if it failed."""
     from shardserve.runtime.engine import LLMEngine
 
     try:
         engine = LLMEngine(startup.args.create_engine_config())
     except Exception as error:
-        send_blocking(sock, ReplicaFailed(portable_error(error), traceback.format_exc()))
+        send_blocking(sock, CoreStartFailed(portable_error(error), traceback.format_exc()))
         return None
-    send_blocking(sock, ReplicaReady(engine.info()))
+    send_blocking(sock, CoreReady(engine.info()))
     return engine
 
 
@@ -124,18 +132,12 @@ def main() -> None:
                         datefmt="%H:%M:%S")
     started = child_main()
     if started is None:
-        return  # the server went away before we started
+        return  # the client went away before we started
     sock, startup = started
-    assert isinstance(startup, ReplicaStartup)  # the server's first message
+    assert isinstance(startup, CoreStartup)  # the client's first message
     logger.info("replica %d (pid %d) starting", startup.index, os.getpid())
     engine = build_engine(sock, startup)
-    if engine is None:
-        sys.exit(1)
-    try:
-        code = ReplicaLoop(engine, sock).serve()
-    finally:
-        engine.shutdown()
-    sys.exit(code)
+    sys.exit(1 if engine is None else serve(engine, sock))
 
 
 if __name__ == "__main__":

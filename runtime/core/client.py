@@ -1,12 +1,12 @@
-"""A replica in a process of its own (every replica the server runs, one or many), seen from the API
-server as an engine.
+"""The one client of an engine core: a core in a process of its own (each replica a server runs) or on a
+thread of this process (AsyncEngine), talked to over a socket either way.
 
-ReplicaClient starts `python -m shardserve.launch.replica_process`, hands it the engine's settings
-(EngineArgs) and its devices (a CUDA_VISIBLE_DEVICES slice on GPUs), then relays prompts and deltas over
-the socket (replica_protocol.py): the one implementation of engine_client.EngineClient. It holds no
-tokenizer: the server processes every prompt once, with its one InputProcessor (ReplicaSet.input_processor,
-made from the EngineInfo the replica sends when it is up: the engine's own rules), and the replica takes
-it as it is. The replica's death (its engine failing, or its process gone) sets `error`, as a dead rank does for an engine."""
+In a process: the client starts `python -m shardserve.runtime.core.loop`, hands it the engine's settings
+(EngineArgs) and its devices (a CUDA_VISIBLE_DEVICES slice on GPUs) and waits for its EngineInfo. Then it
+relays prompts and deltas, a stream per prompt: the one implementation of launch's EngineClient. It
+holds no tokenizer: prompts come processed (the server's one InputProcessor, made from the EngineInfo: the
+engine's own rules), and the core takes them as they are. The core's death (its engine failing, or its
+process or thread gone) sets `error`, as a dead rank does for an engine."""
 
 from __future__ import annotations
 
@@ -14,29 +14,31 @@ import asyncio
 import dataclasses
 import logging
 import os
+import socket
+import subprocess
+import threading
 import time
 import weakref
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from shardserve.launch.replica_protocol import (AbortPrompt, AddPrompt, DeltaBatch, EngineFailed, PromptFailed,
-                                                ReplicaFailed, ReplicaReady, ReplicaStartup, StatsMessage,
-                                                StopReplica)
 from shardserve.runtime.child_process import (frame, read_message, recv_blocking, send_blocking, start_child,
                                               stop_process)
 from shardserve.runtime.config import resolve_device
+from shardserve.runtime.core.protocol import (AbortPrompt, AddPrompt, CoreReady, CoreStartFailed, CoreStartup,
+                                              DeltaBatch, EngineFailed, PromptFailed, StatsMessage, StopCore)
 from shardserve.runtime.errors import EngineDeadError
 
 if TYPE_CHECKING:
-    from shardserve.runtime.engine import EngineInfo
+    from shardserve.runtime.engine import EngineInfo, EngineStats, LLMEngine
     from shardserve.runtime.engine_args import EngineArgs
 
-logger = logging.getLogger("shardserve.launch")
+logger = logging.getLogger("shardserve.runtime.core")
 
-REPLICA_MODULE = "shardserve.launch.replica_process"
+CORE_MODULE = "shardserve.runtime.core.loop"
 STOP_GRACE_SECONDS = 10.0
-SILENCE_SECONDS = 60.0  # a replica sends stats every half second; this long without a word: hung
-_ABORTED = object()  # ends a prompt's stream here; generate() then tells the replica
+SILENCE_SECONDS = 60.0  # a core sends stats every half second; this long without a word: hung
+_ABORTED = object()  # ends a prompt's stream here
 
 
 def replica_devices(device: str, num_ranks: int, replica: int, visible: str | None) -> str | None:
@@ -52,26 +54,98 @@ def replica_devices(device: str, num_ranks: int, replica: int, visible: str | No
     return ",".join(ids[i] if ids is not None else str(i) for i in chosen)
 
 
-class ReplicaClient:
-    def __init__(self, index: int, args: EngineArgs):
-        self.index = index
-        env = dict(os.environ)
-        device = resolve_device(args.device)  # 'auto' on a GPU machine slices too
-        num_ranks = (args.tensor_parallel_size or 1) * (args.pipeline_parallel_size or 1)
-        devices = replica_devices(device, num_ranks, index, os.environ.get("CUDA_VISIBLE_DEVICES"))
-        if devices is not None:  # the replica's GPUs are its 0..n-1
-            env["CUDA_VISIBLE_DEVICES"], args = devices, dataclasses.replace(args, device="cuda")
-        self.process, self.sock = start_child(REPLICA_MODULE, ReplicaStartup(index, args), env)
-        weakref.finalize(self, stop_process, self.process, 0.0)  # dropped without shutdown(): still stopped
+class ProcessCore:
+    """A core in a process of its own."""
+
+    def __init__(self, process: subprocess.Popen):
+        self.process, self.pid = process, process.pid
+        self.where = f"process {process.pid}"
+
+    def start(self) -> None:
+        pass  # (running since it was made)
+
+    def wait(self) -> int:
+        return self.process.wait()
+
+    def is_running(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, grace: float) -> None:
+        stop_process(self.process, grace)
+
+
+class ThreadCore:
+    """A core on a thread of this process, started with its client: no process, the engine built here."""
+
+    def __init__(self, engine: LLMEngine, sock: socket.socket):
+        self.engine, self.sock, self.pid = engine, sock, os.getpid()
+        self.where = "this process"
+        self.code: int | None = None
+        self.thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
+
+    def _run(self) -> None:
+        from shardserve.runtime.core.loop import serve
+
+        try:
+            self.code = serve(self.engine, self.sock)
+        finally:
+            self.sock.close()  # the client reads the end
+
+    def start(self) -> None:
+        if self.thread.ident is None:
+            self.thread.start()
+
+    def wait(self) -> int:
+        self.thread.join()
+        return 1 if self.code is None else self.code
+
+    def is_running(self) -> bool:
+        return self.thread.is_alive()
+
+    def stop(self, grace: float) -> None:
+        if self.thread.ident is None:  # never started: the engine is ours to stop
+            self.engine.shutdown()
+            self.sock.close()
+        self.thread.join(grace)
+
+
+class EngineCoreClient:
+    def __init__(self, index: int, core: ProcessCore | ThreadCore, sock: socket.socket):
+        self.index, self.core, self.sock = index, core, sock
+        self.info: EngineInfo  # what the core said once it was up (wait_ready; a thread's at once)
+        self._stats: EngineStats
         self._error: BaseException | None = None
         self._last_heard = time.monotonic()
         self._streams: dict[str, asyncio.Queue] = {}
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task | None = None
 
+    @classmethod
+    def in_process(cls, index: int, args: EngineArgs) -> EngineCoreClient:
+        """A core in a process of its own, starting; wait_ready() waits for it."""
+        env = dict(os.environ)
+        device = resolve_device(args.device)  # 'auto' on a GPU machine slices too
+        num_ranks = (args.tensor_parallel_size or 1) * (args.pipeline_parallel_size or 1)
+        devices = replica_devices(device, num_ranks, index, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        if devices is not None:  # the replica's GPUs are its 0..n-1
+            env["CUDA_VISIBLE_DEVICES"], args = devices, dataclasses.replace(args, device="cuda")
+        process, sock = start_child(CORE_MODULE, CoreStartup(index, args), env)
+        client = cls(index, ProcessCore(process), sock)
+        weakref.finalize(client, stop_process, process, 0.0)  # dropped without shutdown(): still stopped
+        return client
+
+    @classmethod
+    def in_thread(cls, engine: LLMEngine) -> EngineCoreClient:
+        """A core on a thread of this process over an engine built here (AsyncEngine's)."""
+        sock, core_end = socket.socketpair()
+        client = cls(0, ThreadCore(engine, core_end), sock)
+        client.info = engine.info()
+        client._stats = client.info.stats
+        return client
+
     @property
     def pid(self) -> int:
-        return self.process.pid
+        return self.core.pid
 
     def wait_ready(self) -> None:
         """Block until the replica's engine is up; its start-up error (or death) is raised here."""
@@ -79,13 +153,13 @@ class ReplicaClient:
             message = recv_blocking(self.sock)
         except (EOFError, OSError):
             raise RuntimeError(f"replica {self.index} (pid {self.pid}) exited while starting, "
-                               f"code {self.process.wait()}") from None
-        if isinstance(message, ReplicaFailed):
+                               f"code {self.core.wait()}") from None
+        if isinstance(message, CoreStartFailed):
             logger.debug("replica %d failed to start:\n%s", self.index, message.traceback)
             raise message.error
-        if not isinstance(message, ReplicaReady):
+        if not isinstance(message, CoreReady):
             raise RuntimeError(f"replica {self.index} answered {type(message).__name__} to its start-up")
-        self.info: EngineInfo = message.info
+        self.info = message.info
         self._stats = message.info.stats
         logger.info("replica %d up in process %d", self.index, self.pid)
 
@@ -94,17 +168,18 @@ class ReplicaClient:
         """Why the replica is dead (its engine failed, its process exited, or it went silent), or None."""
         if self._error is None and self._reader_task is not None and \
                 time.monotonic() - self._last_heard > SILENCE_SECONDS:
-            self._fail(EngineDeadError(f"replica {self.index} (pid {self.pid}) has sent nothing for "
+            self._fail(EngineDeadError(f"replica {self.index} ({self.core.where}) has sent nothing for "
                                        f"{SILENCE_SECONDS:.0f} s"))
         return self._error
 
     def get_stats(self):
-        """The replica's latest EngineStats (a StatsMessage comes every replica_process.STATS_SECONDS)."""
+        """The core's latest EngineStats (a StatsMessage comes every core.loop.STATS_SECONDS)."""
         return self._stats
 
     def start(self) -> None:
-        """Relay the replica's messages from now on (inside the server's event loop)."""
+        """Relay the core's messages from now on (inside the event loop)."""
         if self._reader_task is None:
+            self.core.start()
             self._last_heard = time.monotonic()
             self._connected = asyncio.get_running_loop().create_future()
             self._reader_task = asyncio.get_running_loop().create_task(self._read())
@@ -117,8 +192,9 @@ class ReplicaClient:
             try:
                 message = await read_message(self._reader)
             except EOFError:
-                code = await asyncio.to_thread(self.process.wait)
-                self._fail(EngineDeadError(f"replica {self.index}'s process (pid {self.pid}) exited with code {code}"))
+                code = await asyncio.to_thread(self.core.wait)
+                self._fail(EngineDeadError(f"replica {self.index}'s engine core ({self.core.where}) exited with "
+                                           f"code {code}"))
                 return
             self._last_heard = time.monotonic()
             if isinstance(message, DeltaBatch):
@@ -173,43 +249,45 @@ class ReplicaClient:
                 writer.write(frame(AbortPrompt(prompt_id)))  # the consumer went away
 
     async def abort(self, prompt_id: str) -> None:
-        """End the prompt's stream; the replica frees its blocks (generate() sends AbortPrompt as it ends)."""
+        """End the prompt's stream; the core frees its blocks between two steps."""
+        if prompt_id in self._streams and self._writer is not None and not self._writer.is_closing():
+            self._writer.write(frame(AbortPrompt(prompt_id)))
         self._put(prompt_id, _ABORTED)
 
     async def shutdown(self) -> None:
-        """Ask the replica to stop its engine and exit; after STOP_GRACE_SECONDS, stop it by pid. Its
-        going is expected from here on: it sets no error."""
+        """Ask the core to stop its engine and end; after STOP_GRACE_SECONDS, a process is stopped by
+        pid. Its going is expected from here on: it sets no error."""
         if self._reader_task is not None:
             self._reader_task.cancel()
         if self._writer is not None and not self._writer.is_closing():
             try:
-                self._writer.write(frame(StopReplica()))
+                self._writer.write(frame(StopCore()))
                 await self._writer.drain()
             except ConnectionError:
                 pass
-        elif self._writer is None and self.process.poll() is None:
+        elif self._writer is None and self.core.is_running():
             try:
-                send_blocking(self.sock, StopReplica())
+                send_blocking(self.sock, StopCore())
             except OSError:
                 pass
-        await asyncio.to_thread(stop_process, self.process, STOP_GRACE_SECONDS)
+        await asyncio.to_thread(self.core.stop, STOP_GRACE_SECONDS)
         if self._writer is not None:
             self._writer.close()
         self.sock.close()
 
 
-def start_replicas(args: EngineArgs, num_replicas: int) -> list[ReplicaClient]:
-    """Every replica's process at once (they load in parallel), then each one's readiness; if one
+def start_replicas(args: EngineArgs, num_replicas: int) -> list[EngineCoreClient]:
+    """Every replica's core process at once (they load in parallel), then each one's readiness; if one
     fails, the others are stopped and its error raised."""
-    replicas: list[ReplicaClient] = []
+    replicas: list[EngineCoreClient] = []
     try:
         for index in range(num_replicas):
-            replicas.append(ReplicaClient(index, args))
+            replicas.append(EngineCoreClient.in_process(index, args))
         for replica in replicas:
             replica.wait_ready()
     except BaseException:
         for replica in replicas:
-            stop_process(replica.process, 0.0)
+            replica.core.stop(0.0)
             replica.sock.close()
         raise
     return replicas

@@ -1,11 +1,11 @@
-"""The typed messages between the API server and a replica's process.
+"""The typed messages between an engine core's client and its loop.
 
-One stream socket (runtime/child_process.py: a socketpair made at start, no port, no name, and its
-framing) carries pickles:
+One stream socket (runtime/child_process.py: a socketpair, no port, no name, and its framing) carries
+pickles:
 
-    server -> replica:  ReplicaStartup, then AddPrompt | AbortPrompt | StopReplica
-    replica -> server:  ReplicaReady | ReplicaFailed, then DeltaBatch | PromptFailed | StatsMessage
-                        | EngineFailed (the replica's engine died; its process exits after)"""
+    client -> core:  CoreStartup (a core in a process of its own), then AddPrompt | AbortPrompt | StopCore
+    core -> client:  CoreReady | CoreStartFailed, then DeltaBatch | PromptFailed | StatsMessage
+                     | EngineFailed (the engine died; its loop ends after)"""
 
 from __future__ import annotations
 
@@ -22,24 +22,25 @@ if TYPE_CHECKING:
     from shardserve.runtime.pooling_params import PoolingParams
     from shardserve.runtime.sampling_params import SamplingParams
 
+
 @dataclass(frozen=True, slots=True)
-class ReplicaStartup:
-    """The first message: the settings the replica's engine is built from (checked in the server's
-    process, before any replica started)."""
+class CoreStartup:
+    """The first message to a core's process: the settings its engine is built from (checked by the
+    client, before any process started); index: the server's replica number, for logs."""
 
     index: int
     args: EngineArgs
 
 
 @dataclass(frozen=True, slots=True)
-class ReplicaReady:
-    """The engine is up: what the server needs to process prompts for it and report on it."""
+class CoreReady:
+    """The engine is up: what its client needs to process prompts for it and report on it."""
 
     info: EngineInfo
 
 
 @dataclass(frozen=True, slots=True)
-class ReplicaFailed:
+class CoreStartFailed:
     """The engine could not be built; the process exits."""
 
     error: BaseException
@@ -63,8 +64,8 @@ class AbortPrompt:
 
 
 @dataclass(frozen=True, slots=True)
-class StopReplica:
-    """Shut the engine (and its ranks) down and exit."""
+class StopCore:
+    """Shut the engine (and its ranks) down; the loop ends (its process exits)."""
 
 
 @dataclass(frozen=True, slots=True)
