@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import random
 from collections import deque
@@ -17,9 +16,9 @@ from shardserve.runtime.input_processor import InputProcessor, ProcessedPrompt, 
 from shardserve.runtime.kv_sizing import size_kv_cache, with_measured_len
 from shardserve.runtime.lora_request import AdapterChecks, LoRARequest
 from shardserve.runtime.lora_slots import LoRASlots
-from shardserve.runtime.messages import ModelRunnerOutput, RequestUpdate, SchedulerOutput
+from shardserve.runtime.messages import ModelRunnerOutput, SchedulerOutput
 from shardserve.runtime.output_processor import OutputProcessor
-from shardserve.runtime.output_thread import OutputThread
+from shardserve.runtime.output_stage import InlineOutputs, ThreadedOutputs
 from shardserve.runtime.outputs import PromptDelta
 from shardserve.runtime.pooling_params import PROMPT_ONLY, PoolingParams
 from shardserve.runtime.request import Request, RequestStatus
@@ -78,11 +77,11 @@ class LLMEngine:
         self.adapter_checks = AdapterChecks(config)
         self.output_processor = OutputProcessor(self.tokenizer)
         # with async scheduling, output processing leaves the step loop for a thread of its own
-        self.output_thread = OutputThread(self.output_processor) if config.scheduler.async_scheduling else None
+        self.outputs = (ThreadedOutputs if config.scheduler.async_scheduling else InlineOutputs)(self.output_processor)
         self._seeds = random.Random(config.seed)  # seeds for prompts that bring none
         self.in_flight: deque[SchedulerOutput] = deque()  # submitted batches, oldest first
-        self._held_updates: list[RequestUpdate] | None = None  # for the output thread, not handed over yet
-        self._draining_ids: set[str] = set()  # aborted prompts whose earlier outputs are not all taken yet
+        # the step loop, chosen once: a batch at a time, or batches overlapped (pipeline stages, async scheduling)
+        self._step = self._step_one if self.executor.max_concurrent_batches == 1 else self._step_overlapped
         self.iteration_tokens = StepHistogram()
         self.input_processor = self.info().input_processor(self.tokenizer)  # (the same rules as its clients')
 
@@ -93,10 +92,8 @@ class LLMEngine:
         With PoolingParams (a pooling runner) it is one request whose one delta carries its vector.
         With a lora_request its samples run with that adapter (enable_lora; checked here once per adapter)."""
         self.adapter_checks.check(lora_request)
-        with self._output_lock():
-            if self.output_processor.has_prompt(prompt_id) or prompt_id in self._draining_ids:
-                # (aborted, but deltas made before the abort are still on the way: they would reach this one)
-                raise ValueError(f"prompt id {prompt_id!r} is already in use")
+        if self.outputs.in_use(prompt_id):  # (or aborted, with deltas made before the abort still on the way)
+            raise ValueError(f"prompt id {prompt_id!r} is already in use")
         check_runner(self.config.model.runner, params)  # (a ProcessedPrompt too: the worker would fail)
         if not isinstance(prompt, ProcessedPrompt):
             prompt = self.input_processor.process(prompt, params)
@@ -104,28 +101,18 @@ class LLMEngine:
             assert self.config.model.pooler is not None  # a pooling runner (check_runner)
             self.scheduler.add_request(Request(prompt_id, list(prompt.prompt_token_ids), PROMPT_ONLY, 0,
                                                pooling_params=params.resolved(self.config.model.pooler)))
-            with self._output_lock():
-                self.output_processor.add_prompt(prompt_id, PROMPT_ONLY, [prompt_id])
+            self.outputs.add_prompt(prompt_id, PROMPT_ONLY, [prompt_id])
             return
         base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(62)
         request_ids = [prompt_id] if params.n == 1 else [f"{prompt_id}#{i}" for i in range(params.n)]
         for sample_index, request_id in enumerate(request_ids):  # the first refusal comes before any is queued
             self.scheduler.add_request(Request(request_id, list(prompt.prompt_token_ids), params,
                                                base_seed + sample_index, self.eos_token_ids, lora=lora_request))
-        with self._output_lock():
-            self.output_processor.add_prompt(prompt_id, params, request_ids)
+        self.outputs.add_prompt(prompt_id, params, request_ids)
 
     def abort_request(self, prompt_id: str) -> None:
         """Free everything the prompt's requests hold, wherever they are."""
-        with self._output_lock():
-            request_ids = self.output_processor.request_ids(prompt_id)
-            self.output_processor.abort(prompt_id)
-        if self._held_updates is not None or (self.output_thread is not None and self.output_thread.is_busy):
-            self._draining_ids.add(prompt_id)  # its last outputs are still on the way
-        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-
-    def _output_lock(self):
-        return self.output_thread.lock if self.output_thread is not None else contextlib.nullcontext()
+        self.scheduler.finish_requests(self.outputs.abort(prompt_id), RequestStatus.FINISHED_ABORTED)
 
     def info(self) -> EngineInfo:
         return EngineInfo(self.config.model, self.sampling_defaults, self.kv_cache_info,
@@ -136,17 +123,14 @@ class LLMEngine:
         return SamplingParams(**self.sampling_defaults)
 
     def has_unfinished_requests(self) -> bool:
-        return (self.scheduler.has_unfinished_requests or bool(self.in_flight) or self._held_updates is not None
-                or (self.output_thread is not None and self.output_thread.is_busy))
+        return self.scheduler.has_unfinished_requests or bool(self.in_flight) or self.outputs.busy
 
     def step(self) -> list[PromptDelta]:
         """One turn of the step loop: a batch at a time, or overlapped (pipeline stages, async
         scheduling)."""
         if self.executor.is_dead:
             raise EngineDeadError("the engine's workers have stopped; start a new engine")
-        if self.executor.max_concurrent_batches == 1:
-            return self._step_one()
-        return self._step_overlapped()
+        return self._step()
 
     def _step_one(self) -> list[PromptDelta]:
         """Schedule, execute, update."""
@@ -164,9 +148,9 @@ class LLMEngine:
         if not self.in_flight:
             if self.scheduler.has_unfinished_requests:
                 raise RuntimeError("the scheduler could not run any request; this is a bug")
-            return self._take_outputs(wait=True)  # nothing left to run: the last outputs
+            return self._finish_stopped(self.outputs.take(wait=True))  # nothing left to run: the last outputs
         scheduler_output = self.in_flight.popleft()
-        self._hand_over_updates()  # the loop now waits on the device: the thread's turn
+        self.outputs.before_wait()  # the loop now waits on the device: the output thread's turn
         return self._update(scheduler_output, self.executor.collect_batch())
 
     def _submit_batches(self) -> None:
@@ -194,34 +178,14 @@ class LLMEngine:
         if scheduler_output.grammar_bitmask is not None:  # before a finished request leaves the scheduler
             accept_tokens(scheduler_output.grammar_bitmask, self.scheduler.requests, runner_output.sampled_token_ids)
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
-        if self.output_thread is not None:
-            self._held_updates = updates
-            return self._take_outputs(wait=False)
-        deltas, stopped = self.output_processor.process(updates)
+        return self._finish_stopped(self.outputs.process(updates))
+
+    def _finish_stopped(self, results: tuple[list[PromptDelta], list[str]]) -> list[PromptDelta]:
+        """The deltas; a request a stop string ended is finished (with the output thread, a step or two
+        late: its later tokens were dropped by the output processor)."""
+        deltas, stopped = results
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return deltas
-
-    def _take_outputs(self, wait: bool) -> list[PromptDelta]:
-        """The output thread's deltas so far; a request a stop string ended is finished (a step or
-        two late: its later tokens were dropped by the output processor)."""
-        if self.output_thread is None:
-            return []
-        if wait:
-            self._hand_over_updates()
-        deltas, stopped = self.output_thread.take(wait)
-        if self._draining_ids and self._held_updates is None and not self.output_thread.is_busy:
-            self._draining_ids.clear()
-        self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        return deltas
-
-    def _hand_over_updates(self) -> None:
-        """Give the output thread the last step's updates. NOTE: held until the step loop is about
-        to wait for the device (after the next step is queued), so that the thread's work runs in
-        that wait instead of taking the GIL while the loop builds and launches the next step."""
-        if self._held_updates is not None:
-            assert self.output_thread is not None  # updates are held only for the output thread
-            self.output_thread.put(self._held_updates)
-            self._held_updates = None
 
     def get_stats(self) -> EngineStats:
         scheduler, pool = self.scheduler, self.block_manager
@@ -239,6 +203,5 @@ class LLMEngine:
         self.executor.check_health()
 
     def shutdown(self) -> None:
-        if self.output_thread is not None:
-            self.output_thread.stop()
+        self.outputs.stop()
         self.executor.shutdown()
