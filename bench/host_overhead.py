@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 # the engine instrumented by phase lives in the runtime, where `shardserve calibrate` uses it too
-from shardserve.runtime.host_timing import PHASES, keep_large_tensors_on_the_heap, make_micro_model, measure
+from shardserve.runtime.timing.host_timing import PHASES, keep_large_tensors_on_the_heap, make_micro_model, measure
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ def predicted_ms(model: str, hardware: str, options: PlanOptions, batches: list[
 def measured_ms(llm, batch: int, prompt_len: int, steps: int, vocab_size: int) -> float:
     """The engine's mean decode step (wall ms) with `batch` requests decoding."""
     from shardserve.runtime import SamplingParams
-    from shardserve.runtime.host_timing import random_prompts
+    from shardserve.runtime.timing.host_timing import random_prompts
 
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)

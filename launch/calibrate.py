@@ -1,6 +1,6 @@
 """`shardserve calibrate`: time this runtime's operators here and write the file `plan` reads for this GPU.
 
-What is timed (runtime/op_timing.py, runtime/allreduce_timing.py, runtime/host_timing.py):
+What is timed (runtime/timing/op_timing.py, runtime/timing/allreduce_timing.py, runtime/timing/host_timing.py):
 GEMMs through the runtime's linear layers (fp8 too where they run an fp8 GEMM), prefill and decode
 attention through its attention backend (Triton on CUDA, torch on CPU; fp8 KV caches too on CUDA),
 the tensor-parallel all-reduce over 2..N local ranks, the host's time per engine step and per eager
@@ -25,7 +25,7 @@ from shardserve.planner import PlanError
 from shardserve.planner.calibration import calibration_path, write_calibration
 
 if TYPE_CHECKING:  # op_timing imports torch: read only when timing
-    from shardserve.runtime.op_timing import Grid
+    from shardserve.runtime.timing.op_timing import Grid
 
 POWERS_OF_TWO = tuple(2 ** i for i in range(16))
 
@@ -167,8 +167,8 @@ def _jobs(setup: Setup) -> list[tuple[str, Grid, Callable]]:
     """(table name, grid, job(grid) -> perf_tables.Table) for each operator table."""
     import torch
 
-    from shardserve.runtime import op_timing as ops
-    from shardserve.runtime.worker import select_attention_backend
+    from shardserve.runtime.timing import op_timing as ops
+    from shardserve.runtime.worker.worker import select_attention_backend
 
     device, dtype, sizes = torch.device(setup.device), getattr(torch, setup.dtype), setup.sizes
     timer = ops.Timer(device)
@@ -196,7 +196,7 @@ def measure_allreduce(setup: Setup, say: Callable[[str], None]) -> tuple[dict, P
     """The all-reduce table over num_gpus 2, 4, 8 (and tensor_parallel_size) up to tensor_parallel_size."""
     import torch
 
-    from shardserve.runtime.allreduce_timing import time_allreduce
+    from shardserve.runtime.timing.allreduce_timing import time_allreduce
 
     counts = sorted({g for g in (2, 4, 8) if g <= setup.tensor_parallel_size} | {setup.tensor_parallel_size})
     sizes = list(setup.sizes.allreduce_bytes)
@@ -213,7 +213,7 @@ def measure_allreduce(setup: Setup, say: Callable[[str], None]) -> tuple[dict, P
 def calibrate(setup: Setup, console: Console) -> Path:
     """Measure everything, write the calibration file, print a summary; the file's path."""
     from shardserve.launch.request_timing import measure_request_ms
-    from shardserve.runtime.host_timing import measure_host
+    from shardserve.runtime.timing.host_timing import measure_host
 
     say = lambda text: console.print(text, highlight=False)  # noqa: E731
     console.print(f"calibrating {setup.device_name} ({setup.gpu}) in {setup.dtype}, {setup.sizes_name} sizes")
@@ -251,9 +251,9 @@ def measure_eager(setup: Setup) -> float:
     layer's time less its GEMMs and attention (measured again here at the micro model's shapes)."""
     import torch
 
-    from shardserve.runtime import op_timing as ops
-    from shardserve.runtime.host_timing import measure_eager_layer
-    from shardserve.runtime.worker import select_attention_backend
+    from shardserve.runtime.timing import op_timing as ops
+    from shardserve.runtime.timing.host_timing import measure_eager_layer
+    from shardserve.runtime.worker.worker import select_attention_backend
 
     steps, prompt_len = setup.sizes.host_steps, 32
     layer = measure_eager_layer(setup.device, steps, prompt_len)

@@ -13,8 +13,8 @@ from rich.console import Console
 
 from shardserve.launch import __version__
 from shardserve.launch.cli_options import launch_command_settings, plan_command_settings, setting_options
-from shardserve.launch.cli_cluster import cluster_app
-from shardserve.launch.cli_deploy import deploy
+from shardserve.launch.cluster.cli import cluster_app
+from shardserve.launch.deploy.cli import deploy
 from shardserve.launch.cli_models import models
 from shardserve.launch.cli_support import Format, err, print_data, user_errors
 
@@ -68,7 +68,7 @@ def plan(
     with user_errors():
         from shardserve.launch.plan_view import make_plan_from, render_plan, write_plan
         if ray_address:
-            from shardserve.launch.cluster import resolve_address, use_cluster_auth
+            from shardserve.launch.cluster.ray_cluster import resolve_address, use_cluster_auth
             ray_address = resolve_address(ray_address)
             use_cluster_auth()
         record = make_plan_from(settings, profile, ray_address, recommend).record()
@@ -126,7 +126,7 @@ def launch(
     flags = dict(settings)
     with user_errors():
         if ray_address:  # 'auto' refused by name when this host joined no cluster
-            from shardserve.launch.cluster import resolve_address, use_cluster_auth
+            from shardserve.launch.cluster.ray_cluster import resolve_address, use_cluster_auth
             ray_address = resolve_address(ray_address)
             os.environ["RAY_ADDRESS"] = ray_address  # the runtime's Ray executor joins it
             use_cluster_auth()
@@ -158,9 +158,9 @@ def doctor(
 ) -> None:
     """Check GPUs, NVLink, /dev/shm, NCCL's transport, interfaces, versions, the model files,
     and on a Ray cluster every node's IP, versions, variables and model files."""
-    from shardserve.launch.cluster import (read_record, resolve_address, state_dir,
+    from shardserve.launch.cluster.ray_cluster import (read_record, resolve_address, state_dir,
                                            use_cluster_auth)
-    from shardserve.launch.doctor import run_checks
+    from shardserve.launch.cluster.doctor import run_checks
     from shardserve.launch.launcher import read_plan_file
 
     with user_errors():

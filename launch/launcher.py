@@ -27,8 +27,8 @@ from shardserve.planner.settings import BY_NAME, ENGINE, for_layer
 from shardserve.planner.yaml_file import read_yaml
 
 if TYPE_CHECKING:
-    from shardserve.launch.engine_client import EngineClient
-    from shardserve.launch.lora_registry import LoRARegistry
+    from shardserve.launch.server.engine_client import EngineClient
+    from shardserve.launch.server.lora_registry import LoRARegistry
 
 logger = logging.getLogger("shardserve.launch")
 
@@ -83,7 +83,7 @@ def settle(plan_path: str | None, profile: str | None, flags: dict,
             hardware = declared
     if plan is not None:
         check_plan_fits(plan, hardware)
-        from shardserve.launch.plan_check import rederived  # a layout edited by hand: its predictions made again
+        from shardserve.launch.server.plan_check import rederived  # a layout edited by hand: its predictions made again
         plan = rederived(plan, str(plan_path), config.set_values(),
                          load_model(config.model, config.quantization, HubOptions.of(config)))
         return apply_auto_len(config, plan), plan
@@ -222,8 +222,8 @@ def serve(config: DeployConfig, plan: PlanFile, listener: socket.socket, api_key
           served_model_name: str | None, restarts: int = 0) -> int:
     """Serve on `listener` (bind_port's); when the engine dies (a rank or a node lost), start the
     whole gang again, up to `restarts` times. Returns the process exit code."""
-    from shardserve.launch.lora_registry import registry_from_settings
-    from shardserve.launch.plan_check import for_traffic
+    from shardserve.launch.server.lora_registry import registry_from_settings
+    from shardserve.launch.server.plan_check import for_traffic
 
     log_plan(plan)
     export_env(config.env or {})
@@ -263,7 +263,7 @@ def export_env(env: dict[str, str]) -> None:
     """Set the chosen variables here and name them for the runtime, which sends them to every
     rank (local processes inherit them anyway)."""
     if env:
-        from shardserve.runtime.ray_executor import FORWARD_ENV
+        from shardserve.runtime.distributed.ray_executor import FORWARD_ENV
         os.environ.update(env)
         names = {n for n in os.environ.get(FORWARD_ENV, "").split(",") if n} | set(env)
         os.environ[FORWARD_ENV] = ",".join(sorted(names))
@@ -288,19 +288,19 @@ def serve_once(config: DeployConfig, plan: PlanFile, listener: socket.socket, ap
     `expected`: the plan's speed for the traffic seen (plan_check.for_traffic), for the self-check."""
     import uvicorn
 
-    from shardserve.launch.api_server import build_app
-    from shardserve.launch.metrics import ServerMetrics
-    from shardserve.launch.openai_serving import OpenAIServing
-    from shardserve.launch.serving_options import ServingOptions
-    from shardserve.launch.plan_check import PlanCheck, Prediction
-    from shardserve.launch.replicas import ReplicaSet
-    from shardserve.launch.server_loop import ENDING_SECONDS, Drain, run, server_class
+    from shardserve.launch.server.api_server import build_app
+    from shardserve.launch.server.metrics import ServerMetrics
+    from shardserve.launch.openai_api.openai_serving import OpenAIServing
+    from shardserve.launch.server.serving_options import ServingOptions
+    from shardserve.launch.server.plan_check import PlanCheck, Prediction
+    from shardserve.launch.server.replicas import ReplicaSet
+    from shardserve.launch.server.server_loop import ENDING_SECONDS, Drain, run, server_class
 
     host, port = setting(config, "host"), listener.getsockname()[1]
     name = loras.base_name
     path = model_folder(config.model)
     if uses_ray_cluster(config):
-        from shardserve.launch.ray_nodes import check_cluster
+        from shardserve.launch.cluster.ray_nodes import check_cluster
         nodes = check_cluster(path)
         logger.info("cluster: %d live nodes (%s) have the model's files and this host's "
                     "versions", sum(n["alive"] for n in nodes),

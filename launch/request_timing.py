@@ -28,7 +28,7 @@ WARMUP = 2  # first requests: compiles, allocator, tokenizer caches
 
 def measure_request_ms(device: str, num_requests: int = 16, prompt_len: int = 32) -> float:
     """Milliseconds a request's TTFT spends outside the engine's steps, at one request in flight."""
-    from shardserve.runtime.host_timing import MICRO, make_micro_model, random_prompts
+    from shardserve.runtime.timing.host_timing import MICRO, make_micro_model, random_prompts
 
     with tempfile.TemporaryDirectory(prefix="shardserve-request-") as folder:
         make_micro_model(folder)

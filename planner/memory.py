@@ -40,7 +40,7 @@ class StageMemory:
 
 def max_blocks_per_request(num_tokens: int, block_size: int, window: int | None, max_chunk: int) -> int:
     """The most KV blocks one request computing `num_tokens` tokens in chunks of at most `max_chunk`
-    holds at once, as runtime/block_manager.py allocates them (planner and runtime share this rule).
+    holds at once, as runtime/core/block_manager.py allocates them (planner and runtime share this rule).
     Without a window: every block. With one, a step computing tokens [c, c + n) holds blocks
     floor((c - window + 1) / block_size) .. ceil((c + n) / block_size) - 1:
 

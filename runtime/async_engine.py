@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from shardserve.runtime.core.client import EngineCoreClient
-from shardserve.runtime.engine import LLMEngine
+from shardserve.runtime.core.engine import LLMEngine
 from shardserve.runtime.engine_args import EngineArgs
 from shardserve.runtime.input_processor import ProcessedPrompt, PromptType
 from shardserve.runtime.lora_request import LoRARequest

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 from shardserve.runtime.pooling_params import PoolingParams
 from shardserve.runtime.sampling_params import SamplingParams
-from shardserve.runtime.structured_output import StructuredOutputs, compile_in_background
+from shardserve.runtime.core.structured_output import StructuredOutputs, compile_in_background
 from shardserve.runtime.tokenizer import longest_token_chars
 
 if TYPE_CHECKING:

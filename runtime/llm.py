@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import cast
 
 from shardserve.runtime.config import KVCacheInfo
-from shardserve.runtime.engine import LLMEngine
+from shardserve.runtime.core.engine import LLMEngine
 from shardserve.runtime.engine_args import EngineArgs
 from shardserve.runtime.input_processor import ProcessedPrompt, PromptType
 from shardserve.runtime.lora_request import LoRARequest

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from shardserve.runtime.structured_output import StructuredOutputs
+from shardserve.runtime.core.structured_output import StructuredOutputs
 
 
 class InvalidSamplingParamsError(ValueError):

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING
 
-from shardserve.runtime.config import ModelConfig
+if TYPE_CHECKING:
+    from shardserve.runtime.config import ModelConfig
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 

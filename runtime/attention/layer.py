@@ -6,10 +6,10 @@ import torch
 from torch import nn
 
 from shardserve.runtime.attention.torch_backend import soft_cap, softmax_with_sinks
-from shardserve.runtime.checkpoint import CheckpointTensor
-from shardserve.runtime.forward_context import get_forward_context
+from shardserve.runtime.worker.checkpoint import CheckpointTensor
+from shardserve.runtime.worker.forward_context import get_forward_context
 from shardserve.runtime.layers.weights import copy_into, shard_range
-from shardserve.runtime.parallel_state import get_parallel_state
+from shardserve.runtime.distributed.parallel_state import get_parallel_state
 
 
 class Attention(nn.Module):

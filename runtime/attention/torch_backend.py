@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from shardserve.runtime.forward_context import AttentionMetadata
+from shardserve.runtime.worker.forward_context import AttentionMetadata
 
 
 NO_SCALES = (1.0, 1.0)
@@ -67,7 +67,7 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
 
 def first_block_read(first_query_position: int, sliding_window: int | None, block_size: int) -> int:
     """The first block a query from `first_query_position` on reads: the blocks before it may have been
-    freed behind the window (runtime/block_manager.py), their table entries stale, so none is read."""
+    freed behind the window (runtime/core/block_manager.py), their table entries stale, so none is read."""
     if sliding_window is None:
         return 0
     return max(0, first_query_position - sliding_window + 1) // block_size

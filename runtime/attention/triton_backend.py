@@ -15,7 +15,7 @@ from shardserve.runtime.attention.triton_decode import paged_decode
 from shardserve.runtime.attention.triton_kernels import store_kv
 from shardserve.runtime.attention.triton_prefill import paged_prefill
 from shardserve.runtime.attention.triton_rotary_kv import rotary_store_kv
-from shardserve.runtime.forward_context import AttentionMetadata
+from shardserve.runtime.worker.forward_context import AttentionMetadata
 
 
 # NOTE: MLA's query group is every head of the rank (one latent KV head): 128 at tp 1. The kernels hold a

@@ -22,7 +22,7 @@ import weakref
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from shardserve.runtime.child_process import (frame, read_message, recv_blocking, send_blocking, start_child,
+from shardserve.runtime.distributed.child_process import (frame, read_message, recv_blocking, send_blocking, start_child,
                                               stop_process)
 from shardserve.runtime.config import resolve_device
 from shardserve.runtime.core.protocol import (AbortPrompt, AddPrompt, CoreReady, CoreStartFailed, CoreStartup,
@@ -30,7 +30,7 @@ from shardserve.runtime.core.protocol import (AbortPrompt, AddPrompt, CoreReady,
 from shardserve.runtime.errors import EngineDeadError
 
 if TYPE_CHECKING:
-    from shardserve.runtime.engine import EngineInfo, EngineStats, LLMEngine
+    from shardserve.runtime.core.engine import EngineInfo, EngineStats, LLMEngine
     from shardserve.runtime.engine_args import EngineArgs
 
 logger = logging.getLogger("shardserve.runtime.core")

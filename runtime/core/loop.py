@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from shardserve.runtime.core.protocol import (AbortPrompt, AddPrompt, DeltaBatch, EngineFailed, PromptFailed,
                                                 CoreStartFailed, CoreReady, CoreStartup, StatsMessage,
                                                 StopCore, portable_error)
-from shardserve.runtime.child_process import FrameReader, child_main, send_blocking
+from shardserve.runtime.distributed.child_process import FrameReader, child_main, send_blocking
 
 logger = logging.getLogger("shardserve.runtime.core")
 
@@ -76,7 +76,7 @@ class CoreLoop:
             if outputs is None:
                 self._add(message)
             else:
-                from shardserve.runtime.structured_output import submit_compile
+                from shardserve.runtime.core.structured_output import submit_compile
                 compile_ = submit_compile(self.engine.config.model, self.engine.tokenizer, outputs)
                 self.compiling[message.prompt_id] = (message, compile_)
         elif isinstance(message, AbortPrompt):
@@ -116,7 +116,7 @@ def serve(engine, sock: socket.socket) -> int:
 
 def build_engine(sock: socket.socket, startup: CoreStartup):
     """The core's engine, announced with CoreReady; None (after CoreStartFailed) if it failed."""
-    from shardserve.runtime.engine import LLMEngine
+    from shardserve.runtime.core.engine import LLMEngine
 
     try:
         engine = LLMEngine(startup.args.create_engine_config())

@@ -1,6 +1,6 @@
 """The typed messages between an engine core's client and its loop.
 
-One stream socket (runtime/child_process.py: a socketpair, no port, no name, and its framing) carries
+One stream socket (runtime/distributed/child_process.py: a socketpair, no port, no name, and its framing) carries
 pickles:
 
     client -> core:  CoreStartup (a core in a process of its own), then AddPrompt | AbortPrompt | StopCore
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from shardserve.runtime.engine import EngineInfo, EngineStats
+    from shardserve.runtime.core.engine import EngineInfo, EngineStats
     from shardserve.runtime.engine_args import EngineArgs
     from shardserve.runtime.input_processor import ProcessedPrompt
     from shardserve.runtime.lora_request import LoRARequest

@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardserve.runtime.checkpoint import CheckpointTensor
+from shardserve.runtime.worker.checkpoint import CheckpointTensor
 from shardserve.runtime.layers.weights import copy_into
-from shardserve.runtime.parallel_state import (get_parallel_state, tensor_parallel_all_gather,
+from shardserve.runtime.distributed.parallel_state import (get_parallel_state, tensor_parallel_all_gather,
                                                tensor_parallel_all_reduce)
 
 VOCAB_PADDING = 64

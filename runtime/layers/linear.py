@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardserve.runtime.checkpoint import CheckpointTensor
-from shardserve.runtime.layers.quantization.config import current_linear_method
+from shardserve.runtime.worker.checkpoint import CheckpointTensor
+from shardserve.runtime.layers.quantization.methods import current_linear_method
 from shardserve.runtime.layers.weights import (COLUMN_BIAS, FLOAT_WEIGHT, WHOLE, PackedDims, load_features,
                                                shard_range)
-from shardserve.runtime.parallel_state import (get_parallel_state, tensor_parallel_all_gather,
+from shardserve.runtime.distributed.parallel_state import (get_parallel_state, tensor_parallel_all_gather,
                                                tensor_parallel_all_reduce)
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from shardserve.runtime.forward_context import get_forward_context
+from shardserve.runtime.worker.forward_context import get_forward_context
 from shardserve.runtime.layers.linear import LinearBase
 from shardserve.runtime.layers.lora_ops import gathered_matmul
 

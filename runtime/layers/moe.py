@@ -10,12 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardserve.runtime.checkpoint import CheckpointTensor
+from shardserve.runtime.worker.checkpoint import CheckpointTensor
 from shardserve.runtime.layers.activation import GatedActivation
 from shardserve.runtime.layers.moe_stacked import StackedExperts, load_stacked, stacked_expert_weight
-from shardserve.runtime.layers.quantization.config import current_moe_method
+from shardserve.runtime.layers.quantization.methods import current_moe_method
 from shardserve.runtime.layers.weights import FLOAT_WEIGHT, PackedDims, load_features, shard_range
-from shardserve.runtime.parallel_state import get_parallel_state, tensor_parallel_all_reduce
+from shardserve.runtime.distributed.parallel_state import get_parallel_state, tensor_parallel_all_reduce
 
 _EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.(\w+)\.(\w+)$")
 

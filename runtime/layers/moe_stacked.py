@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from shardserve.planner.model_spec import stacked_expert_part
-from shardserve.runtime.checkpoint import CheckpointTensor
+from shardserve.runtime.worker.checkpoint import CheckpointTensor
 from shardserve.runtime.layers.weights import narrow_features, shard_range
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shardserve.runtime.layers.lora_ops import LoRABatch, check_gathered_shapes
+from shardserve.runtime.layers.lora_batch import LoRABatch, check_gathered_shapes
 
 
 @triton.jit

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardserve.runtime.checkpoint import CheckpointTensor
+from shardserve.runtime.worker.checkpoint import CheckpointTensor
 
 
 def copy_into(target: torch.Tensor, loaded: CheckpointTensor) -> None:

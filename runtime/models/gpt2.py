@@ -12,8 +12,8 @@ from shardserve.runtime.layers.embedding import ParallelLMHead, ReplicatedEmbedd
 from shardserve.runtime.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from shardserve.runtime.layers.norm import LayerNorm
 from shardserve.runtime.models.weight_map import WeightTarget, tied_head_target
-from shardserve.runtime.parallel_state import get_parallel_state
-from shardserve.runtime.pipeline import IntermediateTensors, make_layers
+from shardserve.runtime.distributed.parallel_state import get_parallel_state
+from shardserve.runtime.worker.pipeline import IntermediateTensors, make_layers
 
 _CONV1D = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
 _BUFFERS = (".attn.bias", ".attn.masked_bias")

@@ -17,8 +17,8 @@ from shardserve.runtime.layers.linear import MergedColumnParallelLinear, QKVPara
 from shardserve.runtime.layers.norm import RMSNorm
 from shardserve.runtime.layers.rotary import RotaryEmbedding, rope_parameters
 from shardserve.runtime.models.weight_map import WeightTarget, fold_packed, tied_head_target
-from shardserve.runtime.parallel_state import get_parallel_state
-from shardserve.runtime.pipeline import IntermediateTensors, make_layers
+from shardserve.runtime.distributed.parallel_state import get_parallel_state
+from shardserve.runtime.worker.pipeline import IntermediateTensors, make_layers
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from shardserve.runtime.layers.linear import (ColumnParallelLinear, QKVParallelL
                                               RowParallelLinear)
 from shardserve.runtime.layers.norm import LayerNorm
 from shardserve.runtime.models.weight_map import WeightTarget, fold_packed, tied_head_target
-from shardserve.runtime.parallel_state import get_parallel_state
-from shardserve.runtime.pipeline import IntermediateTensors, make_layers
+from shardserve.runtime.distributed.parallel_state import get_parallel_state
+from shardserve.runtime.worker.pipeline import IntermediateTensors, make_layers
 
 POSITION_OFFSET = 2  # OPT's position table reserves its first two rows
 OPT_PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v")}

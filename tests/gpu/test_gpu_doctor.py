@@ -1,7 +1,7 @@
 """`shardserve doctor`'s GPU build rows on a real GPU: torch's CUDA, the GPUs, the driver, a Triton kernel
 compiled and run, NCCL."""
 
-from shardserve.launch.doctor import run_checks
+from shardserve.launch.cluster.doctor import run_checks
 
 
 def test_gpu_build_rows_pass():

@@ -18,12 +18,12 @@ from shardserve.runtime.attention.torch_backend import paged_attention, write_kv
 from shardserve.runtime.attention.triton_backend import TritonAttentionBackend
 from shardserve.runtime.attention.triton_rotary_kv import rotary_store_kv
 from shardserve.runtime.config import load_model_config
-from shardserve.runtime.forward_context import ForwardContext, forward_context
-from shardserve.runtime.inputs import RequestState, prepare_inputs
+from shardserve.runtime.worker.forward_context import ForwardContext, forward_context
+from shardserve.runtime.worker.inputs import RequestState, prepare_inputs
 from shardserve.runtime.layers.activation import silu_and_mul_reference
 from shardserve.runtime.layers.rotary import RotaryEmbedding
 from shardserve.runtime.layers.triton_activation import silu_and_mul
-from shardserve.runtime.loader import load_model
+from shardserve.runtime.worker.loader import load_model
 from shardserve.runtime.sampling_params import SamplingParams
 
 from tests.gpu.test_gpu_kernels import BF16, CUDA, random_case

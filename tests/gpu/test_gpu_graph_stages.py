@@ -15,13 +15,13 @@ from shardserve.planner.model_source import load_model as load_model_info
 from shardserve.runtime.attention.layer import Attention
 from shardserve.runtime.attention.triton_backend import TritonAttentionBackend
 from shardserve.runtime.config import load_model_config
-from shardserve.runtime.cuda_graphs import DecodeGraphRunner, static_intermediate
-from shardserve.runtime.forward_context import ForwardContext, forward_context
-from shardserve.runtime.inputs import RequestState, build_host_inputs, prepare_inputs
-from shardserve.runtime.loader import load_model
-from shardserve.runtime.parallel_state import ParallelState, get_parallel_state, set_parallel_state
+from shardserve.runtime.worker.cuda_graphs import DecodeGraphRunner, static_intermediate
+from shardserve.runtime.worker.forward_context import ForwardContext, forward_context
+from shardserve.runtime.worker.inputs import RequestState, build_host_inputs, prepare_inputs
+from shardserve.runtime.worker.loader import load_model
+from shardserve.runtime.distributed.parallel_state import ParallelState, get_parallel_state, set_parallel_state
 from shardserve.runtime.sampling_params import SamplingParams
-from shardserve.runtime.staging import StagingBuffer
+from shardserve.runtime.worker.staging import StagingBuffer
 
 from gpu_checkpoints import VOCAB_SIZE
 

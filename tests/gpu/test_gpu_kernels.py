@@ -8,11 +8,11 @@ import torch
 
 from shardserve.runtime.attention import triton_decode, triton_kernels, triton_prefill
 from shardserve.runtime.attention.torch_backend import paged_attention, write_kv
-from shardserve.runtime.forward_context import AttentionMetadata
-from shardserve.runtime.inputs import RequestState
+from shardserve.runtime.worker.forward_context import AttentionMetadata
+from shardserve.runtime.worker.inputs import RequestState
 from shardserve.runtime.layers import triton_norm
 from shardserve.runtime.layers.norm import add_rms_norm_reference, rms_norm_reference
-from shardserve.runtime.sampler import sample_on_device
+from shardserve.runtime.worker.sampler import sample_on_device
 from shardserve.runtime.sampling_params import SamplingParams
 
 from tests.runtime.attention_cases import make_batch

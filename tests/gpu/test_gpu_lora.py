@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from shardserve.runtime import LLM, SamplingParams
-from shardserve.runtime.layers.lora_ops import gathered_matmul_reference, lora_batch
+from shardserve.runtime.layers.lora_batch import lora_batch
+from shardserve.runtime.layers.lora_ops import gathered_matmul_reference
 from shardserve.runtime.layers.triton_lora import lora_gathered_matmul
 from shardserve.runtime.lora_request import LoRARequest
 from test_gpu_model import PROMPTS

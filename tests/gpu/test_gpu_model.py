@@ -15,11 +15,11 @@ from shardserve.runtime import LLM, SamplingParams
 from shardserve.runtime.attention.layer import Attention
 from shardserve.runtime.attention.triton_backend import TritonAttentionBackend
 from shardserve.runtime.config import load_model_config
-from shardserve.runtime.cuda_graphs import padded_size
-from shardserve.runtime.forward_context import ForwardContext, forward_context
-from shardserve.runtime.inputs import RequestState, prepare_inputs
-from shardserve.runtime.loader import load_model
-from shardserve.runtime.messages import CachedRequestData, NewRequestData, SchedulerOutput
+from shardserve.runtime.worker.cuda_graphs import padded_size
+from shardserve.runtime.worker.forward_context import ForwardContext, forward_context
+from shardserve.runtime.worker.inputs import RequestState, prepare_inputs
+from shardserve.runtime.worker.loader import load_model
+from shardserve.runtime.core.messages import CachedRequestData, NewRequestData, SchedulerOutput
 
 CUDA = torch.device("cuda")
 FAMILIES = ["llama", "qwen3", "gemma2", "gemma3", "phi3", "deepseek_v3", "gpt_oss"]

@@ -12,7 +12,7 @@ import torch
 import test_gpu_model as model_tests
 from shardserve.runtime.layers.moe import FusedMoE
 from shardserve.runtime.layers.triton_moe import fused_moe
-from shardserve.runtime.parallel_state import ParallelState, get_parallel_state, set_parallel_state
+from shardserve.runtime.distributed.parallel_state import ParallelState, get_parallel_state, set_parallel_state
 
 CUDA = torch.device("cuda")
 # (name, num_experts, top_k, hidden_size, moe_intermediate_size, renormalize)

@@ -4,7 +4,7 @@ NCCL_DEBUG=INFO, and the channels NCCL logged (P2P/NVLink expected on an H100/H2
 import pytest
 import torch
 
-from shardserve.launch.nccl_probe import judge, parse_nccl_log, run_local_probe
+from shardserve.launch.cluster.nccl_probe import judge, parse_nccl_log, run_local_probe
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the NCCL probe needs two GPUs")

@@ -11,7 +11,7 @@ import torch
 from shardserve.runtime.layers.activation import GatedActivation
 from shardserve.runtime.layers.moe import FusedMoE
 from shardserve.runtime.layers.quantization.config import QuantConfig, quantized_layers
-from shardserve.runtime.parallel_state import ParallelState, get_parallel_state, set_parallel_state
+from shardserve.runtime.distributed.parallel_state import ParallelState, get_parallel_state, set_parallel_state
 from test_gpu_moe import assert_bf16_close, inputs
 
 CUDA = torch.device("cuda")

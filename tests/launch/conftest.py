@@ -143,8 +143,8 @@ def stream_chunks(server: str, path: str, body: dict, headers: dict | None = AUT
 async def chat_stream_cut_by_an_error(closed: list):
     """A chat stream as openai_serving writes one that a dead engine ends: a delta, then an error event;
     `closed` gets True once the stream is closed."""
-    from shardserve.launch.api_error import shutting_down
-    from shardserve.launch.response_format import error_event, sse
+    from shardserve.launch.server.api_error import shutting_down
+    from shardserve.launch.openai_api.response_format import error_event, sse
 
     try:
         yield sse({"choices": [{"index": 0, "delta": {"content": "Hel"}, "logprobs": None, "finish_reason": None}]})

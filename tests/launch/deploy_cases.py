@@ -13,8 +13,8 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardserve.launch.deploy_output import render
-from shardserve.launch.deploy_plan import DeployOptions, ModelCache, default_name
+from shardserve.launch.deploy.output import render
+from shardserve.launch.deploy.plan import DeployOptions, ModelCache, default_name
 from shardserve.planner.plan_file import PlanFile
 from shardserve.planner.yaml_file import read_yaml
 

@@ -12,9 +12,9 @@ import jsonschema
 import openai
 import pytest
 
-from shardserve.launch.anthropic_output import from_completion
-from shardserve.launch.anthropic_stream import message_events
-from shardserve.launch.response_format import ErrorEvent
+from shardserve.launch.anthropic.output import from_completion
+from shardserve.launch.anthropic.stream import message_events
+from shardserve.launch.openai_api.response_format import ErrorEvent
 from tests.launch.conftest import API_KEY, chat_stream_cut_by_an_error, AUTH, MODEL, http, metric, post, serving
 from tests.launch.test_tool_calls import TEMPLATE, WEATHER
 

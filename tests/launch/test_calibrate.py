@@ -70,7 +70,7 @@ def test_a_malformed_file_is_refused_naming_the_key(tmp_path, edit, named):
 
 
 def test_operators_take_longer_with_more_work():
-    from shardserve.runtime import op_timing as ops
+    from shardserve.runtime.timing import op_timing as ops
     from shardserve.runtime.attention.torch_backend import TorchAttentionBackend
 
     timer = ops.Timer(torch.device("cpu"))
@@ -84,7 +84,7 @@ def test_operators_take_longer_with_more_work():
 
 
 def test_a_gemm_reads_a_weight_the_cache_does_not_hold():
-    from shardserve.runtime import op_timing as ops
+    from shardserve.runtime.timing import op_timing as ops
 
     assert ops.cold_copies(1 << 20, 32 << 20) == 64  # twice a 32 MiB cache in 1 MiB weights
     assert ops.cold_copies(512 << 20, 50 << 20) == 1  # a weight bigger than the cache reads cold alone
@@ -111,7 +111,7 @@ def test_a_gemm_reads_a_weight_the_cache_does_not_hold():
 
 
 def test_host_time_is_fitted_as_a_line():
-    from shardserve.runtime.host_timing import fit_host
+    from shardserve.runtime.timing.host_timing import fit_host
 
     fit = fit_host([(1, 0.31), (8, 0.38), (32, 0.63)])
     assert fit.step_ms == pytest.approx(0.3, abs=0.01) and fit.per_request_ms == pytest.approx(0.01, abs=0.001)

@@ -16,10 +16,10 @@ from dataclasses import asdict
 import pytest
 from typer.testing import CliRunner
 
-from shardserve.launch import cluster
+from shardserve.launch.cluster import ray_cluster as cluster
 from shardserve.launch.cli import app
-from shardserve.launch.cluster import ClusterError, NodeRecord, read_record, resolve_address, session_pids
-from shardserve.launch.ray_ports import RAY_SERVICE_PORTS, RAY_WORKER_PORTS, free_head_port, local_ray_instances
+from shardserve.launch.cluster.ray_cluster import ClusterError, NodeRecord, read_record, resolve_address, session_pids
+from shardserve.launch.cluster.ray_ports import RAY_SERVICE_PORTS, RAY_WORKER_PORTS, free_head_port, local_ray_instances
 
 SHARDSERVE = [sys.executable, "-m", "shardserve.launch"]
 

@@ -19,7 +19,7 @@ import jsonschema
 import pytest
 import yaml
 
-from shardserve.launch.deploy_plan import (LOAD_MARGIN, DeployOptions, load_seconds, replica_plan,
+from shardserve.launch.deploy.plan import (LOAD_MARGIN, DeployOptions, load_seconds, replica_plan,
                                            replica_shape, whole_shape)
 from shardserve.planner.plan_file import PlanFile
 from tests.launch.deploy_cases import DATA, PLANS, cases, emitted, load_plan, make_plan
@@ -207,7 +207,7 @@ def test_the_startup_probe_covers_the_predicted_load(golden):
     budget = probe["startupProbe"]["failureThreshold"] * probe["startupProbe"]["periodSeconds"]
     assert budget >= LOAD_MARGIN * load_seconds(plan, shape, rate) > 0
     slower = DeployOptions(case.target, "x", **{**case.options, "load_rate_gbps": rate / 4})
-    from shardserve.launch.deploy_plan import startup_failure_threshold
+    from shardserve.launch.deploy.plan import startup_failure_threshold
     assert startup_failure_threshold(plan, shape, slower.load_rate_gbps) > probe["startupProbe"]["failureThreshold"]
 
 

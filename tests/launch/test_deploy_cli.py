@@ -11,9 +11,9 @@ import sys
 import pytest
 
 from shardserve.launch.demo import DEMO_MODEL_DIR
-from shardserve.launch.deploy_output import render, write_folder
-from shardserve.launch.deploy_plan import DeployError, DeployOptions, parse_model_cache
-from shardserve.launch.wait_cluster import wait_for_cluster
+from shardserve.launch.deploy.output import render, write_folder
+from shardserve.launch.deploy.plan import DeployError, DeployOptions, parse_model_cache
+from shardserve.launch.cluster.wait_cluster import wait_for_cluster
 from tests.launch.deploy_cases import IMAGE, cpu_cluster_plan, load_plan, plan_path
 
 

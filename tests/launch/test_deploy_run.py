@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shardserve.launch.cluster import read_record
+from shardserve.launch.cluster.ray_cluster import read_record
 from shardserve.launch.demo import DEMO_MODEL_DIR
 from shardserve.launch.plan_view import write_plan
 from tests.launch.deploy_cases import cpu_cluster_plan

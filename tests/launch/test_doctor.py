@@ -11,9 +11,9 @@ from importlib import metadata
 
 import pytest
 
-from shardserve.launch.doctor import (check_gpus, check_interfaces, check_model, check_shm,
+from shardserve.launch.cluster.doctor import (check_gpus, check_interfaces, check_model, check_shm,
                                       interface_names, run_checks)
-from shardserve.launch.doctor_gpu import (OLDER_TORCH_INDEX, check_driver, check_nccl, check_torch_cuda, check_triton,
+from shardserve.launch.cluster.doctor_gpu import (OLDER_TORCH_INDEX, check_driver, check_nccl, check_torch_cuda, check_triton,
                                           driver_versions, gpu_build_checks, has_kernels_for, judge_capability,
                                           judge_driver, parse_cuda)
 from shardserve.launch.launcher import read_plan_file

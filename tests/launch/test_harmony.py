@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shardserve.launch.harmony import MARKERS, HarmonySplitter, marker_ids, prompt_tail
-from shardserve.launch.reasoning import ReasoningMode, Split
-from shardserve.launch.tool_calls import ToolCallError, ToolPlan, extract_calls, plan_tools
+from shardserve.launch.openai_api.harmony import MARKERS, HarmonySplitter, marker_ids, prompt_tail
+from shardserve.launch.openai_api.reasoning import ReasoningMode, Split
+from shardserve.launch.openai_api.tool_calls import ToolCallError, ToolPlan, extract_calls, plan_tools
 
 GENERATION_PROMPT = "<|start|>user<|message|>Weather in Paris?<|end|><|start|>assistant"
 ANALYSIS = "<|channel|>analysis<|message|>User asks. Easy.<|end|>"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from tokenizers import AddedToken
 
-from shardserve.launch.harmony import CALL, CHANNEL, CONSTRAIN, END, MARKERS, MESSAGE, RETURN, START
+from shardserve.launch.openai_api.harmony import CALL, CHANNEL, CONSTRAIN, END, MARKERS, MESSAGE, RETURN, START
 from tests.launch.conftest import API_KEY, post, serving, stream_chunks
 from tests.runtime.runtime_checkpoints import save_checkpoint
 

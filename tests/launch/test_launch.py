@@ -128,7 +128,7 @@ def test_only_rank_0_shows_loading_progress():
 @pytest.mark.slow
 def test_tensor_parallel_server_and_a_dead_rank():
     proc, url = start_server("--profile", "cpu-tp2")
-    ranks = children(proc.pid, "shardserve.runtime.worker_process", recursive=True)
+    ranks = children(proc.pid, "shardserve.runtime.distributed.worker_process", recursive=True)
     try:
         code, body = http(f"{url}/v1/completions", {"model": "shardserve-demo",
                                                     "prompt": "The function returns",
@@ -163,12 +163,12 @@ def test_restart_brings_the_gang_back_then_gives_up():
     request = {"model": "shardserve-demo", "prompt": "The function returns", "max_tokens": 8,
                "temperature": 0}
     try:
-        old = children(proc.pid, "shardserve.runtime.worker_process", recursive=True)
+        old = children(proc.pid, "shardserve.runtime.distributed.worker_process", recursive=True)
         os.kill(old[0], signal.SIGKILL)  # before any request: an idle engine watches its ranks
         deadline, statuses = time.monotonic() + 120, []
         while time.monotonic() < deadline:
             statuses.append(http(f"{url}/health", timeout=2)[0])
-            new = [p for p in children(proc.pid, "shardserve.runtime.worker_process", recursive=True) if p not in old]
+            new = [p for p in children(proc.pid, "shardserve.runtime.distributed.worker_process", recursive=True) if p not in old]
             if statuses[-1] == 200 and len(new) == 2:
                 break
             time.sleep(0.25)

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from netns import SHARDSERVE, delete_hosts, make_hosts, namespace_exists, namespaces_unavailable
-from shardserve.launch.cluster import read_record, session_pids
+from shardserve.launch.cluster.ray_cluster import read_record, session_pids
 from shardserve.launch.demo import DEMO_MODEL_DIR
 
 pytestmark = pytest.mark.slow
@@ -106,7 +106,7 @@ def test_all_reduce_with_a_rank_on_each_host(cluster):
     the store on the launching host, the sum checked (NCCL's log is read on GPU clusters)."""
     a, b, *_ = cluster
     code = ("import json\n"
-            "from shardserve.launch.nccl_probe import run_cluster_probe\n"
+            "from shardserve.launch.cluster.nccl_probe import run_cluster_probe\n"
             "ips, log = run_cluster_probe(None, backend='gloo')  # RAY_ADDRESS\n"
             "print(json.dumps(ips))\n")
     result = a.run([sys.executable, "-c", code],

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from shardserve.launch.doctor import check_nccl_transport
-from shardserve.launch.nccl_probe import judge, parse_nccl_log
+from shardserve.launch.cluster.doctor import check_nccl_transport
+from shardserve.launch.cluster.nccl_probe import judge, parse_nccl_log
 from shardserve.planner.detect import detect_local
 
 from tests.planner.factories import FakeNvml, plan_for
@@ -71,7 +71,7 @@ def test_doctor_runs_the_probe_over_the_plans_tensor_parallel_ranks():
 
 
 def test_doctor_judges_the_transport_between_gpu_nodes():
-    from shardserve.launch.doctor import check_nccl_between_nodes
+    from shardserve.launch.cluster.doctor import check_nccl_between_nodes
     nodes = [{"ip": "10.0.0.1", "alive": True, "gpus": 8}, {"ip": "10.0.0.2", "alive": True, "gpus": 8}]
     calls = []
 

@@ -9,12 +9,12 @@ import subprocess
 import pytest
 from netns import SHARDSERVE, namespaces_unavailable
 
-from shardserve.launch.cluster import ClusterError, choose_node_ip, route_source
+from shardserve.launch.cluster.ray_cluster import ClusterError, choose_node_ip, route_source
 from shardserve.launch.demo import DEMO_MODEL_DIR
-from shardserve.launch.node_facts import (env_differences, interface_addresses, interface_problem,
+from shardserve.launch.cluster.node_facts import (env_differences, interface_addresses, interface_problem,
                                           ip_problem, model_differences, node_facts,
                                           version_differences)
-from shardserve.launch.ray_nodes import node_problems
+from shardserve.launch.cluster.ray_nodes import node_problems
 
 
 @pytest.fixture(scope="module")

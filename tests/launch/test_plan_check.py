@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from shardserve.launch.plan_check import MIN_REQUESTS, FinishedRequest, PlanCheck, Prediction, percentile
+from shardserve.launch.server.plan_check import MIN_REQUESTS, FinishedRequest, PlanCheck, Prediction, percentile
 from tests.launch.conftest import MODEL, http
 
 PLAN = Prediction(ttft_ms=200.0, tpot_ms=20.0, percentile=50, input_len=1000, output_len=100, concurrency=16.0,
@@ -38,9 +38,9 @@ def run_window(requests: list[FinishedRequest], caplog, plan: Prediction = PLAN)
     clock.now += 30
     assert check.tick() is None  # the window is not over yet
     clock.now += 30
-    with caplog.at_level(logging.INFO, logger="shardserve.launch.plan_check"):
+    with caplog.at_level(logging.INFO, logger="shardserve.launch.server.plan_check"):
         report = check.tick()
-    return report, [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "shardserve.launch.plan_check"]
+    return report, [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "shardserve.launch.server.plan_check"]
 
 
 def test_fewer_than_eight_requests_in_a_minute_log_nothing(caplog):
@@ -72,7 +72,7 @@ def test_a_fast_ttft_beyond_the_tolerance_warns_too_and_requests_are_not_counted
     for r in finished(100, 20, 11):
         check.record(r)
     clock.now += 60
-    with caplog.at_level(logging.WARNING, logger="shardserve.launch.plan_check"):
+    with caplog.at_level(logging.WARNING, logger="shardserve.launch.server.plan_check"):
         assert check.tick().warnings[0].startswith("measured TTFT p50 100.0 ms is 50% below 200.0 ms, the plan's "
                                                    "estimate for 1000 prompt / 100 output tokens, 16 in flight")
     clock.now += 60
@@ -109,9 +109,9 @@ def test_run_ticks_on_the_event_loop_until_cancelled(caplog):
         with pytest.raises(asyncio.CancelledError):
             await task
 
-    with caplog.at_level(logging.INFO, logger="shardserve.launch.plan_check"):
+    with caplog.at_level(logging.INFO, logger="shardserve.launch.server.plan_check"):
         asyncio.run(serve_a_while())
-    lines = [r.getMessage() for r in caplog.records if r.name == "shardserve.launch.plan_check"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "shardserve.launch.server.plan_check"]
     assert lines[0].startswith("checking TTFT and TPOT against the plan's (p50 200.0 ms and 20.0 ms")
     assert sum(line.startswith("plan check, last 0 s: 8 requests") for line in lines) == 1  # once, then idle
 
@@ -147,7 +147,7 @@ def test_metrics_have_the_tpot_histogram_after_a_request(server, client):
 def test_the_check_asks_the_plans_speed_model_for_the_traffic_seen(caplog):
     """Shorter prompts than planned: the plan's own model (from the plan file) predicts them, so traffic
     at that prediction passes and a 2x slower TPOT warns against it, not against the planned workload."""
-    from shardserve.launch.plan_check import for_traffic
+    from shardserve.launch.server.plan_check import for_traffic
     from shardserve.planner import PlanOptions, load_model, make_plan, parse_declared
 
     model = load_model("meta-llama/Llama-3.1-8B-Instruct")

@@ -29,9 +29,9 @@ def launch_edited(tmp_path, plan: dict, caplog, flags: dict | None = None) -> tu
     path = tmp_path / "edited.yaml"
     path.write_text(yaml.safe_dump(plan, sort_keys=False))
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="shardserve.launch.plan_check"):
+    with caplog.at_level(logging.INFO, logger="shardserve.launch.server.plan_check"):
         _, served = settle(str(path), None, flags or {}, None)
-    return served, [r.getMessage() for r in caplog.records if r.name == "shardserve.launch.plan_check"]
+    return served, [r.getMessage() for r in caplog.records if r.name == "shardserve.launch.server.plan_check"]
 
 
 def edited(plan_dict: dict, **parallel) -> dict:

@@ -1,7 +1,7 @@
 """The router's choice between replicas: the longest cached prefix, the conversation's replica, the load
 bound, the pool's capacity, and least-loaded routing as the baseline."""
 
-from shardserve.launch.prefix_router import (LEAST_LOADED, LOAD_SLACK, CachedBlocks, PrefixRouter, Route,
+from shardserve.launch.server.prefix_router import (LEAST_LOADED, LOAD_SLACK, CachedBlocks, PrefixRouter, Route,
                                              block_hashes, session_key)
 
 BLOCK = 4

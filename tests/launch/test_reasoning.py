@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shardserve.launch.reasoning import THINK_PARSERS, Split, StreamSplitter, opens_reasoning, split_reasoning
+from shardserve.launch.openai_api.reasoning import THINK_PARSERS, Split, StreamSplitter, opens_reasoning, split_reasoning
 
 CASES = [  # (parser, prompt opens <think>, output) -> (reasoning, content)
     ("deepseek_r1", False, "<think>\nsteps\n</think>\n\nanswer", ("\nsteps\n", "\n\nanswer")),

@@ -11,7 +11,7 @@ import pytest
 
 from shardserve.launch.demo import DEMO_MODEL_DIR
 from shardserve.runtime.core.client import start_replicas
-from shardserve.launch.replicas import ReplicaSet
+from shardserve.launch.server.replicas import ReplicaSet
 from shardserve.runtime import AsyncEngine, EngineArgs, SamplingParams
 from shardserve.runtime.errors import EngineDeadError
 
@@ -78,7 +78,7 @@ async def _until_dead(replica, seconds: float) -> BaseException | None:
 def test_a_rank_dying_inside_a_replica_marks_it_dead():
     kwargs = KWARGS | {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
     (replica,) = start_replicas(EngineArgs(str(DEMO_MODEL_DIR), **kwargs), 1)
-    ranks = children(replica.pid, "shardserve.runtime.worker_process")
+    ranks = children(replica.pid, "shardserve.runtime.distributed.worker_process")
     assert len(ranks) == 2, ranks
     os.kill(ranks[1], signal.SIGKILL)
     error = asyncio.run(_until_dead(replica, 30))

@@ -109,7 +109,7 @@ def test_replicas_in_their_own_processes_serve_and_stop_cleanly():
     try:
         assert len(replicas) == 2, replicas
         # each replica's engine runs in its own process: no rank and no engine in the server's
-        assert not children(proc.pid, "shardserve.runtime.worker_process")
+        assert not children(proc.pid, "shardserve.runtime.distributed.worker_process")
         _check_the_load_is_shared(url)
         _check_greedy_text_is_the_same_from_either_replica(url)
         _check_a_dropped_stream_is_aborted(url)

@@ -12,7 +12,7 @@ from http.client import HTTPConnection
 import openai
 import pytest
 
-from shardserve.runtime.structured_output import (MAX_CHOICE_CHARS, MAX_CHOICES, MAX_GRAMMAR_CHARS, MAX_REGEX_CHARS,
+from shardserve.runtime.core.structured_output import (MAX_CHOICE_CHARS, MAX_CHOICES, MAX_GRAMMAR_CHARS, MAX_REGEX_CHARS,
                                                   MAX_SCHEMA_CHARS, MAX_SCHEMA_DEPTH)
 from tests.launch.conftest import MODEL, http, serving
 

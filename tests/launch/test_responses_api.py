@@ -13,8 +13,8 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from shardserve.launch.response_format import ErrorEvent
-from shardserve.launch.responses_stream import response_events
+from shardserve.launch.openai_api.response_format import ErrorEvent
+from shardserve.launch.responses.stream import response_events
 from tests.launch.conftest import API_KEY, chat_stream_cut_by_an_error, MODEL, http, metric, post, serving
 from tests.launch.test_tool_calls import TEMPLATE, WEATHER
 

@@ -105,10 +105,10 @@ def test_a_sigterm_to_the_whole_process_group_drains_too():
 
 
 def test_a_stream_ended_by_the_drain_is_counted_unavailable_not_success():
-    from shardserve.launch.api_server import _streaming
-    from shardserve.launch.metrics import ServerMetrics
-    from shardserve.launch.protocol import shutting_down
-    from shardserve.launch.response_format import error_event, sse
+    from shardserve.launch.server.responding import streaming
+    from shardserve.launch.server.metrics import ServerMetrics
+    from shardserve.launch.openai_api.protocol import shutting_down
+    from shardserve.launch.openai_api.response_format import error_event, sse
 
     async def events(end_with_error: bool):
         yield sse({"choices": [{"text": "a"}]})
@@ -121,7 +121,7 @@ def test_a_stream_ended_by_the_drain_is_counted_unavailable_not_success():
 
     metrics = ServerMetrics(MODEL, lambda: [], 1024)
     for end_with_error in (True, False):
-        asyncio.run(drain(_streaming(events(end_with_error), metrics)))
+        asyncio.run(drain(streaming(events(end_with_error), metrics)))
     counts = {s.labels["outcome"]: s.value for m in metrics.registry.collect() if m.name == "shardserve_requests"
               for s in m.samples if s.name.endswith("_total")}
     assert counts == {"unavailable": 1.0, "success": 1.0}, counts

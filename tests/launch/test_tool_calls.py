@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from shardserve.launch.tool_calls import ToolPlan, extract_calls, plan_tools
+from shardserve.launch.openai_api.tool_calls import ToolPlan, extract_calls, plan_tools
 from tests.launch.conftest import start_server, stop_server
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],

@@ -6,14 +6,14 @@ from __future__ import annotations
 import torch
 
 from shardserve.runtime.attention.torch_backend import gather_kv
-from shardserve.runtime.inputs import RequestState, prepare_inputs
+from shardserve.runtime.worker.inputs import RequestState, prepare_inputs
 from shardserve.runtime.sampling_params import SamplingParams
 
 
 def poison_freed_entries(meta, cache, window: int, num_blocks: int, block_size: int) -> None:
     """Point each request's table entries that the block manager would have freed behind `window` at
     an unused block of NaNs (a block another request now owns: anything could be in it)."""
-    from shardserve.runtime.block_manager import BlockManager
+    from shardserve.runtime.core.block_manager import BlockManager
 
     pool = BlockManager(num_blocks, block_size, sliding_window=window)
     used = set(meta.block_tables.flatten().tolist())

@@ -6,8 +6,8 @@ import torch
 
 from shardserve.runtime.attention.layer import Attention
 from shardserve.runtime.attention.torch_backend import TorchAttentionBackend
-from shardserve.runtime.forward_context import ForwardContext, forward_context
-from shardserve.runtime.inputs import RequestState, prepare_inputs
+from shardserve.runtime.worker.forward_context import ForwardContext, forward_context
+from shardserve.runtime.worker.inputs import RequestState, prepare_inputs
 from shardserve.runtime.sampling_params import SamplingParams
 
 PROMPT = [(17 * i + 5) % 300 + 3 for i in range(37)]

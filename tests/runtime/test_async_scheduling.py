@@ -13,7 +13,7 @@ import pytest
 
 from shardserve.runtime import LLM, AsyncEngine, SamplingParams
 from shardserve.runtime.input_processor import InvalidPromptError
-from shardserve.runtime.structured_output import StructuredOutputs
+from shardserve.runtime.core.structured_output import StructuredOutputs
 from test_runtime_matches_transformers import MIXED, SHARED, random_prompts, reference
 
 PROMPTS = MIXED + SHARED + random_prompts(5, [9, 2, 28, 14])  # 22 prompts of 1 to 40 tokens

@@ -11,13 +11,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from shardserve.runtime import parallel_state
+from shardserve.runtime.distributed import parallel_state
 from shardserve.runtime.attention import layer as layer_module
 from shardserve.runtime.attention.layer import Attention
 from shardserve.runtime.attention.torch_backend import TorchAttentionBackend, paged_attention, write_kv
-from shardserve.runtime.checkpoint import CheckpointTensor
-from shardserve.runtime.forward_context import ForwardContext, forward_context
-from shardserve.runtime.parallel_state import ParallelState
+from shardserve.runtime.worker.checkpoint import CheckpointTensor
+from shardserve.runtime.worker.forward_context import ForwardContext, forward_context
+from shardserve.runtime.distributed.parallel_state import ParallelState
 from tests.runtime import attention_cases
 
 BLOCK_SIZE, NUM_BLOCKS, SCALE = 4, 24, 0.9

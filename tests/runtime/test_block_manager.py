@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardserve.runtime.block_manager import BlockManager
-from shardserve.runtime.request import Request
+from shardserve.runtime.core.block_manager import BlockManager
+from shardserve.runtime.core.request import Request
 from shardserve.runtime.sampling_params import SamplingParams
 
 

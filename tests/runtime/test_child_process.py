@@ -3,7 +3,7 @@ ones sent before the other side closed still read."""
 
 import socket
 
-from shardserve.runtime.child_process import FrameReader, frame, recv_blocking, send_blocking
+from shardserve.runtime.distributed.child_process import FrameReader, frame, recv_blocking, send_blocking
 
 
 def test_a_frame_cut_anywhere_is_read_whole_once_it_has_all_arrived():

@@ -17,15 +17,15 @@ from shardserve.runtime.attention.triton_backend import TritonAttentionBackend  
 from shardserve.runtime.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,  # noqa: E402
                                        SchedulerConfig, load_model_config)
 from shardserve.planner.graph_memory import capture_sizes  # noqa: E402
-from shardserve.runtime.cuda_graph_plan import local_decision  # noqa: E402
-from shardserve.runtime.cuda_graphs import DecodeGraphRunner, pad_decode_batch, padded_size  # noqa: E402
-from shardserve.runtime.forward_context import ForwardContext, forward_context  # noqa: E402
-from shardserve.runtime.inputs import RequestState, build_host_inputs, to_device  # noqa: E402
-from shardserve.runtime.loader import load_model  # noqa: E402
+from shardserve.runtime.worker.cuda_graph_plan import local_decision  # noqa: E402
+from shardserve.runtime.worker.cuda_graphs import DecodeGraphRunner, pad_decode_batch, padded_size  # noqa: E402
+from shardserve.runtime.worker.forward_context import ForwardContext, forward_context  # noqa: E402
+from shardserve.runtime.worker.inputs import RequestState, build_host_inputs, to_device  # noqa: E402
+from shardserve.runtime.worker.loader import load_model  # noqa: E402
 from shardserve.runtime.models.llama import LlamaForCausalLM  # noqa: E402
 from shardserve.runtime.models.mixtral import MixtralForCausalLM  # noqa: E402
 from shardserve.runtime.sampling_params import SamplingParams  # noqa: E402
-from shardserve.runtime.staging import StagingBuffer  # noqa: E402
+from shardserve.runtime.worker.staging import StagingBuffer  # noqa: E402
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 40
 SCRATCH = NUM_BLOCKS  # the block after the pool, as the worker allocates it

@@ -19,15 +19,15 @@ from shardserve.runtime.attention.triton_backend import TritonAttentionBackend  
 from shardserve.runtime.config import load_model_config  # noqa: E402
 from shardserve.runtime.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,  # noqa: E402
                                        SchedulerConfig)
-from shardserve.runtime.cuda_graph_plan import CaptureDecision, agree, agreed_decision  # noqa: E402
+from shardserve.runtime.worker.cuda_graph_plan import CaptureDecision, agree, agreed_decision  # noqa: E402
 from shardserve.runtime.models.llama import LlamaForCausalLM  # noqa: E402
-from shardserve.runtime.cuda_graphs import DecodeGraphRunner, leading_rows, static_intermediate  # noqa: E402
-from shardserve.runtime.forward_context import ForwardContext, forward_context  # noqa: E402
-from shardserve.runtime.inputs import RequestState, build_host_inputs, to_device  # noqa: E402
-from shardserve.runtime.staging import StagingBuffer  # noqa: E402
-from shardserve.runtime.loader import load_model  # noqa: E402
-from shardserve.runtime.parallel_state import ParallelState, get_parallel_state, set_parallel_state  # noqa: E402
-from shardserve.runtime.pipeline import (IntermediateTensors, recv_intermediate_into,  # noqa: E402
+from shardserve.runtime.worker.cuda_graphs import DecodeGraphRunner, leading_rows, static_intermediate  # noqa: E402
+from shardserve.runtime.worker.forward_context import ForwardContext, forward_context  # noqa: E402
+from shardserve.runtime.worker.inputs import RequestState, build_host_inputs, to_device  # noqa: E402
+from shardserve.runtime.worker.staging import StagingBuffer  # noqa: E402
+from shardserve.runtime.worker.loader import load_model  # noqa: E402
+from shardserve.runtime.distributed.parallel_state import ParallelState, get_parallel_state, set_parallel_state  # noqa: E402
+from shardserve.runtime.worker.pipeline import (IntermediateTensors, recv_intermediate_into,  # noqa: E402
                                          send_intermediate)
 from shardserve.runtime.sampling_params import SamplingParams  # noqa: E402
 

@@ -15,9 +15,9 @@ import torch
 from shardserve.launch.demo import DEMO_MODEL_DIR
 from shardserve.planner.settings import SettingError
 from shardserve.runtime import LLM, SamplingParams
-from shardserve.runtime.dummy_weights import DUMMY_RANGE, fill_dummy_weights
+from shardserve.runtime.worker.dummy_weights import DUMMY_RANGE, fill_dummy_weights
 from shardserve.runtime.engine_args import EngineArgs
-from shardserve.runtime.loader import load_model
+from shardserve.runtime.worker.loader import load_model
 from tests.runtime.quant_checkpoints import FORMATS
 
 POOL = 1 << 25

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from shardserve.runtime.attention.torch_backend import TorchAttentionBackend
-from shardserve.runtime.forward_context import ForwardContext, forward_context, get_forward_context
+from shardserve.runtime.worker.forward_context import ForwardContext, forward_context, get_forward_context
 
 
 def make_context() -> ForwardContext:

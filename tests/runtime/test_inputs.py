@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from shardserve.runtime.inputs import (RequestState, apply_scheduler_output, build_host_inputs, prepare_inputs,
+from shardserve.runtime.worker.inputs import (RequestState, apply_scheduler_output, build_host_inputs, prepare_inputs,
                                        to_device)
-from shardserve.runtime.messages import CachedRequestData, NewRequestData, SchedulerOutput
+from shardserve.runtime.core.messages import CachedRequestData, NewRequestData, SchedulerOutput
 from shardserve.runtime.sampling_params import SamplingParams
-from shardserve.runtime.staging import StagingBuffer
+from shardserve.runtime.worker.staging import StagingBuffer
 
 
 def reference_inputs(batch: list[RequestState], num_scheduled: dict[str, int], block_size: int) -> dict:

@@ -7,8 +7,8 @@ import pytest
 
 from shardserve.planner.settings import SettingError
 from shardserve.runtime import LLM, SamplingParams
-from shardserve.runtime.block_manager import BlockManager
-from shardserve.runtime.kv_offload import KVTransfer, OffloadTier
+from shardserve.runtime.core.block_manager import BlockManager
+from shardserve.runtime.core.kv_offload import KVTransfer, OffloadTier
 from test_block_manager import make_request
 from test_runtime_matches_transformers import random_prompts, reference, token_outputs
 

@@ -8,9 +8,9 @@ import logging
 import pytest
 
 from shardserve.runtime import LLM
-from shardserve.runtime.load_progress import LoadProgress
+from shardserve.runtime.worker.load_progress import LoadProgress
 
-LOGGER = "shardserve.runtime.load_progress"
+LOGGER = "shardserve.runtime.worker.load_progress"
 
 
 class FakeClock:

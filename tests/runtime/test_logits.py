@@ -8,7 +8,7 @@ import torch
 from runtime_checkpoints import FAMILIES
 from runtime_forward import PROMPT, run_chunks
 from shardserve.runtime.config import load_model_config
-from shardserve.runtime.loader import load_model
+from shardserve.runtime.worker.loader import load_model
 
 
 @pytest.mark.parametrize("family", FAMILIES)

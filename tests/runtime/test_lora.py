@@ -15,7 +15,7 @@ from shardserve.planner.model_spec import ModelSpec
 from shardserve.planner.settings import SettingError
 from shardserve.runtime import LLM, SamplingParams
 from shardserve.runtime.lora_request import LoRARequest
-from shardserve.runtime.lora_slots import LoRASlots
+from shardserve.runtime.core.lora_slots import LoRASlots
 from test_runtime_matches_transformers import random_prompts, reference
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)

@@ -8,8 +8,8 @@ import os
 import pytest
 
 from shardserve.runtime import LLM, SamplingParams
-from shardserve.runtime.mp_executor import RANK_MODULE
-from shardserve.runtime.pipeline import plan_layer_split
+from shardserve.runtime.distributed.mp_executor import RANK_MODULE
+from shardserve.runtime.worker.pipeline import plan_layer_split
 from test_runtime_matches_transformers import random_prompts, reference, token_outputs
 from tests.processes import children
 

@@ -8,11 +8,11 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from shardserve.runtime.checkpoint import CheckpointTensor
+from shardserve.runtime.worker.checkpoint import CheckpointTensor
 from shardserve.runtime.layers.embedding import VocabParallelEmbedding
 from shardserve.runtime.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                               RowParallelLinear)
-from shardserve.runtime.parallel_state import ParallelState, get_parallel_state, set_parallel_state
+from shardserve.runtime.distributed.parallel_state import ParallelState, get_parallel_state, set_parallel_state
 
 
 @pytest.fixture

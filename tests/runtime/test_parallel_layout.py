@@ -8,8 +8,8 @@ from transformers import LlamaConfig, MixtralConfig
 
 from shardserve.runtime import LLM
 from shardserve.runtime.config import ModelConfig, ParallelConfig
-from shardserve.runtime.executor import resolve_backend
-from shardserve.runtime.parallel_layout import check_parallel_layout
+from shardserve.runtime.distributed.backend import resolve_backend
+from shardserve.runtime.distributed.parallel_layout import check_parallel_layout
 from test_parallel_generate import rank_pids
 
 

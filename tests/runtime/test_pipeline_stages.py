@@ -11,11 +11,11 @@ import torch
 from shardserve.runtime.attention.layer import Attention
 from shardserve.runtime.attention.torch_backend import TorchAttentionBackend
 from shardserve.runtime.config import load_model_config
-from shardserve.runtime.forward_context import ForwardContext, forward_context
-from shardserve.runtime.inputs import RequestState, prepare_inputs
-from shardserve.runtime.loader import load_model
-from shardserve.runtime.parallel_state import ParallelState, get_parallel_state, set_parallel_state
-from shardserve.runtime.pipeline import IntermediateTensors, MissingLayer, split_layers
+from shardserve.runtime.worker.forward_context import ForwardContext, forward_context
+from shardserve.runtime.worker.inputs import RequestState, prepare_inputs
+from shardserve.runtime.worker.loader import load_model
+from shardserve.runtime.distributed.parallel_state import ParallelState, get_parallel_state, set_parallel_state
+from shardserve.runtime.worker.pipeline import IntermediateTensors, MissingLayer, split_layers
 from shardserve.runtime.sampling_params import SamplingParams
 
 PROMPT = [(11 * i + 7) % 290 + 5 for i in range(21)]

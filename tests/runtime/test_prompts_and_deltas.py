@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from shardserve.runtime import LLM, InvalidPromptError, ProcessedPrompt, SamplingParams
-from shardserve.runtime.messages import RequestUpdate
-from shardserve.runtime.output_processor import OutputProcessor
+from shardserve.runtime.core.messages import RequestUpdate
+from shardserve.runtime.core.output_processor import OutputProcessor
 
 NUM_LONG_TOKENS = 2000
 

@@ -16,7 +16,7 @@ from shardserve.planner.model_source import load_model as load_model_info
 from shardserve.planner.rules import tensor_parallel_problem
 from shardserve.runtime import LLM, SamplingParams
 from shardserve.runtime.config import ParallelConfig, load_model_config
-from shardserve.runtime.parallel_layout import check_parallel_layout
+from shardserve.runtime.distributed.parallel_layout import check_parallel_layout
 from shardserve.runtime.layers.quantization.packed_int import AWQ_ORDER, unpack_int32
 from test_runtime_matches_transformers import random_prompts, reference, token_outputs
 

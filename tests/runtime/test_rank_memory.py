@@ -28,8 +28,8 @@ def load_rank(folder: str, tp_rank: int, tp_size: int, results) -> None:
     import torch
 
     from shardserve.runtime.config import load_model_config
-    from shardserve.runtime.loader import load_model
-    from shardserve.runtime.parallel_state import ParallelState, set_parallel_state
+    from shardserve.runtime.worker.loader import load_model
+    from shardserve.runtime.distributed.parallel_state import ParallelState, set_parallel_state
 
     torch.set_num_threads(1)
     config = load_model_config(folder)

@@ -10,9 +10,9 @@ import threading
 
 import pytest
 
-from shardserve.launch.node_facts import interface_addresses
+from shardserve.launch.cluster.node_facts import interface_addresses
 from shardserve.runtime import LLM, SamplingParams
-from shardserve.runtime.distributed import CHECK_KEY, Rendezvous, join_rendezvous, start_rendezvous
+from shardserve.runtime.distributed.process_group import CHECK_KEY, Rendezvous, join_rendezvous, start_rendezvous
 from test_parallel_generate import MAX_TOKENS, PROMPTS, rank_pids
 from test_runtime_matches_transformers import token_outputs
 

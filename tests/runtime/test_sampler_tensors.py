@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from shardserve.runtime.inputs import RequestState
-from shardserve.runtime.sampler import _sample_random, _top_k, _top_k_top_p, sample, sample_on_device
-from shardserve.runtime.sampling_batch import SamplingTensors, sample_seed, seeded_uniforms
+from shardserve.runtime.worker.inputs import RequestState
+from shardserve.runtime.worker.sampler import _sample_random, _top_k, _top_k_top_p, sample, sample_on_device
+from shardserve.runtime.worker.sampling_batch import SamplingTensors, sample_seed, seeded_uniforms
 from shardserve.runtime.sampling_params import SamplingParams
 
 VOCAB = 50

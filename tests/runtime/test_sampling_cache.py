@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from shardserve.runtime.inputs import RequestState
-from shardserve.runtime.sampler import sample_on_device, sampled_logprobs
-from shardserve.runtime.sampling_batch import BatchSampling, SamplingCache, sample_seed, seeded_uniforms
+from shardserve.runtime.worker.inputs import RequestState
+from shardserve.runtime.worker.sampler import sample_on_device, sampled_logprobs
+from shardserve.runtime.worker.sampling_batch import BatchSampling, SamplingCache, sample_seed, seeded_uniforms
 from shardserve.runtime.sampling_params import SamplingParams
 
 VOCAB = 64

@@ -6,12 +6,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardserve.runtime.block_manager import BlockManager
+from shardserve.runtime.core.block_manager import BlockManager
 from shardserve.runtime.config import SchedulerConfig
-from shardserve.runtime.messages import ModelRunnerOutput, SchedulerOutput
-from shardserve.runtime.request import Request, RequestStatus
+from shardserve.runtime.core.messages import ModelRunnerOutput, SchedulerOutput
+from shardserve.runtime.core.request import Request, RequestStatus
 from shardserve.runtime.sampling_params import SamplingParams
-from shardserve.runtime.scheduler import Scheduler
+from shardserve.runtime.core.scheduler import Scheduler
 
 SAMPLED = 7  # the token every simulated step samples
 

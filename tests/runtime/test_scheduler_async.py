@@ -9,10 +9,10 @@ from dataclasses import replace
 
 import pytest
 
-from shardserve.runtime.messages import ModelRunnerOutput, SchedulerOutput
-from shardserve.runtime.request import Request, RequestStatus
+from shardserve.runtime.core.messages import ModelRunnerOutput, SchedulerOutput
+from shardserve.runtime.core.request import Request, RequestStatus
 from shardserve.runtime.sampling_params import SamplingParams
-from shardserve.runtime.scheduler import Scheduler
+from shardserve.runtime.core.scheduler import Scheduler
 from test_scheduler import SAMPLED, make_requests, make_scheduler, sampled_by
 
 EOS = 1

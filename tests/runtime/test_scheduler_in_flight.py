@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from shardserve.runtime.messages import ModelRunnerOutput, SchedulerOutput
-from shardserve.runtime.scheduler import Scheduler
+from shardserve.runtime.core.messages import ModelRunnerOutput, SchedulerOutput
+from shardserve.runtime.core.scheduler import Scheduler
 from test_scheduler import make_requests, make_scheduler, sampled_by
 
 

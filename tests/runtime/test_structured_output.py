@@ -11,7 +11,7 @@ import pytest
 
 from shardserve.launch.demo import DEMO_MODEL_DIR
 from shardserve.runtime import LLM, SamplingParams
-from shardserve.runtime.structured_output import StructuredOutputs
+from shardserve.runtime.core.structured_output import StructuredOutputs
 
 DEMO = str(DEMO_MODEL_DIR)
 PET = {"type": "object", "additionalProperties": False, "required": ["name", "age"],

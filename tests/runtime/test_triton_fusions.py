@@ -16,7 +16,7 @@ from shardserve.runtime.attention import triton_decode, triton_kernels, triton_p
 from shardserve.runtime.attention.layer import Attention  # noqa: E402
 from shardserve.runtime.attention.torch_backend import write_kv  # noqa: E402
 from shardserve.runtime.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from shardserve.runtime.forward_context import ForwardContext, forward_context  # noqa: E402
+from shardserve.runtime.worker.forward_context import ForwardContext, forward_context  # noqa: E402
 from shardserve.runtime.layers.activation import silu_and_mul_reference  # noqa: E402
 from shardserve.runtime.layers.rotary import RotaryEmbedding  # noqa: E402
 from shardserve.runtime.layers.triton_activation import silu_and_mul  # noqa: E402
@@ -118,7 +118,7 @@ def test_llama_attention_launches_two_kernels_between_its_projections(shapes, ke
     """A Llama layer's attention on the Triton backend: qkv projection, one kernel that rotates and
     writes the cache, one attention kernel, output projection; nothing else computes."""
     from shardserve.runtime.config import load_model_config
-    from shardserve.runtime.loader import load_model
+    from shardserve.runtime.worker.loader import load_model
 
     folder, _ = checkpoint_factory("llama3")
     model = load_model(load_model_config(folder), torch.device("cpu"))

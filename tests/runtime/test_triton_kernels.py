@@ -141,7 +141,7 @@ def test_models_on_the_triton_backend_match_transformers(family, checkpoint_fact
     from runtime_forward import PROMPT, run_chunks
 
     from shardserve.runtime.config import load_model_config
-    from shardserve.runtime.loader import load_model
+    from shardserve.runtime.worker.loader import load_model
 
     folder, hf_model = checkpoint_factory(family)
     model = load_model(load_model_config(folder), torch.device("cpu"))

@@ -16,7 +16,8 @@ import triton.language as tl  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
 from shardserve.runtime.layers import triton_lora  # noqa: E402
-from shardserve.runtime.layers.lora_ops import gathered_matmul, gathered_matmul_reference, lora_batch  # noqa: E402
+from shardserve.runtime.layers.lora_batch import lora_batch  # noqa: E402
+from shardserve.runtime.layers.lora_ops import gathered_matmul, gathered_matmul_reference  # noqa: E402
 
 SLOTS = [1, -1, 0, 1, 2, -1, 1]  # 7 tokens, 4 slots: slot 3 unused, two tokens without an adapter
 # NOTE: the interpreter converts float32 -> bf16 by truncation: one bf16 step from torch's rounding at most

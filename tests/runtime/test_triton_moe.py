@@ -12,10 +12,10 @@ import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from shardserve.runtime.checkpoint import CheckpointTensor  # noqa: E402
+from shardserve.runtime.worker.checkpoint import CheckpointTensor  # noqa: E402
 from shardserve.runtime.layers.moe import FusedMoE  # noqa: E402
 from shardserve.runtime.layers.triton_moe import fused_moe, moe_align  # noqa: E402
-from shardserve.runtime.parallel_state import ParallelState, get_parallel_state, set_parallel_state  # noqa: E402
+from shardserve.runtime.distributed.parallel_state import ParallelState, get_parallel_state, set_parallel_state  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,7 @@ from safetensors.torch import save_file  # noqa: E402
 from torch import nn  # noqa: E402
 
 from quant_checkpoints import FORMATS, pack_for  # noqa: E402
-from shardserve.runtime.checkpoint import iterate_checkpoint  # noqa: E402
+from shardserve.runtime.worker.checkpoint import iterate_checkpoint  # noqa: E402
 from shardserve.runtime.layers.quantization.config import QuantConfig  # noqa: E402
 from shardserve.runtime.layers.quantization.packed_int import PackedIntLinearMethod  # noqa: E402
 from shardserve.runtime.layers.quantization.triton_packed_int import packed_int_matmul  # noqa: E402

@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from quant_checkpoints import MOE_FORMATS, save_quantized_experts  # noqa: E402
-from shardserve.runtime.parallel_state import ParallelState, get_parallel_state, set_parallel_state  # noqa: E402
+from shardserve.runtime.distributed.parallel_state import ParallelState, get_parallel_state, set_parallel_state  # noqa: E402
 import shardserve.runtime.layers.quantization.triton_quant_moe  # noqa: E402,F401  (its kernels, interpreted)
 from test_quantized_moe import loaded_experts  # noqa: E402
 

@@ -15,12 +15,12 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from quant_checkpoints import MXFP4, mxfp4_tensors  # noqa: E402
-from shardserve.runtime.checkpoint import CheckpointTensor  # noqa: E402
+from shardserve.runtime.worker.checkpoint import CheckpointTensor  # noqa: E402
 from shardserve.runtime.layers.activation import GatedActivation  # noqa: E402
 from shardserve.runtime.layers.moe import FusedMoE  # noqa: E402
 from shardserve.runtime.layers.moe_stacked import stacked_expert_weight  # noqa: E402
 from shardserve.runtime.layers.quantization.config import QuantConfig, quantized_layers  # noqa: E402
-from shardserve.runtime.parallel_state import ParallelState, get_parallel_state, set_parallel_state  # noqa: E402
+from shardserve.runtime.distributed.parallel_state import ParallelState, get_parallel_state, set_parallel_state  # noqa: E402
 import shardserve.runtime.layers.quantization.triton_quant_moe  # noqa: E402,F401  (its kernels, interpreted)
 
 EXPERTS, HIDDEN, INTER = 4, 64, 64

@@ -8,11 +8,11 @@ from hypothesis import strategies as st
 
 from shardserve.planner.hf_config import uniform_sliding_window
 from shardserve.planner.memory import longest_fitting_len, max_blocks_per_request
-from shardserve.runtime.block_manager import BlockManager
+from shardserve.runtime.core.block_manager import BlockManager
 from shardserve.runtime.config import SchedulerConfig
-from shardserve.runtime.request import Request
+from shardserve.runtime.core.request import Request
 from shardserve.runtime.sampling_params import SamplingParams
-from shardserve.runtime.scheduler import Scheduler
+from shardserve.runtime.core.scheduler import Scheduler
 from test_scheduler import make_requests, run_step
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from shardserve.runtime import LLM, SamplingParams
 from shardserve.runtime.attention.layer import Attention
-from shardserve.runtime.worker import check_uniform_window
+from shardserve.runtime.worker.worker import check_uniform_window
 from test_runtime_matches_transformers import SHARED, random_prompts, reference, token_outputs
 
 MAX_TOKENS = 24

@@ -79,33 +79,6 @@ def quantized_layers(config: QuantConfig | None):
         _BUILDING.reset(token)
 
 
-def current_linear_method():
-    """The quantized method for a linear layer being built now, or None (float weights)."""
-    config = _BUILDING.get()
-    if config is None or config.method == "mxfp4":  # MXFP4 checkpoints keep every layer but the experts float
-        return None
-    if config.method == "fp8":
-        from shardserve.runtime.layers.quantization.fp8 import Fp8LinearMethod
-        return Fp8LinearMethod(config)
-    from shardserve.runtime.layers.quantization.packed_int import PackedIntLinearMethod
-    return PackedIntLinearMethod(config)
-
-
-def current_moe_method():
-    """The quantized method for routed experts (FusedMoE) being built now, or None (float experts)."""
-    config = _BUILDING.get()
-    if config is None:
-        return None
-    if config.method == "fp8":
-        from shardserve.runtime.layers.quantization.fp8_moe import Fp8MoEMethod
-        return Fp8MoEMethod(config)
-    if config.method == "mxfp4":
-        from shardserve.runtime.layers.quantization.mxfp4_moe import Mxfp4MoEMethod
-        return Mxfp4MoEMethod(config)
-    from shardserve.runtime.layers.quantization.packed_int_moe import PackedIntMoEMethod
-    return PackedIntMoEMethod(config)
-
-
 def check_quantized_layout(model_config) -> None:
     """Refuse a quantized checkpoint of an architecture the quantized layers cannot build, before loading
     (how its groups split over ranks is the planner's rule 4, checked with the layout)."""

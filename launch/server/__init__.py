@@ -1,0 +1,1 @@
+"""The HTTP server and what it runs on: the app and its routes' plumbing (admission, body limit, errors, checks), the replica set and its router, metrics, the plan's self-check, LoRA adapters by name, the token and embedding routes, the event loop and its drain."""

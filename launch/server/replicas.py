@@ -1,0 +1,177 @@
+"""Engine replicas behind one server: routing (launch/server/prefix_router.py), liveness and per-prompt metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
+
+from shardserve.launch.server.engine_client import EngineClient
+from shardserve.launch.server.metrics import PromptTimer, ServerMetrics
+from shardserve.launch.server.plan_check import FinishedRequest, PlanCheck
+from shardserve.launch.server.prefix_router import CACHE_AWARE, PrefixRouter, Route
+from shardserve.launch.openai_api.protocol import shutting_down
+from shardserve.runtime.input_processor import ProcessedPrompt
+from shardserve.runtime.lora_request import LoRARequest
+from shardserve.runtime.outputs import EmbeddingRequestOutput, PromptDelta, embedding_output
+from shardserve.runtime.pooling_params import PoolingParams
+from shardserve.runtime.sampling_params import SamplingParams
+from shardserve.runtime.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    from shardserve.runtime.core.engine import EngineStats
+
+
+_PATH = re.compile(r"(?:[A-Za-z]:)?(?:/[\w.\-]+){2,}/?")
+
+
+def public_message(text: str) -> str:
+    """An internal error as a client may read it: the first line, paths and tracebacks removed
+    (the full text goes to the server log)."""
+    first = text.strip().splitlines()[0] if text.strip() else "internal error"
+    if "Traceback" in first or 'File "' in first:
+        first = first.split("Traceback")[0].split('File "')[0].rstrip(" :(") or "internal error"
+    return _PATH.sub("<path>", first)[:300] + "; the server log has the details"
+
+
+class Replica:
+    """engine: the replica's EngineClient (an EngineCoreClient: the replica's core runs in a process of its own)."""
+
+    def __init__(self, index: int, engine: EngineClient):
+        self.index, self.engine = index, engine
+        self.num_active = 0  # prompts this server has given the replica and not seen end
+
+    @property
+    def error(self) -> BaseException | None:
+        return self.engine.error  # set once the engine's step loop has died
+
+
+class ReplicaSet:
+    def __init__(self, engines: Sequence[EngineClient], metrics: ServerMetrics | None = None,
+                 plan_check: PlanCheck | None = None, routing_policy: str = CACHE_AWARE):
+        self.replicas = [Replica(i, e) for i, e in enumerate(engines)]
+        kv = self.replicas[0].engine.info.kv_cache_info  # every replica has the same layout, so the same pool
+        self.router = PrefixRouter(len(self.replicas), kv.block_size, kv.num_blocks, routing_policy)
+        self.metrics = metrics
+        self.plan_check = plan_check  # fed each finished prompt's times (with metrics)
+        self.prompts: dict[str, Replica] = {}  # prompt id -> its replica, while its deltas flow
+        self.is_stopping = False  # shutting down: running prompts are aborted, new ones refused
+        # the server's one input processor, with the process's one tokenizer: every prompt is processed here,
+        # once, and every replica (they serve the same model) takes it as it is
+        info = self.replicas[0].engine.info
+        self.input_processor = info.input_processor(load_tokenizer(info.model_config))
+
+    @property
+    def sampling_defaults(self) -> dict:
+        """The model's generation_config.json sampling fields (every replica serves the same model)."""
+        return self.replicas[0].engine.info.sampling_defaults
+
+    @property
+    def max_model_len(self) -> int:
+        return self.input_processor.max_model_len
+
+    def stats(self) -> list[EngineStats]:
+        return [r.engine.get_stats() for r in self.replicas]
+
+    def dead_reason(self) -> str | None:
+        """Why serving stopped (a rank or the engine loop died), in full for the log, or None."""
+        for r in self.replicas:
+            if r.error is not None:
+                return f"replica {r.index}: {type(r.error).__name__}: {r.error}"
+        return None
+
+    def public_dead_reason(self) -> str | None:
+        """dead_reason as a client may read it: its first line, no traceback, no file path."""
+        reason = self.dead_reason()
+        return None if reason is None else public_message(reason)
+
+    def pick(self) -> Replica:
+        return min(self.replicas, key=lambda r: (r.num_active, r.index))
+
+    def route(self, prompt: ProcessedPrompt, session: str | None, lora: LoRARequest | None = None) -> Route:
+        """The replica for a prompt (the router's choice, counted), which now holds its blocks (an adapter's
+        apart from the base model's)."""
+        route = self.router.choose([r.num_active for r in self.replicas], prompt.prompt_token_ids, session,
+                                   None if lora is None else lora.lora_int_id)
+        self.router.record(route, prompt.prompt_token_ids, session)
+        if self.metrics is not None:
+            self.metrics.routed.labels(self.metrics.model, str(route.index), route.reason).inc()
+        return route
+
+    async def generate(self, prompt: ProcessedPrompt, params: SamplingParams, prompt_id: str,
+                       session: str | None = None, lora: LoRARequest | None = None) -> AsyncIterator[PromptDelta]:
+        """The prompt's deltas from the replica the router chose (`session`: the conversation's key), timed
+        for metrics. A prompt that stop() ended raises a 503."""
+        if self.is_stopping:
+            raise shutting_down()
+        route = self.route(prompt, session, lora)
+        replica = self.replicas[route.index]
+        replica.num_active += 1
+        self.prompts[prompt_id] = replica
+        timer = self.metrics.prompt_timer(replica.index, prompt.num_prompt_tokens, params) if self.metrics else None
+        is_finished = False
+        output: list[int] = []  # the first sample's tokens: cached after the prompt's
+        try:
+            async for delta in replica.engine.generate(prompt, params, prompt_id, lora):
+                is_finished = delta.finished
+                output.extend(t for s in delta.samples if s.sample_index == 0 for t in s.new_token_ids)
+                if timer is not None:
+                    timer.delta(delta)
+                yield delta
+            if not is_finished and self.is_stopping:
+                raise shutting_down()
+            if self.router.is_active:
+                self.router.record(route, [*prompt.prompt_token_ids, *output])
+            if timer is not None:
+                self._finished(timer)
+        finally:
+            self.prompts.pop(prompt_id, None)
+            replica.num_active -= 1
+
+    async def embed(self, prompt: ProcessedPrompt, params: PoolingParams, prompt_id: str) -> EmbeddingRequestOutput:
+        """The prompt's pooled vector from the least-loaded replica (whose runner is pooling), counted for
+        metrics. A prompt that stop() ended raises a 503."""
+        if self.is_stopping:
+            raise shutting_down()
+        replica = self.pick()
+        replica.num_active += 1
+        self.prompts[prompt_id] = replica
+        start, last = time.monotonic(), None
+        try:
+            async for delta in replica.engine.generate(prompt, params, prompt_id):
+                last = delta
+        finally:
+            self.prompts.pop(prompt_id, None)
+            replica.num_active -= 1
+        if last is None or not last.finished:  # its stream was ended: an abort by stop()
+            raise shutting_down()
+        if self.metrics is not None:
+            self.metrics.pooled(replica.index, prompt.num_prompt_tokens, time.monotonic() - start)
+        return embedding_output(prompt_id, prompt, last)
+
+    def _finished(self, timer: PromptTimer) -> None:
+        """A finished prompt's metrics, and the plan check's record."""
+        ttft, tpot, e2e, num_output_tokens = timer.finish()
+        if self.plan_check is not None and num_output_tokens >= 1:
+            self.plan_check.record(FinishedRequest(ttft, tpot, e2e, timer.num_prompt_tokens,
+                                                   round(num_output_tokens)))
+
+    def start(self) -> None:
+        """Every engine watches its ranks from now on, busy or not."""
+        for r in self.replicas:
+            r.engine.start()
+
+    async def stop(self) -> int:
+        """The drain is over: abort every prompt still running (each one's API request ends with a 503 or
+        an error event) and refuse new ones; how many were aborted."""
+        self.is_stopping = True
+        running = list(self.prompts.items())
+        await asyncio.gather(*(replica.engine.abort(prompt_id) for prompt_id, replica in running),
+                             return_exceptions=True)  # a dead engine has nothing left to abort
+        return len(running)
+
+    async def shutdown(self) -> None:
+        for r in self.replicas:
+            await r.engine.shutdown()

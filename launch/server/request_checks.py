@@ -1,0 +1,85 @@
+"""Checks every request body passes: valid Unicode throughout, and no extra field that asks for something."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, model_validator
+
+from shardserve.launch.server.api_error import APIError
+
+# Fields OpenAI clients send that change nothing in what is generated: accepted (prompt_cache_key and user
+# key a conversation's routing between replicas, launch/server/prefix_router.py).
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
+
+
+def is_neutral(name: str, value: Any) -> bool:
+    """An extra field whose value asks for nothing (None, an empty list or mapping)."""
+    return name in IGNORED_FIELDS or value is None or value == [] or value == {}
+
+
+def refuse_unknown(model: BaseModel, where: str) -> None:
+    """An extra field of `model` (at path `where`) is refused by name unless it asks for nothing."""
+    for name, value in (model.model_extra or {}).items():
+        if not is_neutral(name, value):
+            raise APIError(400, f"{where}{name} is not supported: this server does not know it", f"{where}{name}")
+
+
+def check_keys(item: dict, known: tuple[str, ...], where: str) -> None:
+    """A key of a JSON object in the body (at path `where`) beyond `known` is refused by name unless it asks
+    for nothing."""
+    for key, value in item.items():
+        if key not in known and not is_neutral(key, value):
+            raise APIError(400, f"{where}.{key} is not supported: this server does not know it", f"{where}.{key}")
+
+
+def required_string(item: dict, key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise APIError(400, f"{where}.{key}: a string is required", f"{where}.{key}")
+    return value
+
+
+def invalid_unicode_at(data: Any) -> str | None:
+    """The path (messages.0.content) of the first string or key that is not valid Unicode, or None.
+    NOTE: JSON's \\ud800 escapes decode to unpaired surrogates, which no UTF-8 encoder (the tokenizer,
+    the response) takes; a bad key is reported as its mapping, so no message carries the bad text."""
+    stack: list[tuple[tuple[str, ...], Any]] = [((), data)]
+    while stack:  # NOTE: a loop, not recursion: the body may nest as deep as the JSON parser allowed
+        path, value = stack.pop()
+        if isinstance(value, str) and not _is_unicode(value):
+            return ".".join(path) or "body"
+        if isinstance(value, dict):
+            if not all(_is_unicode(str(key)) for key in value):
+                return ".".join(path) or "body"
+            items = list(value.items())
+        elif isinstance(value, list):
+            items = list(enumerate(value))
+        else:
+            continue
+        stack.extend(reversed([(path + (str(key),), item) for key, item in items
+                               if isinstance(item, (str, dict, list))]))  # numbers: nothing to check
+    return None
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+class UnicodeBody(BaseModel):
+    """A request body whose every string and key is valid Unicode."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_unicode(cls, data: Any) -> Any:
+        # NOTE: an APIError, not a ValueError: pydantic lets it through untouched, so the 400 names the
+        # field (a ValueError here would be reported at the body's root)
+        where = invalid_unicode_at(data)
+        if where is not None:
+            raise APIError(400, f"{where}: the text is not valid Unicode (UTF-8): it holds an unpaired "
+                           "surrogate", where)
+        return data

@@ -1,0 +1,1 @@
+"""The runtime timing itself for `shardserve calibrate`: operators, the all-reduce, the host's work per step."""
