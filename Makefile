@@ -56,7 +56,7 @@ $(STAMP): $(SERVE_STAMP)
 
 # Lint, then the whole suite, as CI runs it: first the tests marked serial, alone on a quiet machine since they
 # time it, then the rest on TEST_WORKERS workers (pytest-xdist; a module's tests stay on one worker, sharing its
-# server). A fresh clone's CI run, installs included: 23 min 49 s on two CPU cores (serial 1 min, the rest 20.5).
+# server). A fresh clone's CI run, installs included: 22 min on two CPU cores (serial 1 min, the rest 18.4).
 TEST_WORKERS ?= 2
 # NOTE: the suite starts hundreds of interpreters (servers, ranks, the CLI); each imports this tree's modules
 # faster from bytecode caches, which an environment's PYTHONDONTWRITEBYTECODE would forbid.
