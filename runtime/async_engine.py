@@ -44,7 +44,7 @@ class AsyncEngine:
         return self.engine.sampling_defaults
 
     def get_stats(self):
-        return self.client.get_stats()
+        return self.engine.get_stats()
 
     async def embed(self, prompt: PromptType | ProcessedPrompt, pooling_params: PoolingParams,
                     prompt_id: str) -> EmbeddingRequestOutput:

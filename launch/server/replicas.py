@@ -18,6 +18,7 @@ from shardserve.runtime.lora_request import LoRARequest
 from shardserve.runtime.outputs import EmbeddingRequestOutput, PromptDelta, embedding_output
 from shardserve.runtime.pooling_params import PoolingParams
 from shardserve.runtime.sampling_params import SamplingParams
+from shardserve.runtime.core.structured_output import prepare_compiler
 from shardserve.runtime.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
@@ -62,6 +63,7 @@ class ReplicaSet:
         # once, and every replica (they serve the same model) takes it as it is
         info = self.replicas[0].engine.info
         self.input_processor = info.input_processor(load_tokenizer(info.model_config))
+        prepare_compiler(info.model_config, self.input_processor.tokenizer)  # the server's, for its checks
 
     @property
     def sampling_defaults(self) -> dict:

@@ -139,8 +139,7 @@ class EngineCoreClient:
         """A core on a thread of this process over an engine built here (AsyncEngine's)."""
         sock, core_end = socket.socketpair()
         client = cls(0, ThreadCore(engine, core_end), sock)
-        client.info = engine.info()
-        client._stats = client.info.stats
+        client._take_info(engine.info())
         return client
 
     @property
@@ -159,9 +158,11 @@ class EngineCoreClient:
             raise message.error
         if not isinstance(message, CoreReady):
             raise RuntimeError(f"replica {self.index} answered {type(message).__name__} to its start-up")
-        self.info = message.info
-        self._stats = message.info.stats
+        self._take_info(message.info)
         logger.info("replica %d up in process %d", self.index, self.pid)
+
+    def _take_info(self, info: EngineInfo) -> None:
+        self.info, self._stats = info, info.stats
 
     @property
     def error(self) -> BaseException | None:
@@ -236,7 +237,8 @@ class EngineCoreClient:
             writer.write(frame(AddPrompt(prompt_id, prompt, sampling_params, lora_request)))
             while not finished:
                 item = await stream.get()
-                if item is _ABORTED:
+                if item is _ABORTED:  # abort() has told the core
+                    finished = True
                     return
                 if isinstance(item, BaseException):
                     finished = True

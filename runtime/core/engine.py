@@ -25,7 +25,7 @@ from shardserve.runtime.core.request import Request, RequestStatus
 from shardserve.runtime.sampling_params import SamplingParams
 from shardserve.runtime.core.scheduler import Scheduler
 from shardserve.runtime.core.step_histogram import HistogramSnapshot, StepHistogram
-from shardserve.runtime.core.structured_output import accept_tokens, grammar_bitmask, shared_compiler
+from shardserve.runtime.core.structured_output import accept_tokens, grammar_bitmask
 from shardserve.runtime.tokenizer import eos_token_ids, load_tokenizer
 
 
@@ -56,11 +56,7 @@ class EngineInfo:
     stats: EngineStats
 
     def input_processor(self, tokenizer) -> InputProcessor:
-        """The input rules this engine holds prompts to, for a client with its own tokenizer. NOTE: the
-        process's grammar compiler is made here, at start (xgrammar imported, the vocabulary read), not by
-        the first request with a grammar: that took the GIL for a few hundred ms while other streams ran."""
-        if tokenizer is not None and self.model_config.runner != "pooling":
-            shared_compiler(self.model_config, tokenizer)
+        """The input rules this engine holds prompts to, for a client with its own tokenizer."""
         return InputProcessor(self.model_config, tokenizer, self.async_scheduling)
 
 

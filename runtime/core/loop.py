@@ -23,7 +23,7 @@ from shardserve.runtime.distributed.child_process import FrameReader, child_main
 
 logger = logging.getLogger("shardserve.runtime.core")
 
-STATS_SECONDS = 0.5  # stats for /metrics, and a sign of life, this often; the idle engine's health as often
+STATS_SECONDS = 0.5  # stats for /metrics (a sign of life) this often and when the engine turns idle; its idle health as often
 COMPILE_POLL_SECONDS = 0.005  # how often an idle loop looks at the grammars being compiled
 
 
@@ -50,18 +50,20 @@ class CoreLoop:
             if self.inbox.closed:
                 return 0  # the client went away
             self._add_compiled()
+            report = time.monotonic() - self.last_report >= STATS_SECONDS
             try:
                 if busy:
                     deltas = engine.step()
                     if deltas:
                         send_blocking(self.sock, DeltaBatch(deltas))
-                elif time.monotonic() - self.last_report >= STATS_SECONDS:
+                    report = report or not engine.has_unfinished_requests()  # idle now: say so at once
+                elif report:
                     engine.check_health()  # a rank that died while the engine was idle
             except Exception as error:
                 logger.error("the engine failed: %s", traceback.format_exc())
                 send_blocking(self.sock, EngineFailed(f"{type(error).__name__}: {error}"))
                 return 1
-            if time.monotonic() - self.last_report >= STATS_SECONDS:
+            if report:
                 send_blocking(self.sock, StatsMessage(engine.get_stats()))
                 self.last_report = time.monotonic()
 
@@ -108,7 +110,10 @@ class CoreLoop:
 
 def serve(engine, sock: socket.socket) -> int:
     """Run the loop, then shut the engine down (its ranks with it); the loop's exit code."""
+    from shardserve.runtime.core.structured_output import prepare_compiler
+
     try:
+        prepare_compiler(engine.config.model, engine.tokenizer)
         return CoreLoop(engine, sock).serve()
     finally:
         engine.shutdown()

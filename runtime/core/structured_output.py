@@ -141,6 +141,14 @@ def shared_compiler(model_config, tokenizer):
         return _COMPILERS[key]
 
 
+def prepare_compiler(model_config, tokenizer) -> None:
+    """Make this process's compiler now, in a process that is about to serve streams: made by the first
+    request with a grammar instead (xgrammar imported, the vocabulary read), it took the GIL for a few
+    hundred ms while other streams ran. Nothing where no grammar can run (no tokenizer, a pooling runner)."""
+    if tokenizer is not None and model_config.runner != "pooling":
+        shared_compiler(model_config, tokenizer)
+
+
 def compiled_grammar(model_config, tokenizer, outputs: StructuredOutputs):
     """The request's grammar compiled with this process's compiler (a cache hit after the first time)."""
     return shared_compiler(model_config, tokenizer).compile_grammar(outputs.grammar())

@@ -87,11 +87,14 @@ def send_blocking(sock: socket.socket, message: object) -> None:
 
 def send_payload(sock: socket.socket, payload: bytes) -> None:
     """An already pickled message (one pickle for many children)."""
-    sock.sendall(_LENGTH.pack(len(payload)) + payload)
+    sock.sendall(_framed(payload))
 
 
 def frame(message: object) -> bytes:
-    payload = pickle.dumps(message)
+    return _framed(pickle.dumps(message))
+
+
+def _framed(payload: bytes) -> bytes:
     return _LENGTH.pack(len(payload)) + payload
 
 

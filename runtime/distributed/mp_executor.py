@@ -1,4 +1,5 @@
-"""The multiprocessing executor: one process per rank on this machine (runtime/distributed/child_process.py), a socket to each."""
+"""The multiprocessing executor: one process per rank on this machine, a socket to each
+(runtime/distributed/child_process.py starts them and frames the sockets)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import socket
 import subprocess
 import weakref
 from collections import deque
+from typing import cast
 
 from shardserve.runtime.distributed.child_process import FrameReader, send_payload, start_child, stop_process
 from shardserve.runtime.distributed.process_group import Rendezvous
@@ -27,7 +29,7 @@ class ProcessHandle(WorkerHandle):
 
     def poll(self, timeout: float) -> WorkerReply | None:
         if not self.replies:  # (the rank gone: is_alive says so once it is reaped)
-            self.replies.extend(r for r in self.inbox.read(timeout) if isinstance(r, WorkerReply))
+            self.replies.extend(cast(list[WorkerReply], self.inbox.read(timeout)))
         return self.replies.popleft() if self.replies else None
 
     def is_alive(self) -> bool:

@@ -8,7 +8,7 @@ from torch import nn
 from shardserve.runtime.config import ModelConfig
 from shardserve.runtime.layers.linear import ReplicatedLinear
 from shardserve.runtime.layers.moe import FusedMoE, wrapped_moe_target
-from shardserve.runtime.layers.quantization.config import quantized_layers
+from shardserve.runtime.layers.quantization.methods import quantized_layers
 from shardserve.runtime.models.llama import ComposedLlama, LlamaForCausalLM, LlamaVariant
 from shardserve.runtime.models.weight_map import WeightTarget
 

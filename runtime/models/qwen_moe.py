@@ -10,7 +10,7 @@ from shardserve.planner.model_spec import is_qwen_moe_layer
 from shardserve.runtime.config import ModelConfig
 from shardserve.runtime.layers.linear import ReplicatedLinear
 from shardserve.runtime.layers.moe import FusedMoE, wrapped_moe_target
-from shardserve.runtime.layers.quantization.config import quantized_layers
+from shardserve.runtime.layers.quantization.methods import quantized_layers
 from shardserve.runtime.models.llama import ComposedLlama, LlamaForCausalLM, LlamaMLP, LlamaVariant
 from shardserve.runtime.models.weight_map import WeightTarget
 

@@ -32,7 +32,8 @@ from shardserve.runtime.attention.layer import Attention
 from shardserve.runtime.worker.forward_context import ForwardContext, forward_context
 from shardserve.runtime.worker.inputs import RequestState, prepare_inputs
 from shardserve.runtime.layers.linear import ReplicatedLinear
-from shardserve.runtime.layers.quantization.config import QuantConfig, quantized_layers
+from shardserve.runtime.layers.quantization.config import QuantConfig
+from shardserve.runtime.layers.quantization.methods import quantized_layers
 from shardserve.runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

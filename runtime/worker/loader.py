@@ -13,7 +13,7 @@ from torch import nn
 from shardserve.runtime.worker.checkpoint import CheckpointTensor, checkpoint_files, iterate_file
 from shardserve.runtime.config import ModelConfig
 from shardserve.runtime.worker.dummy_weights import fill_dummy_weights
-from shardserve.runtime.layers.quantization.config import quantized_layers
+from shardserve.runtime.layers.quantization.methods import quantized_layers
 from shardserve.runtime.layers.weights import default_weight_loader
 from shardserve.runtime.worker.load_progress import LoadProgress, is_terminal
 from shardserve.runtime.models.registry import build_model

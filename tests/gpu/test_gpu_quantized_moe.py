@@ -10,7 +10,8 @@ import torch
 
 from shardserve.runtime.layers.activation import GatedActivation
 from shardserve.runtime.layers.moe import FusedMoE
-from shardserve.runtime.layers.quantization.config import QuantConfig, quantized_layers
+from shardserve.runtime.layers.quantization.config import QuantConfig
+from shardserve.runtime.layers.quantization.methods import quantized_layers
 from shardserve.runtime.distributed.parallel_state import ParallelState, get_parallel_state, set_parallel_state
 from test_gpu_moe import assert_bf16_close, inputs
 

@@ -21,7 +21,8 @@ from shardserve.planner.tensors import derive_tensors
 from shardserve.runtime import LLM, SamplingParams
 from shardserve.runtime.worker.checkpoint import CheckpointTensor
 from shardserve.runtime.layers.moe import FusedMoE, expert_weight
-from shardserve.runtime.layers.quantization.config import QuantConfig, quantized_layers
+from shardserve.runtime.layers.quantization.config import QuantConfig
+from shardserve.runtime.layers.quantization.methods import quantized_layers
 from shardserve.runtime.distributed.parallel_state import ParallelState, get_parallel_state, set_parallel_state
 from test_parallel_generate import rank_pids
 from test_runtime_matches_transformers import random_prompts, reference, token_outputs

@@ -19,7 +19,8 @@ from shardserve.runtime.worker.checkpoint import CheckpointTensor  # noqa: E402
 from shardserve.runtime.layers.activation import GatedActivation  # noqa: E402
 from shardserve.runtime.layers.moe import FusedMoE  # noqa: E402
 from shardserve.runtime.layers.moe_stacked import stacked_expert_weight  # noqa: E402
-from shardserve.runtime.layers.quantization.config import QuantConfig, quantized_layers  # noqa: E402
+from shardserve.runtime.layers.quantization.config import QuantConfig  # noqa: E402
+from shardserve.runtime.layers.quantization.methods import quantized_layers  # noqa: E402
 from shardserve.runtime.distributed.parallel_state import ParallelState, get_parallel_state, set_parallel_state  # noqa: E402
 import shardserve.runtime.layers.quantization.triton_quant_moe  # noqa: E402,F401  (its kernels, interpreted)
 

@@ -3,8 +3,6 @@ its linear layers are built while the model is."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 
 from shardserve.planner.errors import PlanError
@@ -64,19 +62,6 @@ def _parse(qc: dict, fmt: str) -> QuantConfig:
     inputs = next(iter(qc["config_groups"].values())).get("input_activations") or {}
     return QuantConfig(fmt, spec, fp8_strategy=weights["strategy"],
                        has_input_scale=bool(inputs) and not inputs.get("dynamic", False))
-
-
-_BUILDING: ContextVar[QuantConfig | None] = ContextVar("quant_config_building", default=None)
-
-
-@contextmanager
-def quantized_layers(config: QuantConfig | None):
-    """Linear layers made inside this block take their weights in `config`'s format."""
-    token = _BUILDING.set(config)
-    try:
-        yield
-    finally:
-        _BUILDING.reset(token)
 
 
 def check_quantized_layout(model_config) -> None:

@@ -1,9 +1,24 @@
-"""The quantized method of a layer being built now (inside quantized_layers(config)): each format's linear
-and expert methods, imported only when a layer of that format is built."""
+"""Which quantized format the layers being built now take (quantized_layers(config)), and the method of
+each: a format's linear and expert methods, imported only when a layer of that format is built."""
 
 from __future__ import annotations
 
-from shardserve.runtime.layers.quantization.config import _BUILDING
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+from shardserve.runtime.layers.quantization.config import QuantConfig
+
+_BUILDING: ContextVar[QuantConfig | None] = ContextVar("quant_config_building", default=None)
+
+
+@contextmanager
+def quantized_layers(config: QuantConfig | None):
+    """Linear layers made inside this block take their weights in `config`'s format."""
+    token = _BUILDING.set(config)
+    try:
+        yield
+    finally:
+        _BUILDING.reset(token)
 
 
 def current_linear_method():
