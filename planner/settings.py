@@ -262,7 +262,8 @@ SETTINGS: tuple[Setting, ...] = (
        minimum=1),
     _s("grammar_compile_timeout", float, 10.0, "Seconds a request's grammar (response_format, guided_*, "
        "tool_choice required or named) may take to compile before the request is refused with a 400. It is "
-       "compiled off the event loop, so other requests go on meanwhile.", "server", above=0),
+       "compiled in the replica's process, off its step loop, so other requests go on meanwhile; the time "
+       "counts from the start of its own compile.", "server", above=0),
     _s("trust_request_chat_template", bool, False, "Let a request bring its own chat template (chat_template, "
        "or chat_template_kwargs.chat_template), as vLLM's flag does; without it such a request gets a 400. "
        "A template is code the server runs: trust only clients you would let start the server.", "server"),

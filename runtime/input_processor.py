@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any, Union
 
 from shardserve.runtime.pooling_params import PoolingParams
 from shardserve.runtime.sampling_params import SamplingParams
-from shardserve.runtime.core.structured_output import StructuredOutputs, compile_in_background
 from shardserve.runtime.tokenizer import longest_token_chars
 
 if TYPE_CHECKING:
@@ -97,12 +96,6 @@ class InputProcessor:
             outputs.grammar()
         except ValueError as error:
             raise InvalidPromptError(str(error), "response_format") from None
-
-    async def compile_grammar(self, outputs: StructuredOutputs) -> None:
-        """Compile a checked grammar off the event loop, so that an engine's matchers in this process find
-        it compiled instead of compiling it in a step that every running request waits for."""
-        if self.tokenizer is not None:
-            await compile_in_background(self.model_config, self.tokenizer, outputs)
 
     @cached_property
     def longest_token_chars(self) -> int | None:

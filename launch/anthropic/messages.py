@@ -15,6 +15,7 @@ from shardserve.launch.anthropic.stream import message_events
 from shardserve.launch.server.api_error import APIError
 from shardserve.launch.server.metrics import ServerMetrics
 from shardserve.launch.openai_api.openai_serving import OpenAIServing, PreparedRequest
+from shardserve.launch.openai_api.request_deltas import RequestDeltas
 from shardserve.launch.server.prefix_router import session_key
 from shardserve.launch.server.responding import off_loop, streaming, until_disconnect
 
@@ -31,17 +32,17 @@ def add_messages_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMet
     async def messages(body: MessagesRequest, request: Request):
         try:
             prepared = await off_loop(lambda b: serving.prepare_chat(b.chat_request()), body)
-            await serving.compile_grammar(prepared)  # a 400 comes before any stream starts
+            # a Message's stream ends with its usage
+            prepared = dataclasses.replace(prepared, options=dataclasses.replace(prepared.options, include_usage=True),
+                                           session=session_key(request.headers, (body.metadata or {}).get("user_id")))
+            head, stops = message_head(prepared), tuple(body.stop_sequences or ())
+            deltas = await serving.open(prepared)  # a grammar's 400 comes before any stream starts
         except APIError as e:
             raise in_messages_terms(e) from None
-        # a Message's stream ends with its usage
-        prepared = dataclasses.replace(prepared, options=dataclasses.replace(prepared.options, include_usage=True),
-                                       session=session_key(request.headers, (body.metadata or {}).get("user_id")))
-        head, stops = message_head(prepared), tuple(body.stop_sequences or ())
         if body.stream:
-            return streaming(message_events(serving.stream(prepared), head, prepared.num_prompt_tokens, stops),
-                              metrics)
-        return await until_disconnect(_full_message(serving, prepared, head, stops), request, metrics)
+            return streaming(message_events(serving.stream(prepared, deltas), head, prepared.num_prompt_tokens, stops),
+                             metrics, deltas)
+        return await until_disconnect(_full_message(serving, prepared, deltas, head, stops), request, metrics, deltas)
 
     app.add_middleware(AnthropicErrors)
 
@@ -56,9 +57,9 @@ def in_messages_terms(error: APIError) -> APIError:
     return APIError(error.status, message, param, error.error_type)
 
 
-async def _full_message(serving: OpenAIServing, prepared: PreparedRequest, head: dict,
+async def _full_message(serving: OpenAIServing, prepared: PreparedRequest, deltas: RequestDeltas, head: dict,
                         stops: tuple[str, ...]) -> dict:
-    return from_completion(head, await serving.full_response(prepared), stops)
+    return from_completion(head, await serving.full_response(prepared, deltas), stops)
 
 
 class AnthropicErrors:

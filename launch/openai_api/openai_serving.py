@@ -7,7 +7,7 @@ import asyncio
 import dataclasses
 import logging
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 
 from shardserve.launch.server import tokenization
 from shardserve.launch.server.api_error import APIError, as_api_error
@@ -18,13 +18,14 @@ from shardserve.launch.openai_api.protocol import ChatCompletionRequest, Complet
 from shardserve.launch.openai_api import harmony
 from shardserve.launch.openai_api.reasoning import ReasoningMode
 from shardserve.launch.server.replicas import ReplicaSet, public_message
+from shardserve.launch.openai_api.request_deltas import RequestDeltas
 from shardserve.launch.openai_api.response_builder import full_response, stream_events
 from shardserve.launch.server.serving_options import ServingOptions
 from shardserve.launch.server.tokenization import DetokenizeRequest, TokenizeRequest
 from shardserve.launch.openai_api.tool_calls import HARMONY_PARSER, ToolCallError, ToolPlan, plan_tools
 from shardserve.runtime.input_processor import InputProcessor, ProcessedPrompt
+from shardserve.runtime.core.structured_output import GrammarCompileTimeout
 from shardserve.runtime.lora_request import LoRARequest
-from shardserve.runtime.outputs import PromptDelta
 from shardserve.runtime.sampling_params import SamplingParams
 
 __all__ = ["OpenAIServing", "PreparedRequest"]  # PreparedRequest: where the routes have imported it from
@@ -151,64 +152,41 @@ class OpenAIServing:
         except ToolCallError as e:
             raise APIError(400, str(e), e.field) from None
 
-    async def compile_grammar(self, request: PreparedRequest) -> None:
-        """The request's grammar compiled before any engine sees it: off the event loop (other streams go
-        on), within grammar_compile_timeout; the replica's process compiles it again from its own cache."""
-        if request.params.structured_outputs is None:
-            return
-        timeout = self.options.grammar_compile_timeout
-        try:
-            await asyncio.wait_for(self.replicas.input_processor.compile_grammar(request.params.structured_outputs),
-                                   timeout)
-        except asyncio.TimeoutError:
-            field = request.grammar_param
-            raise APIError(400, f"{field}: the grammar takes more than {timeout:g} s to "
-                           "compile (the server's --grammar-compile-timeout); make it smaller or simpler",
-                           field) from None
-
     # ---- running ---------------------------------------------------------------------------
-    async def _deltas(self, request: PreparedRequest) -> AsyncIterator[tuple[int, PromptDelta]]:
-        """Every prompt's deltas, tagged with the prompt's index, interleaved as they come."""
-        queue: asyncio.Queue = asyncio.Queue()
-        done = object()
-
-        async def pump(prompt_index: int, prompt: ProcessedPrompt) -> None:
-            try:
-                async for delta in self.replicas.generate(prompt, request.params, request.prompt_id(prompt_index),
-                                                          request.session, request.lora):
-                    queue.put_nowait((prompt_index, delta))
-            except BaseException as e:  # noqa: BLE001 - handed to the consumer
-                queue.put_nowait(e)
-            finally:
-                queue.put_nowait(done)
-
-        tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(request.prompts)]
+    async def open(self, request: PreparedRequest) -> RequestDeltas:
+        """Every prompt of the request handed to a replica, once each has it: a grammar is compiled there (the
+        server's process compiles none), and one that fails or takes more than --grammar-compile-timeout is a
+        400 here, before any response starts. The caller closes what it gets back when its response ends.
+        NOTE: one prompt after another: a second prompt's grammar is the first's, a cache hit."""
+        streams: list = []
         try:
-            remaining = len(tasks)
-            while remaining:
-                item = await queue.get()
-                if item is done:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise _engine_error(item)
-                else:
-                    yield item
-        finally:
-            for t in tasks:
-                t.cancel()
+            for i, prompt in enumerate(request.prompts):
+                streams.append(await self.replicas.open(prompt, request.params, request.prompt_id(i), request.session,
+                                                        request.lora, self.options.grammar_compile_timeout))
+        except BaseException as error:
+            for stream in streams:
+                await stream.aclose()
+            if not isinstance(error, Exception):
+                raise
+            if isinstance(error, GrammarCompileTimeout):
+                field = request.grammar_param
+                raise APIError(400, f"{field}: {error} (the server's --grammar-compile-timeout); make it smaller or "
+                               "simpler", field) from None
+            raise _engine_error(error) from None
+        return RequestDeltas(streams, _engine_error)
 
-    async def full_response(self, request: PreparedRequest) -> dict:
-        """Accumulate every prompt's deltas, then answer once."""
-        return await full_response(request, self._deltas(request))
+    async def full_response(self, request: PreparedRequest, deltas: RequestDeltas) -> dict:
+        """Accumulate every prompt's deltas (open()'s), then answer once."""
+        return await full_response(request, deltas)
 
-    async def stream(self, request: PreparedRequest,
+    async def stream(self, request: PreparedRequest, deltas: RequestDeltas,
                      include_usage: bool | None = None) -> AsyncGenerator[str, None]:
         """SSE events: a chunk per delta with new text (or a finish), a final usage chunk if asked (by the
         request, or by `include_usage` where given), then [DONE]."""
         if include_usage is not None:
             options = dataclasses.replace(request.options, include_usage=include_usage)
             request = dataclasses.replace(request, options=options)
-        async for event in stream_events(request, self._deltas(request)):
+        async for event in stream_events(request, deltas):
             yield event
 
 

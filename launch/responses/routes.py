@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from shardserve.launch.server.api_error import APIError
 from shardserve.launch.server.metrics import ServerMetrics
 from shardserve.launch.openai_api.openai_serving import OpenAIServing, PreparedRequest
+from shardserve.launch.openai_api.request_deltas import RequestDeltas
 from shardserve.launch.server.prefix_router import session_key
 from shardserve.launch.responses.output import from_completion, response_head
 from shardserve.launch.responses.request import ResponsesRequest
@@ -28,17 +29,17 @@ def add_responses_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMe
     async def responses(body: ResponsesRequest, request: Request):
         try:
             prepared = await off_loop(lambda b: serving.prepare_chat(b.chat_request()), body)
-            await serving.compile_grammar(prepared)  # a 400 comes before any stream starts
+            # a Response's usage always has its cached tokens; a stream always ends with it
+            options = dataclasses.replace(prepared.options, include_usage=True, prompt_tokens_details=True)
+            session = session_key(request.headers, (body.model_extra or {}).get("prompt_cache_key"), body.user)
+            prepared = dataclasses.replace(prepared, options=options, session=session)
+            head = response_head(body, prepared)
+            deltas = await serving.open(prepared)  # a grammar's 400 comes before any stream starts
         except APIError as e:
             raise in_responses_terms(e) from None
-        # a Response's usage always has its cached tokens; a stream always ends with it
-        options = dataclasses.replace(prepared.options, include_usage=True, prompt_tokens_details=True)
-        session = session_key(request.headers, (body.model_extra or {}).get("prompt_cache_key"), body.user)
-        prepared = dataclasses.replace(prepared, options=options, session=session)
-        head = response_head(body, prepared)
         if body.stream:
-            return streaming(response_events(serving.stream(prepared), head), metrics)
-        return await until_disconnect(_full_response(serving, prepared, head), request, metrics)
+            return streaming(response_events(serving.stream(prepared, deltas), head), metrics, deltas)
+        return await until_disconnect(_full_response(serving, prepared, deltas, head), request, metrics, deltas)
 
 
 def in_responses_terms(error: APIError) -> APIError:
@@ -51,5 +52,6 @@ def in_responses_terms(error: APIError) -> APIError:
     return APIError(error.status, message, param, error.error_type)
 
 
-async def _full_response(serving: OpenAIServing, prepared: PreparedRequest, head: dict) -> dict:
-    return from_completion(head, await serving.full_response(prepared))
+async def _full_response(serving: OpenAIServing, prepared: PreparedRequest, deltas: RequestDeltas,
+                         head: dict) -> dict:
+    return from_completion(head, await serving.full_response(prepared, deltas))

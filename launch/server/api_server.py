@@ -136,10 +136,10 @@ def _add_generation_routes(app: FastAPI, serving: OpenAIServing, metrics: Server
     async def respond(prepared: PreparedRequest, body, request: Request):
         extra = body.model_extra or {}
         prepared.session = session_key(request.headers, extra.get("prompt_cache_key"), extra.get("user"))
-        await serving.compile_grammar(prepared)  # a 400 comes before any stream starts
+        deltas = await serving.open(prepared)  # a grammar's 400 comes before any stream starts
         if body.stream:
-            return streaming(serving.stream(prepared), metrics)
-        return await until_disconnect(serving.full_response(prepared), request, metrics)
+            return streaming(serving.stream(prepared, deltas), metrics, deltas)
+        return await until_disconnect(serving.full_response(prepared, deltas), request, metrics, deltas)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

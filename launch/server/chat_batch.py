@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from shardserve.launch.server.api_error import APIError
 from shardserve.launch.server.metrics import ServerMetrics
 from shardserve.launch.openai_api.openai_serving import OpenAIServing, PreparedRequest
+from shardserve.launch.openai_api.request_deltas import RequestDeltas
 from shardserve.launch.openai_api.protocol import ChatCompletionRequest
 from shardserve.launch.server.responding import off_loop, until_disconnect
 
@@ -42,9 +43,15 @@ def add_chat_batch_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerM
             raise APIError(400, "the request body is not valid JSON") from None
         bodies = conversations(data)
         prepared = await off_loop(lambda b: [_prepared(serving, body, i) for i, body in enumerate(b)], bodies)
-        for one in prepared:
-            await serving.compile_grammar(one)  # the same grammar for each: compiled once, then cached
-        return await until_disconnect(_batch_response(serving, prepared), request, metrics)
+        opened: list = []
+        try:
+            for one in prepared:
+                opened.append(await serving.open(one))  # the same grammar for each: compiled once, then cached
+        except BaseException:
+            for deltas in opened:
+                await deltas.aclose()
+            raise
+        return await until_disconnect(_batch_response(serving, prepared, opened), request, metrics, opened)
 
 
 def conversations(data: Any) -> list[ChatCompletionRequest]:
@@ -95,10 +102,11 @@ def _in_batch(error: APIError, index: int) -> APIError:
     return APIError(error.status, message, where, error.error_type)
 
 
-async def _batch_response(serving: OpenAIServing, prepared: list[PreparedRequest]) -> dict:
+async def _batch_response(serving: OpenAIServing, prepared: list[PreparedRequest],
+                          opened: list[RequestDeltas]) -> dict:
     """Every conversation's completion, at once, as one; the moment one fails the others are cancelled
     (their prompts aborted), and its error is the batch's."""
-    tasks = [asyncio.ensure_future(serving.full_response(one)) for one in prepared]
+    tasks = [asyncio.ensure_future(serving.full_response(one, deltas)) for one, deltas in zip(prepared, opened)]
     try:
         completions = await asyncio.gather(*tasks)
     finally:

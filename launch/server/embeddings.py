@@ -110,4 +110,4 @@ def add_embedding_routes(app: FastAPI, replicas: ReplicaSet, serving: OpenAIServ
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request):
         prepared = await off_loop(lambda b: prepare_embeddings(b, replicas, serving), body)
-        return await until_disconnect(embed_all(replicas, prepared), request, metrics)
+        return await until_disconnect(embed_all(replicas, prepared), request, metrics, None)

@@ -6,7 +6,7 @@ where the launcher hands its replicas to ReplicaSet."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -27,11 +27,14 @@ class EngineClient(Protocol):
     def error(self) -> BaseException | None:
         """Why the replica is dead (health), or None; once set it stays."""
 
-    def generate(self, prompt: ProcessedPrompt, sampling_params: SamplingParams | PoolingParams,
-                 prompt_id: str, lora_request: LoRARequest | None = None) -> AsyncIterator[PromptDelta]:
-        """The prompt's deltas, the last one finished; closing the iterator early aborts the prompt. With
-        PoolingParams (a replica whose runner is pooling) one delta comes, carrying the prompt's vector.
-        With a lora_request, generated with that adapter (the server checked it when it was added)."""
+    async def open(self, prompt: ProcessedPrompt, sampling_params: SamplingParams | PoolingParams, prompt_id: str,
+                   lora_request: LoRARequest | None = None,
+                   compile_timeout: float | None = None) -> AsyncGenerator[PromptDelta]:
+        """Hand the replica a prompt; return once it has it (under a grammar: compiled within compile_timeout
+        seconds, or the error raises here). The iterator returned yields the prompt's deltas, the last one
+        finished; closing it early aborts the prompt. With PoolingParams (a replica whose runner is pooling)
+        one delta comes, carrying the prompt's vector. With a lora_request, generated with that adapter (the
+        server checked it when it was added)."""
 
     async def abort(self, prompt_id: str) -> None:
         """End the prompt's stream and free what it holds."""

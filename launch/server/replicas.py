@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import TYPE_CHECKING
 
 from shardserve.launch.server.engine_client import EngineClient
@@ -18,7 +18,8 @@ from shardserve.runtime.lora_request import LoRARequest
 from shardserve.runtime.outputs import EmbeddingRequestOutput, PromptDelta, embedding_output
 from shardserve.runtime.pooling_params import PoolingParams
 from shardserve.runtime.sampling_params import SamplingParams
-from shardserve.runtime.core.structured_output import prepare_compiler
+from shardserve.runtime.core.client import OPENED, opened
+from shardserve.runtime.core.structured_output import prepare_checks
 from shardserve.runtime.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ class ReplicaSet:
         # once, and every replica (they serve the same model) takes it as it is
         info = self.replicas[0].engine.info
         self.input_processor = info.input_processor(load_tokenizer(info.model_config))
-        prepare_compiler(info.model_config, self.input_processor.tokenizer)  # the server's, for its checks
+        prepare_checks()  # (grammars are checked here, compiled in the replicas)
 
     @property
     def sampling_defaults(self) -> dict:
@@ -102,10 +103,15 @@ class ReplicaSet:
             self.metrics.routed.labels(self.metrics.model, str(route.index), route.reason).inc()
         return route
 
-    async def generate(self, prompt: ProcessedPrompt, params: SamplingParams, prompt_id: str,
-                       session: str | None = None, lora: LoRARequest | None = None) -> AsyncIterator[PromptDelta]:
-        """The prompt's deltas from the replica the router chose (`session`: the conversation's key), timed
-        for metrics. A prompt that stop() ended raises a 503."""
+    async def open(self, prompt: ProcessedPrompt, params: SamplingParams, prompt_id: str, session: str | None = None,
+                   lora: LoRARequest | None = None, compile_timeout: float | None = None) -> AsyncGenerator[PromptDelta]:
+        """The prompt handed to the replica the router chose (`session`: the conversation's key), once that
+        replica has it (a grammar compiled: its failure raises here); the returned iterator yields its deltas,
+        timed for metrics. A prompt that stop() ended raises a 503."""
+        return await opened(self._stream(prompt, params, prompt_id, session, lora, compile_timeout))
+
+    async def _stream(self, prompt: ProcessedPrompt, params: SamplingParams, prompt_id: str, session: str | None,
+                      lora: LoRARequest | None, compile_timeout: float | None) -> AsyncGenerator:
         if self.is_stopping:
             raise shutting_down()
         route = self.route(prompt, session, lora)
@@ -116,12 +122,17 @@ class ReplicaSet:
         is_finished = False
         output: list[int] = []  # the first sample's tokens: cached after the prompt's
         try:
-            async for delta in replica.engine.generate(prompt, params, prompt_id, lora):
-                is_finished = delta.finished
-                output.extend(t for s in delta.samples if s.sample_index == 0 for t in s.new_token_ids)
-                if timer is not None:
-                    timer.delta(delta)
-                yield delta
+            deltas = await replica.engine.open(prompt, params, prompt_id, lora, compile_timeout)
+            yield OPENED
+            try:
+                async for delta in deltas:
+                    is_finished = delta.finished
+                    output.extend(t for s in delta.samples if s.sample_index == 0 for t in s.new_token_ids)
+                    if timer is not None:
+                        timer.delta(delta)
+                    yield delta
+            finally:
+                await deltas.aclose()
             if not is_finished and self.is_stopping:
                 raise shutting_down()
             if self.router.is_active:
@@ -142,8 +153,12 @@ class ReplicaSet:
         self.prompts[prompt_id] = replica
         start, last = time.monotonic(), None
         try:
-            async for delta in replica.engine.generate(prompt, params, prompt_id):
-                last = delta
+            deltas = await replica.engine.open(prompt, params, prompt_id)
+            try:
+                async for delta in deltas:
+                    last = delta
+            finally:
+                await deltas.aclose()
         finally:
             self.prompts.pop(prompt_id, None)
             replica.num_active -= 1

@@ -19,14 +19,15 @@ import subprocess
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING
 
 from shardserve.runtime.distributed.child_process import (frame, read_message, recv_blocking, send_blocking, start_child,
                                               stop_process)
 from shardserve.runtime.config import resolve_device
 from shardserve.runtime.core.protocol import (AbortPrompt, AddPrompt, CoreReady, CoreStartFailed, CoreStartup,
-                                              DeltaBatch, EngineFailed, PromptFailed, StatsMessage, StopCore)
+                                              DeltaBatch, EngineFailed, PromptAdded, PromptFailed, StatsMessage,
+                                              StopCore)
 from shardserve.runtime.errors import EngineDeadError
 
 if TYPE_CHECKING:
@@ -39,6 +40,8 @@ CORE_MODULE = "shardserve.runtime.core.loop"
 STOP_GRACE_SECONDS = 10.0
 SILENCE_SECONDS = 60.0  # a core sends stats every half second; this long without a word: hung
 _ABORTED = object()  # ends a prompt's stream here
+_ADDED = object()  # the core has the prompt (PromptAdded)
+OPENED = object()  # the first item of a stream that open() hands back: the core has the prompt
 
 
 def replica_devices(device: str, num_ranks: int, replica: int, visible: str | None) -> str | None:
@@ -201,6 +204,8 @@ class EngineCoreClient:
             if isinstance(message, DeltaBatch):
                 for delta in message.deltas:
                     self._put(delta.prompt_id, delta)
+            elif isinstance(message, PromptAdded):
+                self._put(message.prompt_id, _ADDED)
             elif isinstance(message, PromptFailed):
                 self._put(message.prompt_id, message.error)
             elif isinstance(message, StatsMessage):
@@ -219,9 +224,27 @@ class EngineCoreClient:
         for stream in self._streams.values():
             stream.put_nowait(error)
 
+    async def open(self, prompt, sampling_params, prompt_id: str, lora_request=None,
+                   compile_timeout: float | None = None) -> AsyncGenerator:
+        """Hand the core a prompt (a ProcessedPrompt: the caller processed it) and return once the core has
+        it: at once, or for a prompt under a grammar once its grammar has compiled (within compile_timeout
+        seconds), so that a grammar's failure raises here, before any delta. The returned iterator yields
+        the prompt's deltas, the last one finished (with PoolingParams, the one delta carrying its vector);
+        closing it early aborts the prompt."""
+        return await opened(self._stream(prompt, sampling_params, prompt_id, lora_request, compile_timeout))
+
     async def generate(self, prompt, sampling_params, prompt_id: str, lora_request=None) -> AsyncIterator:
-        """The prompt's deltas from the replica (a ProcessedPrompt: the server processed it); with
-        PoolingParams, the one delta carrying its vector."""
+        """open()'s deltas, as one iterator."""
+        stream = await self.open(prompt, sampling_params, prompt_id, lora_request)
+        try:
+            async for delta in stream:
+                yield delta
+        finally:
+            await stream.aclose()
+
+    async def _stream(self, prompt, sampling_params, prompt_id: str, lora_request,
+                      compile_timeout: float | None) -> AsyncGenerator:
+        """OPENED, then the prompt's deltas."""
         if self.error is not None:
             raise RuntimeError(f"the engine stopped after an error: {self.error!r}")
         if prompt_id in self._streams:
@@ -234,7 +257,15 @@ class EngineCoreClient:
         self._streams[prompt_id] = stream
         finished = False
         try:
-            writer.write(frame(AddPrompt(prompt_id, prompt, sampling_params, lora_request)))
+            writer.write(frame(AddPrompt(prompt_id, prompt, sampling_params, lora_request, compile_timeout)))
+            if getattr(sampling_params, "structured_outputs", None) is not None:
+                item = await stream.get()  # PromptAdded, or why not
+                if item is not _ADDED:
+                    finished = True
+                    if isinstance(item, BaseException):
+                        raise item
+                    return  # aborted meanwhile
+            yield OPENED
             while not finished:
                 item = await stream.get()
                 if item is _ABORTED:  # abort() has told the core
@@ -276,6 +307,15 @@ class EngineCoreClient:
         if self._writer is not None:
             self._writer.close()
         self.sock.close()
+
+
+async def opened(stream: AsyncGenerator) -> AsyncGenerator:
+    """A stream whose first item is OPENED, once that item has come (what came before it raises here; a
+    stream aborted before it is handed back ended)."""
+    async for first in stream:
+        assert first is OPENED, first
+        break
+    return stream
 
 
 def start_replicas(args: EngineArgs, num_replicas: int) -> list[EngineCoreClient]:

@@ -14,12 +14,15 @@ import socket
 import sys
 import time
 import traceback
-from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
-from shardserve.runtime.core.protocol import (AbortPrompt, AddPrompt, DeltaBatch, EngineFailed, PromptFailed,
-                                                CoreStartFailed, CoreReady, CoreStartup, StatsMessage,
-                                                StopCore, portable_error)
+from shardserve.runtime.core.protocol import (AbortPrompt, AddPrompt, CoreReady, CoreStartFailed, CoreStartup,
+                                              DeltaBatch, EngineFailed, PromptAdded, PromptFailed, StatsMessage,
+                                              StopCore, portable_error)
 from shardserve.runtime.distributed.child_process import FrameReader, child_main, send_blocking
+
+if TYPE_CHECKING:
+    from shardserve.runtime.core.structured_output import GrammarCompile
 
 logger = logging.getLogger("shardserve.runtime.core")
 
@@ -30,12 +33,14 @@ COMPILE_POLL_SECONDS = 0.005  # how often an idle loop looks at the grammars bei
 class CoreLoop:
     """An engine, driven by its client's messages between its steps. NOTE: a prompt under a
     grammar waits here, out of the engine, until its grammar is compiled in a worker thread (xgrammar
-    releases the GIL), so no step waits on a compile."""
+    releases the GIL), so no step waits on a compile; then the client hears PromptAdded, or PromptFailed
+    if it failed or took longer than the prompt's compile_timeout. Grammars compile only here: the
+    server's process never compiles one."""
 
     def __init__(self, engine, sock: socket.socket):
         self.engine, self.sock = engine, sock
         self.inbox = FrameReader(sock)
-        self.compiling: dict[str, tuple[AddPrompt, Future]] = {}  # prompt id -> its add, its grammar's compile
+        self.compiling: dict[str, tuple[AddPrompt, GrammarCompile]] = {}  # prompt id -> its add, its grammar's compile
         self.last_report = 0.0
 
     def serve(self) -> int:
@@ -78,13 +83,13 @@ class CoreLoop:
             if outputs is None:
                 self._add(message)
             else:
-                from shardserve.runtime.core.structured_output import submit_compile
-                compile_ = submit_compile(self.engine.config.model, self.engine.tokenizer, outputs)
+                from shardserve.runtime.core.structured_output import GrammarCompile
+                compile_ = GrammarCompile(self.engine.config.model, self.engine.tokenizer, outputs)
                 self.compiling[message.prompt_id] = (message, compile_)
         elif isinstance(message, AbortPrompt):
             pending = self.compiling.pop(message.prompt_id, None)
             if pending is not None:
-                pending[1].cancel()  # (a started compile finishes, and stays cached)
+                pending[1].cancel()
             else:
                 self.engine.abort_request(message.prompt_id)
         else:
@@ -92,20 +97,23 @@ class CoreLoop:
 
     def _add_compiled(self) -> None:
         for prompt_id, (add, compile_) in list(self.compiling.items()):
-            if compile_.done():
-                del self.compiling[prompt_id]
-                error = compile_.exception()
-                if error is not None:
-                    send_blocking(self.sock, PromptFailed(prompt_id, portable_error(error)))
-                else:
-                    self._add(add)
+            if not compile_.is_over(add.compile_timeout):
+                continue
+            del self.compiling[prompt_id]
+            error = compile_.error(add.compile_timeout)
+            if error is not None:
+                send_blocking(self.sock, PromptFailed(prompt_id, portable_error(error)))
+            elif self._add(add):
+                send_blocking(self.sock, PromptAdded(prompt_id))
 
-    def _add(self, add: AddPrompt) -> None:
+    def _add(self, add: AddPrompt) -> bool:
         """A prompt the engine refuses (one its pool cannot hold, an id in use) fails alone."""
         try:
             self.engine.add_request(add.prompt_id, add.prompt, add.params, add.lora)
+            return True
         except Exception as error:
             send_blocking(self.sock, PromptFailed(add.prompt_id, portable_error(error)))
+            return False
 
 
 def serve(engine, sock: socket.socket) -> int:

@@ -4,7 +4,7 @@ One stream socket (runtime/distributed/child_process.py: a socketpair, no port, 
 pickles:
 
     client -> core:  CoreStartup (a core in a process of its own), then AddPrompt | AbortPrompt | StopCore
-    core -> client:  CoreReady | CoreStartFailed, then DeltaBatch | PromptFailed | StatsMessage
+    core -> client:  CoreReady | CoreStartFailed, then PromptAdded | DeltaBatch | PromptFailed | StatsMessage
                      | EngineFailed (the engine died; its loop ends after)"""
 
 from __future__ import annotations
@@ -56,6 +56,16 @@ class AddPrompt:
     prompt: ProcessedPrompt
     params: SamplingParams | PoolingParams
     lora: LoRARequest | None = None  # the adapter to generate with; None: the base model
+    compile_timeout: float | None = None  # the longest its grammar may take to compile; None: no limit
+
+
+@dataclass(frozen=True, slots=True)
+class PromptAdded:
+    """A prompt under a grammar is in the engine, its grammar compiled (a prompt without one is in the engine
+    the moment the core reads it: nothing is said). A grammar that fails to compile, or takes longer than
+    compile_timeout, is a PromptFailed instead."""
+
+    prompt_id: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,6 @@
 """Structured outputs through xgrammar (as vLLM and SGLang): the grammar of a request, checked (its
-size too) when the request arrives and compiled in a worker thread before the engine takes it; a matcher
+size too) when the request arrives and compiled in a worker thread of the engine's process before the engine
+takes it (GrammarCompile: the core's loop holds the request meanwhile); a matcher
 per request in the engine fills the step's bitmask of allowed tokens, which the sampling rank applies to
 the logits before each draw, and advances by the sampled token.
 
@@ -11,12 +12,12 @@ so a small max_tokens still closes the object."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -124,7 +125,7 @@ COMPILE_CACHE_BYTES = 512 << 20  # compiled grammars kept for reuse, per process
 
 def shared_compiler(model_config, tokenizer):
     """This process's xgrammar compiler for a model's tokenizer (the caller's). NOTE: one per process, so a grammar
-    compiled before its request reaches the engine (compile_in_background) is a cache hit for the
+    compiled before its request reaches the engine (GrammarCompile) is a cache hit for the
     engine's matchers (xgrammar caches compiled grammars by their text)."""
     import xgrammar as xgr
 
@@ -149,21 +150,53 @@ def prepare_compiler(model_config, tokenizer) -> None:
         shared_compiler(model_config, tokenizer)
 
 
+def prepare_checks() -> None:
+    """Import xgrammar now, in a process about to serve streams that checks grammars (StructuredOutputs.grammar)
+    without compiling them: imported by the first request with a grammar instead, it held the GIL for a few
+    hundred ms while other streams ran."""
+    import xgrammar  # noqa: F401
+
+
 def compiled_grammar(model_config, tokenizer, outputs: StructuredOutputs):
     """The request's grammar compiled with this process's compiler (a cache hit after the first time)."""
     return shared_compiler(model_config, tokenizer).compile_grammar(outputs.grammar())
 
 
-def submit_compile(model_config, tokenizer, outputs: StructuredOutputs) -> Future:
-    """Compile a grammar in a worker thread (xgrammar releases the GIL while it compiles), so the event
-    loop or the engine's steps go on meanwhile; the engine's matcher then finds it in the cache."""
-    return _COMPILE_POOL.submit(compiled_grammar, model_config, tokenizer, outputs)
+class GrammarCompileTimeout(ValueError):
+    """A grammar took longer to compile than its request allowed (the server's --grammar-compile-timeout)."""
 
 
-async def compile_in_background(model_config, tokenizer, outputs: StructuredOutputs) -> None:
-    """submit_compile, awaited. Cancelling the wait leaves a started compile to finish (its result stays
-    cached); one not yet started is dropped."""
-    await asyncio.wrap_future(submit_compile(model_config, tokenizer, outputs))
+class GrammarCompile:
+    """A grammar compiling in a worker thread (xgrammar releases the GIL while it compiles), so the engine's
+    steps go on meanwhile; the engine's matcher then finds it in the cache. Its time is counted from the moment
+    a thread starts on it, not while it waits behind other grammars. NOTE: a started compile cannot be
+    stopped: one given up on (cancel, timed out) finishes and stays cached; one not yet started is dropped."""
+
+    def __init__(self, model_config, tokenizer, outputs: StructuredOutputs):
+        self.started: float | None = None
+        self.seconds: float | None = None  # how long it took, once done
+        self.future = _COMPILE_POOL.submit(self._run, model_config, tokenizer, outputs)
+
+    def _run(self, model_config, tokenizer, outputs: StructuredOutputs) -> None:
+        self.started = time.monotonic()
+        try:
+            compiled_grammar(model_config, tokenizer, outputs)
+        finally:
+            self.seconds = time.monotonic() - self.started
+
+    def is_over(self, timeout: float | None) -> bool:
+        """Compiled, failed, or compiling for longer than `timeout` (None: no limit)."""
+        return self.future.done() or (timeout is not None and self.started is not None
+                                      and time.monotonic() - self.started > timeout)
+
+    def error(self, timeout: float | None) -> BaseException | None:
+        """Once it is over: why the request cannot have its grammar (it failed, or took too long), or None."""
+        if not self.future.done() or (timeout is not None and self.seconds is not None and self.seconds > timeout):
+            return GrammarCompileTimeout(f"the grammar takes more than {timeout:g} s to compile")
+        return self.future.exception()
+
+    def cancel(self) -> None:
+        self.future.cancel()
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,7 +212,7 @@ def grammar_bitmask(requests: list, model_config, tokenizer) -> GrammarBitmask |
     """The engine's side: a row for each of the step's requests under a grammar (its matcher is made the
     first time it is scheduled and lives with the Request, so preemption keeps its place). NOTE: the
     matchers live with the scheduler, as in vLLM v1, so a grammar compiles in the engine's process,
-    ahead of its request (compile_in_background), and never in a step on a worker rank."""
+    ahead of its request (GrammarCompile, in the core's loop), and never in a step on a worker rank."""
     constrained = [r for r in requests if r.sampling_params.structured_outputs is not None and _has_started(r)]
     if not constrained:
         return None

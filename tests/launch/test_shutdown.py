@@ -121,7 +121,7 @@ def test_a_stream_ended_by_the_drain_is_counted_unavailable_not_success():
 
     metrics = ServerMetrics(MODEL, lambda: [], 1024)
     for end_with_error in (True, False):
-        asyncio.run(drain(streaming(events(end_with_error), metrics)))
+        asyncio.run(drain(streaming(events(end_with_error), metrics, None)))
     counts = {s.labels["outcome"]: s.value for m in metrics.registry.collect() if m.name == "shardserve_requests"
               for s in m.samples if s.name.endswith("_total")}
     assert counts == {"unavailable": 1.0, "success": 1.0}, counts
