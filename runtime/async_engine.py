@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from shardserve.runtime.core.client import EngineCoreClient
-from shardserve.runtime.core.engine import LLMEngine
+from shardserve.runtime.core.engine import EngineCore
 from shardserve.runtime.engine_args import EngineArgs
 from shardserve.runtime.input_processor import ProcessedPrompt, PromptType
 from shardserve.runtime.lora_request import LoRARequest
@@ -18,14 +18,12 @@ from shardserve.runtime.sampling_params import SamplingParams
 class AsyncEngine:
     """NOTE: the engine is built here, in the caller's thread (a bad setting raises from the constructor);
     its core loop runs on a thread of its own from the first prompt (or start()), and every other call
-    goes to it as a message. Prompts are processed here with the engine's own input processor and
-    tokenizer while the core's thread may be detokenizing: encoding without truncation or padding and
-    decoding both only read a fast tokenizer, so the two threads may share it
-    (tests/runtime/test_async_engine.py runs them side by side)."""
+    goes to it as a message. The core's thread works on token ids only: prompts are processed and
+    outputs made text here, on the event loop, with the engine's own input processor and tokenizer."""
 
     def __init__(self, model: str, **engine_kwargs):
         self.engine_args = EngineArgs.from_kwargs(model, engine_kwargs, "AsyncEngine(...)")
-        self.engine = LLMEngine(self.engine_args.create_engine_config())
+        self.engine = EngineCore(self.engine_args.create_engine_config())
         self.input_processor = self.engine.input_processor
         self.client = EngineCoreClient.in_thread(self.engine)
 

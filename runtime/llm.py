@@ -6,10 +6,11 @@ from collections.abc import Callable, Sequence
 from typing import cast
 
 from shardserve.runtime.config import KVCacheInfo
-from shardserve.runtime.core.engine import LLMEngine
+from shardserve.runtime.core.engine import EngineCore
 from shardserve.runtime.engine_args import EngineArgs
 from shardserve.runtime.input_processor import ProcessedPrompt, PromptType
 from shardserve.runtime.lora_request import LoRARequest
+from shardserve.runtime.output_processor import OutputProcessor
 from shardserve.runtime.outputs import (EmbeddingRequestOutput, PromptDelta, RequestOutput, RequestOutputBuilder,
                                        embedding_output)
 from shardserve.runtime.pooling_params import PoolingParams
@@ -24,7 +25,8 @@ class LLM:
         max_model_len, tensor_parallel_size, ...); any other name is refused by name."""
         args = EngineArgs.from_kwargs(model, kwargs, "LLM(...)")
         self.engine_args = args
-        self.engine = LLMEngine(args.create_engine_config())
+        self.engine = EngineCore(args.create_engine_config())
+        self.output_processor = OutputProcessor(self.engine.tokenizer)  # (the core's: one process)
         self._next_id = 0
 
     @property
@@ -84,6 +86,28 @@ class LLM:
         self._step_until_done(prompt_ids, lambda delta: last.__setitem__(delta.prompt_id, delta))
         return [embedding_output(i, prompt, last[i]) for i, prompt in zip(prompt_ids, processed)]
 
+    # ---- the in-process client of the engine core: prompts in, token updates back as text ----------
+    def add_request(self, prompt_id: str, prompt: PromptType | ProcessedPrompt, params: SamplingParams | PoolingParams,
+                    lora_request: LoRARequest | None = None) -> None:
+        """Hand the core a prompt (processed here, with the core's rules, if it is not yet); its deltas come
+        from step()."""
+        self.engine.add_request(prompt_id, prompt, params, lora_request)
+        self.output_processor.add_prompt(prompt_id, params)
+
+    def abort_request(self, prompt_id: str) -> None:
+        self.engine.abort_request(prompt_id)
+        self.output_processor.abort(prompt_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def step(self) -> list[PromptDelta]:
+        """One step of the core, its token updates as deltas; a sample a stop string ended is stopped in the
+        core before its next step (with batches in flight, its later tokens are dropped here)."""
+        deltas, stopped = self.output_processor.process(self.engine.step())
+        self.engine.stop_requests(stopped)
+        return deltas
+
     def shutdown(self) -> None:
         """Stop the workers (other processes, with tensor or pipeline parallelism)."""
         self.engine.shutdown()
@@ -111,18 +135,18 @@ class LLM:
             for prompt, prompt_params, lora in zip(prompts, params, loras or [None] * len(prompts)):
                 prompt_id = str(self._next_id)
                 self._next_id += 1
-                self.engine.add_request(prompt_id, prompt, prompt_params, lora)
+                self.add_request(prompt_id, prompt, prompt_params, lora)
                 prompt_ids.append(prompt_id)
         except Exception:
             for prompt_id in prompt_ids:
-                self.engine.abort_request(prompt_id)
+                self.abort_request(prompt_id)
             raise
         return prompt_ids
 
     def _step_until_done(self, prompt_ids: list[str], take: Callable[[PromptDelta], None]) -> None:
         """Step until nothing is left; the deltas of these prompts go to `take`."""
         queued = set(prompt_ids)
-        while self.engine.has_unfinished_requests():
-            for delta in self.engine.step():
+        while self.has_unfinished_requests():
+            for delta in self.step():
                 if delta.prompt_id in queued:
                     take(delta)

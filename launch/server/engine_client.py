@@ -7,7 +7,7 @@ where the launcher hands its replicas to ReplicaSet."""
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from shardserve.runtime.core.engine import EngineInfo, EngineStats
@@ -22,6 +22,7 @@ class EngineClient(Protocol):
     index: int  # the replica's number, in logs, errors and metric labels
 
     info: EngineInfo  # what the engine said when it came up: its model, KV cache, defaults and rules
+    tokenizer: Any  # what it makes text with (the server's one, shared by every replica); None without one
 
     @property
     def error(self) -> BaseException | None:

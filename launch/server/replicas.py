@@ -20,7 +20,6 @@ from shardserve.runtime.pooling_params import PoolingParams
 from shardserve.runtime.sampling_params import SamplingParams
 from shardserve.runtime.core.client import OPENED, opened
 from shardserve.runtime.core.structured_output import prepare_checks
-from shardserve.runtime.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
     from shardserve.runtime.core.engine import EngineStats
@@ -63,7 +62,7 @@ class ReplicaSet:
         # the server's one input processor, with the process's one tokenizer: every prompt is processed here,
         # once, and every replica (they serve the same model) takes it as it is
         info = self.replicas[0].engine.info
-        self.input_processor = info.input_processor(load_tokenizer(info.model_config))
+        self.input_processor = info.input_processor(self.replicas[0].engine.tokenizer)
         prepare_checks()  # (grammars are checked here, compiled in the replicas)
 
     @property

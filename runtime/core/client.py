@@ -3,10 +3,11 @@ thread of this process (AsyncEngine), talked to over a socket either way.
 
 In a process: the client starts `python -m shardserve.runtime.core.loop`, hands it the engine's settings
 (EngineArgs) and its devices (a CUDA_VISIBLE_DEVICES slice on GPUs) and waits for its EngineInfo. Then it
-relays prompts and deltas, a stream per prompt: the one implementation of launch's EngineClient. It
-holds no tokenizer: prompts come processed (the server's one InputProcessor, made from the EngineInfo: the
-engine's own rules), and the core takes them as they are. The core's death (its engine failing, or its
-process or thread gone) sets `error`, as a dead rank does for an engine."""
+sends prompts and makes text of the core's token updates (its OutputProcessor: detokenizing, stop strings,
+logprobs' text), a stream per prompt: the one implementation of launch's EngineClient. Prompts come
+processed (the server's one InputProcessor, made from the EngineInfo: the engine's own rules), and the core
+takes them as they are. The core's death (its engine failing, or its process or thread gone) sets `error`,
+as a dead rank does for an engine."""
 
 from __future__ import annotations
 
@@ -26,12 +27,14 @@ from shardserve.runtime.distributed.child_process import (frame, read_message, r
                                               stop_process)
 from shardserve.runtime.config import resolve_device
 from shardserve.runtime.core.protocol import (AbortPrompt, AddPrompt, CoreReady, CoreStartFailed, CoreStartup,
-                                              DeltaBatch, EngineFailed, PromptAdded, PromptFailed, StatsMessage,
-                                              StopCore)
+                                              EngineFailed, PromptAdded, PromptFailed, StatsMessage, StepUpdates,
+                                              StopCore, StopRequests)
 from shardserve.runtime.errors import EngineDeadError
+from shardserve.runtime.output_processor import OutputProcessor
+from shardserve.runtime.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
-    from shardserve.runtime.core.engine import EngineInfo, EngineStats, LLMEngine
+    from shardserve.runtime.core.engine import EngineInfo, EngineStats, EngineCore
     from shardserve.runtime.engine_args import EngineArgs
 
 logger = logging.getLogger("shardserve.runtime.core")
@@ -80,7 +83,7 @@ class ProcessCore:
 class ThreadCore:
     """A core on a thread of this process, started with its client: no process, the engine built here."""
 
-    def __init__(self, engine: LLMEngine, sock: socket.socket):
+    def __init__(self, engine: EngineCore, sock: socket.socket):
         self.engine, self.sock, self.pid = engine, sock, os.getpid()
         self.where = "this process"
         self.code: int | None = None
@@ -116,6 +119,8 @@ class EngineCoreClient:
     def __init__(self, index: int, core: ProcessCore | ThreadCore, sock: socket.socket):
         self.index, self.core, self.sock = index, core, sock
         self.info: EngineInfo  # what the core said once it was up (wait_ready; a thread's at once)
+        self.tokenizer = None  # the text side's (use_tokenizer): one per process, shared by its clients
+        self.outputs: OutputProcessor
         self._stats: EngineStats
         self._error: BaseException | None = None
         self._last_heard = time.monotonic()
@@ -138,11 +143,12 @@ class EngineCoreClient:
         return client
 
     @classmethod
-    def in_thread(cls, engine: LLMEngine) -> EngineCoreClient:
+    def in_thread(cls, engine: EngineCore) -> EngineCoreClient:
         """A core on a thread of this process over an engine built here (AsyncEngine's)."""
         sock, core_end = socket.socketpair()
         client = cls(0, ThreadCore(engine, core_end), sock)
         client._take_info(engine.info())
+        client.use_tokenizer(engine.tokenizer)
         return client
 
     @property
@@ -166,6 +172,10 @@ class EngineCoreClient:
 
     def _take_info(self, info: EngineInfo) -> None:
         self.info, self._stats = info, info.stats
+
+    def use_tokenizer(self, tokenizer) -> None:
+        """The tokenizer this client makes text with (None: the model skips it, and outputs have no text)."""
+        self.tokenizer, self.outputs = tokenizer, OutputProcessor(tokenizer)
 
     @property
     def error(self) -> BaseException | None:
@@ -201,9 +211,12 @@ class EngineCoreClient:
                                            f"code {code}"))
                 return
             self._last_heard = time.monotonic()
-            if isinstance(message, DeltaBatch):
-                for delta in message.deltas:
+            if isinstance(message, StepUpdates):
+                deltas, stopped = self.outputs.process(message.updates)
+                for delta in deltas:
                     self._put(delta.prompt_id, delta)
+                if stopped:  # (the stream opened above)
+                    self._writer.write(frame(StopRequests(tuple(stopped))))
             elif isinstance(message, PromptAdded):
                 self._put(message.prompt_id, _ADDED)
             elif isinstance(message, PromptFailed):
@@ -255,6 +268,7 @@ class EngineCoreClient:
         assert writer is not None  # connected
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[prompt_id] = stream
+        self.outputs.add_prompt(prompt_id, sampling_params)
         finished = False
         try:
             writer.write(frame(AddPrompt(prompt_id, prompt, sampling_params, lora_request, compile_timeout)))
@@ -278,6 +292,7 @@ class EngineCoreClient:
                 yield item
         finally:
             self._streams.pop(prompt_id, None)
+            self.outputs.abort(prompt_id)
             if not finished and self._error is None and not writer.is_closing():
                 writer.write(frame(AbortPrompt(prompt_id)))  # the consumer went away
 
@@ -285,6 +300,7 @@ class EngineCoreClient:
         """End the prompt's stream; the core frees its blocks between two steps."""
         if prompt_id in self._streams and self._writer is not None and not self._writer.is_closing():
             self._writer.write(frame(AbortPrompt(prompt_id)))
+        self.outputs.abort(prompt_id)
         self._put(prompt_id, _ABORTED)
 
     async def shutdown(self) -> None:
@@ -327,6 +343,9 @@ def start_replicas(args: EngineArgs, num_replicas: int) -> list[EngineCoreClient
             replicas.append(EngineCoreClient.in_process(index, args))
         for replica in replicas:
             replica.wait_ready()
+        tokenizer = load_tokenizer(replicas[0].info.model_config)  # one for every replica: the same model
+        for replica in replicas:
+            replica.use_tokenizer(tokenizer)
     except BaseException:
         for replica in replicas:
             replica.core.stop(0.0)

@@ -1,4 +1,6 @@
-"""The synchronous engine: a step is schedule, execute, update; everything else hangs off that."""
+"""The engine core: a step is schedule, execute, update, on token ids only (no text, no threads, no asyncio);
+everything else hangs off that. Its clients (runtime/llm.py in-process, runtime/core/client.py over a socket)
+turn text into prompts and its RequestUpdates back into text."""
 
 from __future__ import annotations
 
@@ -16,12 +18,9 @@ from shardserve.runtime.input_processor import InputProcessor, ProcessedPrompt, 
 from shardserve.runtime.core.kv_sizing import size_kv_cache, with_measured_len
 from shardserve.runtime.lora_request import AdapterChecks, LoRARequest
 from shardserve.runtime.core.lora_slots import LoRASlots
-from shardserve.runtime.core.messages import ModelRunnerOutput, SchedulerOutput
-from shardserve.runtime.core.output_processor import OutputProcessor
-from shardserve.runtime.core.output_stage import InlineOutputs, ThreadedOutputs
-from shardserve.runtime.outputs import PromptDelta
+from shardserve.runtime.core.messages import ModelRunnerOutput, RequestUpdate, SchedulerOutput
 from shardserve.runtime.pooling_params import PROMPT_ONLY, PoolingParams
-from shardserve.runtime.core.request import Request, RequestStatus
+from shardserve.runtime.core.request import Request, RequestStatus, sample_request_ids
 from shardserve.runtime.sampling_params import SamplingParams
 from shardserve.runtime.core.scheduler import Scheduler
 from shardserve.runtime.core.step_histogram import HistogramSnapshot, StepHistogram
@@ -60,7 +59,7 @@ class EngineInfo:
         return InputProcessor(self.model_config, tokenizer, self.async_scheduling)
 
 
-class LLMEngine:
+class EngineCore:
     def __init__(self, config: EngineConfig):
         self.tokenizer = load_tokenizer(config.model)
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
@@ -75,9 +74,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, config.model.max_model_len,
                                    None if config.lora is None else LoRASlots(config.lora.max_loras))
         self.adapter_checks = AdapterChecks(config)
-        self.output_processor = OutputProcessor(self.tokenizer)
-        # with async scheduling, output processing leaves the step loop for a thread of its own
-        self.outputs = (ThreadedOutputs if config.scheduler.async_scheduling else InlineOutputs)(self.output_processor)
+        self.prompts: dict[str, set[str]] = {}  # prompt id -> its requests not finished yet
+        self._prompt_of: dict[str, str] = {}  # request id -> its prompt's id
+        self._draining: set[str] = set()  # aborted prompts whose requests are in a batch still in flight
         self._seeds = random.Random(config.seed)  # seeds for prompts that bring none
         self.in_flight: deque[SchedulerOutput] = deque()  # submitted batches, oldest first
         # the step loop, chosen once: a batch at a time, or batches overlapped (pipeline stages, async scheduling)
@@ -92,27 +91,46 @@ class LLMEngine:
         With PoolingParams (a pooling runner) it is one request whose one delta carries its vector.
         With a lora_request its samples run with that adapter (enable_lora; checked here once per adapter)."""
         self.adapter_checks.check(lora_request)
-        if self.outputs.in_use(prompt_id):  # (or aborted, with deltas made before the abort still on the way)
+        if prompt_id in self.prompts or prompt_id in self._draining:
             raise ValueError(f"prompt id {prompt_id!r} is already in use")
         check_runner(self.config.model.runner, params)  # (a ProcessedPrompt too: the worker would fail)
         if not isinstance(prompt, ProcessedPrompt):
             prompt = self.input_processor.process(prompt, params)
+        request_ids = sample_request_ids(prompt_id, params)
         if isinstance(params, PoolingParams):
             assert self.config.model.pooler is not None  # a pooling runner (check_runner)
             self.scheduler.add_request(Request(prompt_id, list(prompt.prompt_token_ids), PROMPT_ONLY, 0,
                                                pooling_params=params.resolved(self.config.model.pooler)))
-            self.outputs.add_prompt(prompt_id, PROMPT_ONLY, [prompt_id])
-            return
-        base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(62)
-        request_ids = [prompt_id] if params.n == 1 else [f"{prompt_id}#{i}" for i in range(params.n)]
-        for sample_index, request_id in enumerate(request_ids):  # the first refusal comes before any is queued
-            self.scheduler.add_request(Request(request_id, list(prompt.prompt_token_ids), params,
-                                               base_seed + sample_index, self.eos_token_ids, lora=lora_request))
-        self.outputs.add_prompt(prompt_id, params, request_ids)
+        else:
+            base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(62)
+            for sample_index, request_id in enumerate(request_ids):  # the first refusal comes before any is queued
+                self.scheduler.add_request(Request(request_id, list(prompt.prompt_token_ids), params,
+                                                   base_seed + sample_index, self.eos_token_ids, lora=lora_request))
+        self.prompts[prompt_id] = set(request_ids)
+        self._prompt_of.update(dict.fromkeys(request_ids, prompt_id))
 
     def abort_request(self, prompt_id: str) -> None:
-        """Free everything the prompt's requests hold, wherever they are."""
-        self.scheduler.finish_requests(self.outputs.abort(prompt_id), RequestStatus.FINISHED_ABORTED)
+        """Free everything the prompt's requests hold, wherever they are. NOTE: its id stays in use while a
+        batch that holds its requests is in flight (that batch's tokens would reach a new prompt of that id)."""
+        request_ids = self._forget(self.prompts.get(prompt_id, ()))
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        if request_ids and self.in_flight:
+            self._draining.add(prompt_id)
+
+    def stop_requests(self, request_ids) -> None:
+        """Finish samples their client ended (a stop string in their text) as stopped."""
+        self.scheduler.finish_requests(self._forget(request_ids), RequestStatus.FINISHED_STOPPED)
+
+    def _forget(self, request_ids) -> list[str]:
+        """Drop finished requests from their prompts (a prompt with none left, too); the ones that were known."""
+        known = [r for r in request_ids if r in self._prompt_of]
+        for request_id in known:
+            prompt_id = self._prompt_of.pop(request_id)
+            unfinished = self.prompts[prompt_id]
+            unfinished.discard(request_id)
+            if not unfinished:
+                del self.prompts[prompt_id]
+        return known
 
     def info(self) -> EngineInfo:
         return EngineInfo(self.config.model, self.sampling_defaults, self.kv_cache_info,
@@ -123,23 +141,27 @@ class LLMEngine:
         return SamplingParams(**self.sampling_defaults)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests or bool(self.in_flight) or self.outputs.busy
+        return self.scheduler.has_unfinished_requests or bool(self.in_flight)
 
-    def step(self) -> list[PromptDelta]:
-        """One turn of the step loop: a batch at a time, or overlapped (pipeline stages, async
-        scheduling)."""
+    def step(self) -> list[RequestUpdate]:
+        """One turn of the step loop (a batch at a time, or overlapped: pipeline stages, async scheduling):
+        what each request that advanced gained, in token ids."""
         if self.executor.is_dead:
             raise EngineDeadError("the engine's workers have stopped; start a new engine")
-        return self._step()
+        updates = self._step()
+        self._forget([u.request_id for u in updates if u.finish_reason is not None])
+        if not self.in_flight:
+            self._draining.clear()
+        return updates
 
-    def _step_one(self) -> list[PromptDelta]:
+    def _step_one(self) -> list[RequestUpdate]:
         """Schedule, execute, update."""
         scheduler_output = self._schedule()
         if scheduler_output.is_empty and self.scheduler.has_unfinished_requests:
             raise RuntimeError("the scheduler could not run any request; this is a bug")
         return self._update(scheduler_output, self.executor.execute_model(scheduler_output))
 
-    def _step_overlapped(self) -> list[PromptDelta]:
+    def _step_overlapped(self) -> list[RequestUpdate]:
         """Submit batches until max_concurrent_batches are in flight, then collect the oldest. With
         pipeline stages each batch takes a share of the requests, so no stage idles while another
         computes; with async scheduling, step N+1 is queued on the device before step N's tokens are
@@ -148,9 +170,8 @@ class LLMEngine:
         if not self.in_flight:
             if self.scheduler.has_unfinished_requests:
                 raise RuntimeError("the scheduler could not run any request; this is a bug")
-            return self._finish_stopped(self.outputs.take(wait=True))  # nothing left to run: the last outputs
+            return []
         scheduler_output = self.in_flight.popleft()
-        self.outputs.before_wait()  # the loop now waits on the device: the output thread's turn
         return self._update(scheduler_output, self.executor.collect_batch())
 
     def _submit_batches(self) -> None:
@@ -174,18 +195,10 @@ class LLMEngine:
                                   self.tokenizer)
         return output if bitmask is None else dataclasses.replace(output, grammar_bitmask=bitmask)
 
-    def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[PromptDelta]:
+    def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestUpdate]:
         if scheduler_output.grammar_bitmask is not None:  # before a finished request leaves the scheduler
             accept_tokens(scheduler_output.grammar_bitmask, self.scheduler.requests, runner_output.sampled_token_ids)
-        updates = self.scheduler.update_from_output(scheduler_output, runner_output)
-        return self._finish_stopped(self.outputs.process(updates))
-
-    def _finish_stopped(self, results: tuple[list[PromptDelta], list[str]]) -> list[PromptDelta]:
-        """The deltas; a request a stop string ended is finished (with the output thread, a step or two
-        late: its later tokens were dropped by the output processor)."""
-        deltas, stopped = results
-        self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        return deltas
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def get_stats(self) -> EngineStats:
         scheduler, pool = self.scheduler, self.block_manager
@@ -203,5 +216,4 @@ class LLMEngine:
         self.executor.check_health()
 
     def shutdown(self) -> None:
-        self.outputs.stop()
         self.executor.shutdown()

@@ -1,8 +1,8 @@
 """The engine core's loop, and the main of a core's own process (`python -m shardserve.runtime.core.loop FD
 PID`, what each replica of a server runs).
 
-A plain loop, no asyncio: take what arrived on the socket (add, abort), step, send the step's deltas as
-one DeltaBatch, until StopCore, the socket closing or the engine dying (EngineFailed). In a process of
+A plain loop, no asyncio: take what arrived on the socket (add, abort, stop), step, send the step's token
+updates as one StepUpdates, until StopCore, the socket closing or the engine dying (EngineFailed). In a process of
 its own, a CoreStartup arrives first; the core builds its engine (and with it its ranks, started as
 children of this process) and answers CoreReady; the process also ends when its parent disappears."""
 
@@ -17,8 +17,8 @@ import traceback
 from typing import TYPE_CHECKING
 
 from shardserve.runtime.core.protocol import (AbortPrompt, AddPrompt, CoreReady, CoreStartFailed, CoreStartup,
-                                              DeltaBatch, EngineFailed, PromptAdded, PromptFailed, StatsMessage,
-                                              StopCore, portable_error)
+                                              EngineFailed, PromptAdded, PromptFailed, StatsMessage, StepUpdates,
+                                              StopCore, StopRequests, portable_error)
 from shardserve.runtime.distributed.child_process import FrameReader, child_main, send_blocking
 
 if TYPE_CHECKING:
@@ -58,9 +58,9 @@ class CoreLoop:
             report = time.monotonic() - self.last_report >= STATS_SECONDS
             try:
                 if busy:
-                    deltas = engine.step()
-                    if deltas:
-                        send_blocking(self.sock, DeltaBatch(deltas))
+                    updates = engine.step()
+                    if updates:
+                        send_blocking(self.sock, StepUpdates(updates))
                     report = report or not engine.has_unfinished_requests()  # idle now: say so at once
                 elif report:
                     engine.check_health()  # a rank that died while the engine was idle
@@ -92,6 +92,8 @@ class CoreLoop:
                 pending[1].cancel()
             else:
                 self.engine.abort_request(message.prompt_id)
+        elif isinstance(message, StopRequests):
+            self.engine.stop_requests(message.request_ids)
         else:
             raise TypeError(f"an engine core cannot act on {type(message).__name__}")
 
@@ -129,10 +131,10 @@ def serve(engine, sock: socket.socket) -> int:
 
 def build_engine(sock: socket.socket, startup: CoreStartup):
     """The core's engine, announced with CoreReady; None (after CoreStartFailed) if it failed."""
-    from shardserve.runtime.core.engine import LLMEngine
+    from shardserve.runtime.core.engine import EngineCore
 
     try:
-        engine = LLMEngine(startup.args.create_engine_config())
+        engine = EngineCore(startup.args.create_engine_config())
     except Exception as error:
         send_blocking(sock, CoreStartFailed(portable_error(error), traceback.format_exc()))
         return None

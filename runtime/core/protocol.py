@@ -3,8 +3,9 @@
 One stream socket (runtime/distributed/child_process.py: a socketpair, no port, no name, and its framing) carries
 pickles:
 
-    client -> core:  CoreStartup (a core in a process of its own), then AddPrompt | AbortPrompt | StopCore
-    core -> client:  CoreReady | CoreStartFailed, then PromptAdded | DeltaBatch | PromptFailed | StatsMessage
+    client -> core:  CoreStartup (a core in a process of its own), then AddPrompt | AbortPrompt | StopRequests
+                     | StopCore
+    core -> client:  CoreReady | CoreStartFailed, then PromptAdded | StepUpdates | PromptFailed | StatsMessage
                      | EngineFailed (the engine died; its loop ends after)"""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
     from shardserve.runtime.engine_args import EngineArgs
     from shardserve.runtime.input_processor import ProcessedPrompt
     from shardserve.runtime.lora_request import LoRARequest
-    from shardserve.runtime.outputs import PromptDelta
+    from shardserve.runtime.core.messages import RequestUpdate
     from shardserve.runtime.pooling_params import PoolingParams
     from shardserve.runtime.sampling_params import SamplingParams
 
@@ -49,8 +50,8 @@ class CoreStartFailed:
 
 @dataclass(frozen=True, slots=True)
 class AddPrompt:
-    """A prompt to generate from (SamplingParams) or to pool (PoolingParams: one DeltaBatch entry comes
-    back, its sample carrying the vector)."""
+    """A prompt to generate from (SamplingParams) or to pool (PoolingParams: one RequestUpdate comes
+    back, carrying the vector)."""
 
     prompt_id: str
     prompt: ProcessedPrompt
@@ -74,15 +75,23 @@ class AbortPrompt:
 
 
 @dataclass(frozen=True, slots=True)
+class StopRequests:
+    """Samples whose text a stop string ended (the client found it): the core finishes them as stopped."""
+
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class StopCore:
     """Shut the engine (and its ranks) down; the loop ends (its process exits)."""
 
 
 @dataclass(frozen=True, slots=True)
-class DeltaBatch:
-    """The deltas of every prompt that advanced in one engine step (one write, one pickle)."""
+class StepUpdates:
+    """What every request that advanced in one engine step gained, in token ids (one write, one pickle): the
+    client makes text of them."""
 
-    deltas: list[PromptDelta]
+    updates: list[RequestUpdate]
 
 
 @dataclass(frozen=True, slots=True)

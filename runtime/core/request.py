@@ -10,6 +10,13 @@ from shardserve.runtime.pooling_params import PoolingParams
 from shardserve.runtime.sampling_params import SamplingParams
 
 
+def sample_request_ids(prompt_id: str, params: SamplingParams | PoolingParams) -> list[str]:
+    """The scheduler requests a prompt fans out to, one per sample (a pooling prompt: one), as the engine
+    core names them and its client expects them."""
+    n = params.n if isinstance(params, SamplingParams) else 1
+    return [prompt_id] if n == 1 else [f"{prompt_id}#{i}" for i in range(n)]
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -90,7 +90,7 @@ class PhaseTimer:
 
 def instrument(llm, timer: PhaseTimer) -> None:
     import shardserve.runtime.worker.worker as worker_module
-    from shardserve.runtime.core import detokenizer
+    from shardserve.runtime import detokenizer
 
     engine, worker = llm.engine, llm.engine.executor.worker
     timer.wrap(engine.scheduler, "schedule", "schedule")
@@ -102,7 +102,7 @@ def instrument(llm, timer: PhaseTimer) -> None:
     timer.wrap(worker_module, "sample_on_device" if hasattr(worker_module, "sample_on_device") else "sample",
                "sampling")
     timer.wrap(engine.scheduler, "update_from_output", "update")
-    timer.wrap(engine.output_processor, "process", "output")
+    timer.wrap(llm.output_processor, "process", "output")
     for name in ("IncrementalDetokenizer", "StreamDetokenizer"):  # (a baseline checkout may lack one)
         if hasattr(detokenizer, name):
             timer.wrap(getattr(detokenizer, name), "push", "detokenize")
@@ -124,13 +124,13 @@ def measure(folder: str, batch: int, steps: int, prompt_len: int, top_p: float =
         engine = llm.engine
         params = SamplingParams(temperature=0.8, top_p=top_p, max_tokens=steps, ignore_eos=True, seed=1)
         for i, prompt in enumerate(random_prompts(engine.config.model.vocab_size, batch, prompt_len, 0)):
-            engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+            llm.add_request(str(i), {"prompt_token_ids": prompt}, params)
         while engine.scheduler.waiting:  # prefill everything first: the timed steps are decode steps
-            engine.step()
+            llm.step()
         num_steps, start = 0, time.perf_counter()
         timer.enabled = True
-        while engine.has_unfinished_requests():
-            engine.step()
+        while llm.has_unfinished_requests():
+            llm.step()
             num_steps += 1
         elapsed = time.perf_counter() - start
     finally:

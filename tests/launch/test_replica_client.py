@@ -84,3 +84,40 @@ def test_a_rank_dying_inside_a_replica_marks_it_dead():
     error = asyncio.run(_until_dead(replica, 30))
     assert isinstance(error, EngineDeadError) and str(error).startswith("replica 0: "), error
     assert wait_gone([replica.pid, *ranks], 15) == [], "a process outlived its replica"
+
+
+async def _stopped_by_a_stop_string(replica) -> tuple[str, str, float]:
+    """Greedy text, then the same prompt with a stop string from early in it and room for 450 tokens:
+    (the text, the stopped text, the tokens the core scheduled for the stopped one)."""
+    replica.start()
+    processor = ReplicaSet([replica]).input_processor
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    text = "".join([s.new_text async for d in replica.generate(processor.process(PROMPTS[0], greedy), greedy, "full")
+                    for s in d.samples])
+    stop = next(text[i:i + 3] for i in range(4, len(text) - 3) if text[i:i + 3].strip() == text[i:i + 3])
+    params = SamplingParams(temperature=0.0, max_tokens=450, ignore_eos=True, stop=stop)
+    before = await _idle_stats(replica)
+    stopped = "".join([s.new_text async for d in replica.generate(processor.process(PROMPTS[0], params), params,
+                                                                   "stopped") for s in d.samples])
+    scheduled = (await _idle_stats(replica)).iteration_tokens.total - before.iteration_tokens.total
+    await replica.shutdown()
+    return text[:text.find(stop)], stopped, scheduled
+
+
+async def _idle_stats(replica):
+    """The core's stats once it reports itself idle (a report comes every half second, and when it turns idle)."""
+    deadline = time.monotonic() + 30
+    while True:
+        await asyncio.sleep(0.6)
+        stats = replica.get_stats()
+        if not (stats.num_running or stats.num_waiting) or time.monotonic() > deadline:
+            return stats
+
+
+def test_a_stop_string_the_client_finds_stops_the_sample_in_its_core():
+    """Text, and so stop strings, are the client's: it tells the core, which stops the sample a step or two
+    later, not after its 450 tokens."""
+    (replica,) = start_replicas(EngineArgs(str(DEMO_MODEL_DIR), **KWARGS), 1)
+    expected, stopped, scheduled = asyncio.run(_stopped_by_a_stop_string(replica))
+    assert stopped == expected
+    assert scheduled < 100, f"the core scheduled {scheduled:.0f} tokens for a sample stopped after a few"

@@ -6,7 +6,6 @@ their own, and what it cannot honour refused."""
 from __future__ import annotations
 
 import asyncio
-import threading
 from contextlib import aclosing
 
 import pytest
@@ -117,12 +116,9 @@ def test_step_n_plus_1_is_queued_before_step_n_is_read(llama):
         submit, collect, forward = worker.submit, worker.collect, worker._forward
         worker.submit = lambda output: log.append("submit") or submit(output)
         worker.collect = lambda step: log.append("collect") or collect(step)
-        pending, threads, process = [], set(), llm.engine.output_processor.process
+        pending: list[int] = []
         worker._forward = lambda host, *rest: pending.append(len(host.pending_rows)) or forward(host, *rest)
-        llm.engine.output_processor.process = lambda updates: threads.add(threading.current_thread()) or \
-            process(updates)
         llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:6]], SamplingParams(temperature=0.0, max_tokens=8))
-    assert threads and threading.current_thread() not in threads  # outputs are processed beside the loop
     depth, depths = 0, []
     for entry in log:
         depth += 1 if entry == "submit" else -1
@@ -139,15 +135,15 @@ def test_aborts_mid_stream_leave_the_others_unchanged(llama):
     with make_llm(llama[0], True) as llm:
         engine, tokens = llm.engine, {str(i): [] for i in range(len(PROMPTS))}
         for i, prompt in enumerate(PROMPTS):
-            engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+            llm.add_request(str(i), {"prompt_token_ids": prompt}, params)
         num_steps = 0
-        while engine.has_unfinished_requests():
-            for delta in engine.step():
+        while llm.has_unfinished_requests():
+            for delta in llm.step():
                 tokens[delta.prompt_id].extend(delta.samples[0].new_token_ids)
             num_steps += 1
             if num_steps in (3, 6):  # mid-stream, with a step in flight
                 for prompt_id in ("1", "4", "9") if num_steps == 3 else ("12", "20"):
-                    engine.abort_request(prompt_id)
+                    llm.abort_request(prompt_id)
         engine.block_manager.check_integrity()
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     aborted = {"1", "4", "9", "12", "20"}
@@ -157,25 +153,25 @@ def test_aborts_mid_stream_leave_the_others_unchanged(llama):
 
 
 def test_a_prompt_id_is_free_again_only_once_its_aborted_outputs_are_drained(llama):
-    """Outputs of the aborted prompt's last steps are still on their way to the output thread or
-    back: the id is refused until they are drained, and its next prompt gets none of them."""
+    """The aborted prompt's requests are still in a batch in flight: the id is refused until that batch is
+    collected, and its next prompt gets none of its tokens."""
     params = SamplingParams(temperature=0.8, seed=5, max_tokens=6, ignore_eos=True)
     with make_llm(llama[0], False) as llm:
         (expected,) = llm.generate([{"prompt_token_ids": PROMPTS[1]}], params)
     with make_llm(llama[0], True) as llm:
-        engine, tokens = llm.engine, []
-        engine.add_request("a", {"prompt_token_ids": PROMPTS[0]}, params)
-        engine.add_request("b", {"prompt_token_ids": PROMPTS[2]}, params)
+        tokens: list[int] = []
+        llm.add_request("a", {"prompt_token_ids": PROMPTS[0]}, params)
+        llm.add_request("b", {"prompt_token_ids": PROMPTS[2]}, params)
         for _ in range(3):
-            engine.step()
-        engine.abort_request("a")
+            llm.step()
+        llm.abort_request("a")
         with pytest.raises(ValueError, match="'a' is already in use"):
-            engine.add_request("a", {"prompt_token_ids": PROMPTS[1]}, params)
-        while engine.has_unfinished_requests():  # "b" runs on; "a"'s outputs drain
-            engine.step()
-        engine.add_request("a", {"prompt_token_ids": PROMPTS[1]}, params)
-        while engine.has_unfinished_requests():
-            for delta in engine.step():
+            llm.add_request("a", {"prompt_token_ids": PROMPTS[1]}, params)
+        while llm.has_unfinished_requests():  # "b" runs on; "a"'s batch is collected
+            llm.step()
+        llm.add_request("a", {"prompt_token_ids": PROMPTS[1]}, params)
+        while llm.has_unfinished_requests():
+            for delta in llm.step():
                 tokens.extend(delta.samples[0].new_token_ids)
     assert tokens == list(expected.outputs[0].token_ids)
 

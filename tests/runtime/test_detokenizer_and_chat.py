@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from shardserve.runtime import LLM, SamplingParams
-from shardserve.runtime.core.detokenizer import IncrementalDetokenizer, StreamDetokenizer, make_detokenizer, special_token_ids
+from shardserve.runtime.detokenizer import IncrementalDetokenizer, StreamDetokenizer, make_detokenizer, special_token_ids
 
 TEXT = "naïve café — 日本語のテキスト 🙂🚀 and plain words"
 

@@ -6,7 +6,7 @@ import pytest
 
 from shardserve.runtime import LLM, InvalidPromptError, ProcessedPrompt, SamplingParams
 from shardserve.runtime.core.messages import RequestUpdate
-from shardserve.runtime.core.output_processor import OutputProcessor
+from shardserve.runtime.output_processor import OutputProcessor
 
 NUM_LONG_TOKENS = 2000
 
@@ -47,10 +47,10 @@ def test_prompt_forms_agree_and_the_engine_trusts_a_processed_prompt(llm, monkey
         raise AssertionError("a processed prompt was checked again")
 
     monkeypatch.setattr(processor, "process", refuse)
-    llm.engine.add_request("trusted", text, params)
+    llm.add_request("trusted", text, params)
     deltas = []
-    while llm.engine.has_unfinished_requests():
-        deltas += llm.engine.step()
+    while llm.has_unfinished_requests():
+        deltas += llm.step()
     assert [len(d.samples[0].new_token_ids) for d in deltas] == [1, 1, 1] and deltas[-1].finished
 
 
@@ -69,10 +69,10 @@ def test_prompts_without_a_tokenizer_need_token_ids(checkpoint_factory):
 def test_complete_outputs_are_the_deltas_put_together(llm):
     params = SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=6, logprobs=1, ignore_eos=True)
     (output,) = llm.generate("The quick", params)
-    llm.engine.add_request("streamed", "The quick", params)
+    llm.add_request("streamed", "The quick", params)
     deltas = []
-    while llm.engine.has_unfinished_requests():
-        deltas += llm.engine.step()
+    while llm.has_unfinished_requests():
+        deltas += llm.step()
     assert [d.finished for d in deltas][-1] and not any(d.finished for d in deltas[:-1])
     for completion in output.outputs:
         samples = [s for d in deltas for s in d.samples if s.sample_index == completion.index]
@@ -88,8 +88,7 @@ def test_stop_strings_across_deltas_hold_back_only_what_may_be_cut(llm, include_
     tokenizer = llm.get_tokenizer()
     token_ids = tokenizer("The quick brown fox jumps", add_special_tokens=False).input_ids
     processor = OutputProcessor(tokenizer)
-    processor.add_prompt("p", SamplingParams(stop=["brown f", "zebra"], include_stop_str_in_output=include_stop),
-                         ["p"])
+    processor.add_prompt("p", SamplingParams(stop=["brown f", "zebra"], include_stop_str_in_output=include_stop))
     pieces, stopped_at = [], None
     for step, token in enumerate(token_ids):
         deltas, stopped = processor.process([RequestUpdate("p", (token,), (), None)])
@@ -113,7 +112,7 @@ def test_streaming_2000_tokens_costs_no_more_per_step_at_the_end(checkpoint_fact
     num_positions = NUM_LONG_TOKENS + 48
     folder, _ = checkpoint_factory("qwen2", num_layers=1, max_position_embeddings=num_positions)
     llm = LLM(folder, device="cpu", block_size=16, kv_cache_memory_bytes=kv_bytes_for(folder, num_positions // 16, 16))
-    engine, tokenizer = llm.engine, llm.get_tokenizer()
+    tokenizer = llm.get_tokenizer()
     num_decoded, decode = [0], tokenizer.decode
 
     def counting_decode(ids, *args, **kwargs):
@@ -123,11 +122,11 @@ def test_streaming_2000_tokens_costs_no_more_per_step_at_the_end(checkpoint_fact
     tokenizer.decode = counting_decode
     params = SamplingParams(temperature=1.0, seed=7, max_tokens=NUM_LONG_TOKENS, ignore_eos=True,
                             stop="no such text!", logprobs=1)
-    engine.add_request("long", "The quick brown", params)
+    llm.add_request("long", "The quick brown", params)
     steps, token_ids, text = [], [], []  # steps: (tokens decoded, tokens + characters returned)
-    while engine.has_unfinished_requests():
+    while llm.has_unfinished_requests():
         before = num_decoded[0]
-        samples = [s for delta in engine.step() for s in delta.samples]
+        samples = [s for delta in llm.step() for s in delta.samples]
         token_ids += [t for s in samples for t in s.new_token_ids]
         text += [s.new_text for s in samples]
         steps.append((num_decoded[0] - before, sum(len(s.new_token_ids) + len(s.new_text) for s in samples)))

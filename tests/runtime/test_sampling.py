@@ -246,11 +246,10 @@ def test_streamed_text_never_shows_a_stop_string_that_gets_cut(llm):
     text = full.text
     clean = [i for i in range(3, len(text) - 2) if "\ufffd" not in text[i:i + 3]]
     stop = text[clean[0]: clean[0] + 3]
-    engine = llm.engine
-    engine.add_request("stream", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=stop))
+    llm.add_request("stream", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=stop))
     seen, text_so_far = [], ""
-    while engine.has_unfinished_requests():
-        for delta in engine.step():
+    while llm.has_unfinished_requests():
+        for delta in llm.step():
             text_so_far += delta.samples[0].new_text
             seen.append(text_so_far)
     final = text[: text.find(stop)]

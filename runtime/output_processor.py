@@ -1,13 +1,17 @@
-"""Per-step token updates -> per-prompt deltas: detokenize, apply stop strings, group a prompt's samples."""
+"""The client's side of a step: the engine core's token updates -> per-prompt deltas (detokenize, apply stop
+strings, logprobs' text, group a prompt's samples). Each client of a core has one (runtime/llm.py's,
+runtime/core/client.py's); the core never sees text."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
 
-from shardserve.runtime.core.detokenizer import IncrementalDetokenizer, StreamDetokenizer, make_detokenizer, special_token_ids
+from shardserve.runtime.detokenizer import IncrementalDetokenizer, StreamDetokenizer, make_detokenizer, special_token_ids
 from shardserve.runtime.core.messages import RequestUpdate, TokenLogprobs
+from shardserve.runtime.core.request import sample_request_ids
 from shardserve.runtime.outputs import Logprob, PromptDelta, SampleDelta
+from shardserve.runtime.pooling_params import PROMPT_ONLY, PoolingParams
 from shardserve.runtime.sampling_params import SamplingParams
 
 
@@ -39,8 +43,12 @@ class OutputProcessor:
         self._prompts: dict[str, _Prompt] = {}
         self._samples: dict[str, _Sample] = {}  # scheduler request id -> sample
 
-    def add_prompt(self, prompt_id: str, params: SamplingParams, request_ids: list[str]) -> None:
-        self._prompts[prompt_id] = _Prompt(params, list(request_ids), len(request_ids))
+    def add_prompt(self, prompt_id: str, params: SamplingParams | PoolingParams) -> None:
+        """A prompt handed to the core: its samples' updates become its deltas from now on."""
+        request_ids = sample_request_ids(prompt_id, params)
+        if isinstance(params, PoolingParams):
+            params = PROMPT_ONLY  # (its one update carries the vector: no text)
+        self._prompts[prompt_id] = _Prompt(params, request_ids, len(request_ids))
         for index, request_id in enumerate(request_ids):
             detokenizer = None if self.tokenizer is None else self._detokenizer(params)
             self._samples[request_id] = _Sample(prompt_id, index, detokenizer)
@@ -58,18 +66,15 @@ class OutputProcessor:
     def has_prompt(self, prompt_id: str) -> bool:
         return prompt_id in self._prompts
 
-    def request_ids(self, prompt_id: str) -> list[str]:
-        prompt = self._prompts.get(prompt_id)
-        return list(prompt.request_ids) if prompt else []
-
     def abort(self, prompt_id: str) -> None:
+        """Forget the prompt: no more deltas (a finished one is forgotten already)."""
         prompt = self._prompts.pop(prompt_id, None)
         for request_id in prompt.request_ids if prompt else ():
             self._samples.pop(request_id, None)
 
     def process(self, updates: list[RequestUpdate]) -> tuple[list[PromptDelta], list[str]]:
-        """Returns a delta per prompt that advanced, and the scheduler requests a stop string ended
-        (the scheduler must finish those)."""
+        """Returns a delta per prompt that advanced, and the requests a stop string ended (the client tells
+        its core to stop them: until it has, their later updates are dropped here)."""
         grouped: dict[str, list[SampleDelta]] = {}
         stopped = []
         for update in updates:
