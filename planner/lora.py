@@ -22,7 +22,7 @@ from pathlib import Path
 from shardserve.planner.errors import PlanError
 from shardserve.planner.model_spec import ModelSpec
 from shardserve.planner.served import ARCHITECTURES
-from shardserve.planner.tensors import safetensors_header
+from shardserve.planner.tensors import HeaderError, safetensors_header
 
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -53,21 +53,27 @@ class AdapterSpec:
 
 
 def read_adapter(name: str, path: str) -> AdapterSpec:
-    """The adapter at `path` (a folder), or an AdapterError naming what is wrong with it."""
+    """The adapter at `path` (a folder), or an AdapterError naming what is wrong with it. NOTE: no error
+    names the path or repeats what the adapter's files hold (a server's client reads them): a wrong path
+    could show another file's contents."""
     folder = Path(path)
-    if not (folder / CONFIG_FILE).is_file() or not (folder / WEIGHTS_FILE).is_file():
-        raise AdapterError(f"LoRA adapter {name!r}: {path} is not a PEFT adapter folder (it needs {CONFIG_FILE} "
+    try:
+        is_folder = (folder / CONFIG_FILE).is_file() and (folder / WEIGHTS_FILE).is_file()
+    except (OSError, ValueError):  # a name too long for the file system, a NUL byte
+        is_folder = False
+    if not is_folder:
+        raise AdapterError(f"LoRA adapter {name!r}: its path is not a PEFT adapter folder (it needs {CONFIG_FILE} "
                            f"and {WEIGHTS_FILE})")
     try:
         config = json.loads((folder / CONFIG_FILE).read_text())
         rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         raise AdapterError(f"LoRA adapter {name!r}: {CONFIG_FILE} is not a PEFT LoRA config (r, lora_alpha)") from None
     if config.get("peft_type", "LORA") != "LORA":
-        raise AdapterError(f"LoRA adapter {name!r}: peft_type {config.get('peft_type')} is not LORA")
+        raise AdapterError(f"LoRA adapter {name!r}: its peft_type is not LORA")
     for key, plain in _PLAIN.items():
         if config.get(key) not in (None, [], {}) and config[key] != plain:
-            raise AdapterError(f"LoRA adapter {name!r}: {key}={config[key]!r} is not served (only {plain!r})")
+            raise AdapterError(f"LoRA adapter {name!r}: {key} is set, which is not served (only {plain!r})")
     return AdapterSpec(name, rank, alpha, bool(config.get("use_rslora", False)),
                        _module_shapes(name, folder / WEIGHTS_FILE))
 
@@ -81,18 +87,19 @@ def adapted_module(tensor: str) -> tuple[str, str] | None:
 
 def _module_shapes(name: str, weights: Path) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
     try:
-        header = safetensors_header(weights)
-    except (OSError, PlanError):
-        raise AdapterError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} is not a safetensors file") from None
+        header = safetensors_header(weights, whole=True)
+    except HeaderError as error:
+        raise AdapterError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} {error.reason}") from None
+    except OSError:
+        raise AdapterError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} cannot be read") from None
     pairs: dict[str, dict[str, tuple[int, ...]]] = {}
-    for tensor, info in header.items():
-        if tensor == "__metadata__":
-            continue
-        adapted = adapted_module(tensor)
-        if adapted is None:
-            raise AdapterError(f"LoRA adapter {name!r}: tensor {tensor} is not a LoRA A or B of a layer's "
-                               f"attention or MLP projection; served modules: {', '.join(LORA_MODULES)}")
-        module, which = adapted
+    tensors = [(tensor, info) for tensor, info in header.items() if tensor != "__metadata__"]
+    others = sum(adapted_module(tensor) is None for tensor, _ in tensors)
+    if others:
+        raise AdapterError(f"LoRA adapter {name!r}: {others} of its {len(tensors)} tensors are not a LoRA A or B "
+                           f"of a layer's attention or MLP projection; served modules: {', '.join(LORA_MODULES)}")
+    for tensor, info in tensors:
+        module, which = adapted_module(tensor) or ("", "")
         pairs.setdefault(module, {})[which] = tuple(info["shape"])
     if not pairs:
         raise AdapterError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} holds no LoRA tensors")

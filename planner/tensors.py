@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 from math import prod
 from pathlib import Path
@@ -26,17 +27,60 @@ def read_safetensors_headers(folder: Path) -> list[TensorInfo] | None:
     return tensors
 
 
-def safetensors_header(path: Path) -> dict:
-    """One safetensors file's header (tensor name -> dtype, shape, offsets; and __metadata__)."""
+MAX_HEADER_BYTES = 100_000_000  # the safetensors format's own limit on a header
+
+
+class HeaderError(PlanError):
+    """A file that is not a whole safetensors file; `reason` says why without naming the file."""
+
+    def __init__(self, path: Path, reason: str):
+        super().__init__(f"{path} {reason}")
+        self.reason = reason
+
+
+def safetensors_header(path: Path, whole: bool = False) -> dict:
+    """One safetensors file's header (tensor name -> dtype, shape, offsets; and __metadata__), checked for
+    shape: an object of tensor entries that fits in the file. whole: the tensors' data must also fill the
+    rest of the file exactly (a file cut short, as a half-finished copy is, fails here rather than when its
+    weights are read). OSError where the file cannot be read."""
     with open(path, "rb") as f:
+        file_bytes = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) != 8:
-            raise PlanError(f"{path} is not a safetensors file (too short)")
+            raise HeaderError(path, "is not a safetensors file (too short)")
         (size,) = struct.unpack("<Q", head)
+        if size > min(MAX_HEADER_BYTES, file_bytes - 8):
+            raise HeaderError(path, f"is not a safetensors file (its header would be {size} bytes long; the file "
+                              f"holds {file_bytes})")
         try:
-            return json.loads(f.read(size))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise PlanError(f"{path} has a malformed safetensors header") from None
+            header = json.loads(f.read(size))
+        except (ValueError, RecursionError):
+            raise HeaderError(path, "has a malformed safetensors header") from None
+    data_bytes = _data_bytes(path, header)
+    if whole and data_bytes != file_bytes - 8 - size:
+        raise HeaderError(path, f"is not whole: its tensors take {data_bytes} bytes after the header, and the file "
+                          f"holds {file_bytes - 8 - size} (a copy cut short?)")
+    return header
+
+
+def _data_bytes(path: Path, header) -> int:
+    """Where the last tensor's data ends (0 for none); a HeaderError for entries not shaped as the format's."""
+    if not isinstance(header, dict):
+        raise HeaderError(path, "has a malformed safetensors header (not an object)")
+    end = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        shape = info.get("shape") if isinstance(info, dict) else None
+        if not (isinstance(info.get("dtype") if isinstance(info, dict) else None, str)
+                and isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)
+                and isinstance(offsets, list) and len(offsets) == 2
+                and all(isinstance(o, int) for o in offsets) and 0 <= offsets[0] <= offsets[1]):
+            raise HeaderError(path, "has a malformed safetensors header (a tensor without dtype, shape and "
+                              "data_offsets)")
+        end = max(end, offsets[1])
+    return end
 
 
 # a multimodal checkpoint's language model tensors (transformers 5, then 4) -> the text model's names

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 import operator
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Union
+
+from jinja2 import TemplateError
 
 from shardserve.runtime.pooling_params import PoolingParams
 from shardserve.runtime.sampling_params import SamplingParams
@@ -25,6 +28,9 @@ class InvalidPromptError(ValueError):
     def __init__(self, message: str, field: str):
         super().__init__(message)
         self.field = field
+
+
+_TEMPLATE_INPUTS = {"tools", "documents", "chat_template", "continue_final_message"}  # given through kwargs
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,12 +80,25 @@ class InputProcessor:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise InvalidPromptError("this model's tokenizer has no chat_template: give plain prompts, "
                                      "not messages (or start with --chat-template)", "prompt")
+        kwargs = chat_template_kwargs or {}
+        taken = sorted(set(kwargs) & self._template_arguments)
+        if taken:
+            raise InvalidPromptError(f"chat_template_kwargs.{taken[0]} is an argument the server gives the chat "
+                                     "template itself: leave it out", "chat_template_kwargs")
         try:
             return self.tokenizer.apply_chat_template(conversation, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt,
-                                                      **(chat_template_kwargs or {}))
-        except Exception as error:  # jinja's errors (raise_exception in templates) are the caller's
+                                                      add_generation_prompt=add_generation_prompt, **kwargs)
+        except TemplateError as error:  # jinja's errors (raise_exception in templates) are the caller's
             raise InvalidPromptError(f"the chat template rejected the messages: {error}", "prompt") from None
+        except Exception:  # NOTE: not its text (Python's names and internals)
+            raise InvalidPromptError("the chat template could not render these messages", "prompt") from None
+
+    @cached_property
+    def _template_arguments(self) -> frozenset[str]:
+        """Names a caller's template arguments may not use: apply_chat_template's own parameters (but the
+        template inputs it takes as such) and what it gives the template itself (messages, special tokens)."""
+        own = set(inspect.signature(self.tokenizer.apply_chat_template).parameters) - _TEMPLATE_INPUTS - {"kwargs"}
+        return frozenset(own | {"messages"} | set(getattr(self.tokenizer, "special_tokens_map", {})))
 
     def check_token_ids(self, token_ids: list[int]) -> None:
         if not all(0 <= t < self.vocab_size for t in token_ids):

@@ -63,7 +63,8 @@ def _from_response_format(form: dict) -> list[tuple[str, str, Any]]:
     if kind == "json_object":
         return [("response_format", "json_object", None)]
     if kind == "json_schema":
-        schema = (form.get("json_schema") or {}).get("schema")
+        named = form.get("json_schema")
+        schema = named.get("schema") if isinstance(named, dict) else None
         if not isinstance(schema, dict):
             raise APIError(400, "response_format json_schema needs json_schema.schema", "response_format")
         return [("response_format", "json", schema)]
@@ -88,6 +89,11 @@ def structured_outputs(asked: list[tuple[str, str, Any]]) -> StructuredOutputs |
         return None
     name, kind, spec = asked[0]
     try:
-        return StructuredOutputs(kind, json.loads(spec) if kind == "json" and isinstance(spec, str) else spec)
+        if kind == "json" and isinstance(spec, str):  # a schema as JSON text: its size first, then parsed
+            StructuredOutputs(kind, spec).check_size()
+            spec = json.loads(spec)
+            if not isinstance(spec, dict):
+                raise ValueError("a JSON schema is a JSON object")
+        return StructuredOutputs(kind, spec)
     except ValueError as error:
         raise APIError(400, f"{name}: {error}", name) from None

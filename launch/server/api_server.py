@@ -25,6 +25,7 @@ from shardserve.launch.openai_api.openai_serving import OpenAIServing, PreparedR
 from shardserve.launch.server.prefix_router import session_key
 from shardserve.launch.openai_api.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from shardserve.launch.server.replicas import ReplicaSet
+from shardserve.launch.server.request_checks import json_body
 from shardserve.launch.server.responding import off_loop, streaming, until_disconnect
 from shardserve.launch.responses.routes import add_responses_routes
 from shardserve.launch.server.tokenization import DetokenizeRequest, TokenizeRequest, tokenizer_info
@@ -110,10 +111,10 @@ def build_app(replicas: ReplicaSet, serving: OpenAIServing, metrics: ServerMetri
 def _add_info_routes(app: FastAPI, replicas: ReplicaSet, serving: OpenAIServing) -> None:
     @app.get("/v1/models")
     async def models():
-        processor = replicas.input_processor
+        """vLLM's model cards; root is the served name, where vLLM puts the model's path (no path in a response)."""
         return {"object": "list", "data": [{
             "id": serving.served_model_name, "object": "model", "created": 0, "owned_by": "shardserve",
-            "root": processor.model_config.model, "parent": None, "max_model_len": replicas.max_model_len,
+            "root": serving.served_model_name, "parent": None, "max_model_len": replicas.max_model_len,
             "permission": [{"id": f"modelperm-{serving.served_model_name}", "object": "model_permission",
                             "created": 0, "allow_create_engine": False, "allow_sampling": True,
                             "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
@@ -152,10 +153,7 @@ def _add_generation_routes(app: FastAPI, serving: OpenAIServing, metrics: Server
     @app.post("/invocations")
     async def invocations(request: Request):
         """SageMaker's one route, by the body's shape: messages make a chat completion, a prompt a completion."""
-        try:
-            data = await request.json()
-        except ValueError:
-            raise APIError(400, "the request body is not valid JSON") from None
+        data = await json_body(request)
         kind = next((k for field, k in (("messages", ChatCompletionRequest), ("prompt", CompletionRequest))
                      if isinstance(data, dict) and field in data), None)
         if kind is None:

@@ -23,6 +23,7 @@ from shardserve.launch.server.metrics import ServerMetrics
 from shardserve.launch.openai_api.openai_serving import OpenAIServing, PreparedRequest
 from shardserve.launch.openai_api.request_deltas import RequestDeltas
 from shardserve.launch.openai_api.protocol import ChatCompletionRequest
+from shardserve.launch.server.request_checks import json_body
 from shardserve.launch.server.responding import off_loop, until_disconnect
 
 BATCH_PATH = "/v1/chat/completions/batch"
@@ -37,11 +38,7 @@ def add_chat_batch_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerM
 
     @app.post(BATCH_PATH)
     async def chat_batch(request: Request):
-        try:
-            data = await request.json()
-        except ValueError:
-            raise APIError(400, "the request body is not valid JSON") from None
-        bodies = conversations(data)
+        bodies = conversations(await json_body(request))
         prepared = await off_loop(lambda b: [_prepared(serving, body, i) for i, body in enumerate(b)], bodies)
         opened: list = []
         try:

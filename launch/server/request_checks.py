@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 from typing import Any
 
+from fastapi import Request
 from pydantic import BaseModel, model_validator
 
 from shardserve.launch.server.api_error import APIError
@@ -11,6 +14,32 @@ from shardserve.launch.server.api_error import APIError
 # Fields OpenAI clients send that change nothing in what is generated: accepted (prompt_cache_key and user
 # key a conversation's routing between replicas, launch/server/prefix_router.py).
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
+
+
+MAX_BODY_DEPTH = 128  # how deeply a body's arrays and objects may nest (a JSON schema in it: at most 64)
+
+
+async def json_body(request: Request) -> Any:
+    """A route's own body, parsed off the event loop (a body near the size limit takes seconds to parse, and
+    on the loop every stream would wait that long); not JSON, or nested past MAX_BODY_DEPTH, is a 400."""
+    body = await request.body()
+    try:
+        return await asyncio.to_thread(_parsed, body)
+    except (ValueError, RecursionError):
+        raise APIError(400, f"the request body is not valid JSON, or nests arrays and objects more than "
+                       f"{MAX_BODY_DEPTH} deep") from None
+
+
+def _parsed(body: bytes) -> Any:
+    data = json.loads(body)
+    level, depth = [data], 0
+    while level:  # breadth first, no recursion
+        depth += 1
+        if depth > MAX_BODY_DEPTH:
+            raise ValueError("nested too deeply")
+        level = [child for item in level if isinstance(item, (list, dict))
+                 for child in (item.values() if isinstance(item, dict) else item)]
+    return data
 
 
 def is_neutral(name: str, value: Any) -> bool:

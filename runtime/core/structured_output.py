@@ -92,7 +92,15 @@ class StructuredOutputs:
                 return xgr.Grammar.from_regex("|".join(_escape(choice) for choice in self.spec))
             return xgr.Grammar.from_ebnf(self.spec)
         except (RuntimeError, ValueError, TypeError) as error:  # xgrammar reports bad input so
-            raise ValueError(f"the {self.kind} structured output is invalid: {error}") from None
+            raise ValueError(f"the {self.kind} structured output is invalid: {_reason(error)}") from None
+
+
+_SOURCE_PLACE = re.compile(r"\[[\d:.]+\]\s*|\S+\.(?:cc|cpp|h|py):\d+:\s*")  # xgrammar's "[08:15:22] /x/y.cc:83: "
+
+
+def _reason(error: BaseException) -> str:
+    """xgrammar's message, without the time and source file it begins with."""
+    return _SOURCE_PLACE.sub("", str(error)).strip()
 
 
 def _escape(text: str) -> str:

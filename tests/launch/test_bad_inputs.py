@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -66,6 +69,13 @@ BAD = {
                                       "stream_options.bogus"),
     "seed beyond int64": (complete(seed=2**63), "seed"),
     "seed below int64": (complete(seed=-(2**63) - 1), "seed"),
+    # issue 40: each was a 500
+    "response_format json_schema not an object": (chat(response_format={"type": "json_schema", "json_schema": "x"}),
+                                                  "response_format"),
+    "guided_json as text nested 5,000 deep": (chat(guided_json="[" * 5000 + "]" * 5000), "guided_json"),
+    "guided_json as text, not an object": (chat(guided_json="[1, 2]"), "guided_json"),
+    "chat_template_kwargs naming the template's own argument": (chat(chat_template_kwargs={"messages": 1}),
+                                                                "chat_template_kwargs"),
 }
 
 # the same shapes done right: still served
@@ -105,6 +115,39 @@ def test_the_same_shapes_done_right_are_served(server, case):
     route, body = GOOD[case]
     status, text = http(f"{server}{route}", body)
     assert status == 200, (status, text[:300])
+
+
+@pytest.mark.parametrize("route", ["/invocations", "/v1/chat/completions/batch", "/v1/chat/completions"])
+def test_a_body_nested_a_thousand_deep_is_a_400(server, route):
+    """(Parsed by the route itself, /invocations and the batch route answered 500: Python's recursion limit.)"""
+    status, text = raw_post(f"{server}{route}", '{"messages": ' + "[" * 1000 + "]" * 1000 + "}")
+    assert status == 400, (status, text[:300])
+    assert json.loads(text)["error"]["code"] == 400
+
+
+LEAKY = {  # a 400 whose text came from a library: its source files and Python's names stay out of it
+    "xgrammar's regex error": (complete(guided_regex="(a"), "parenthesis is not closed"),
+    "xgrammar's grammar error": (complete(guided_grammar="root ::= foo"), 'is not defined'),
+    "a chat template's keyword clash": (chat(chat_template_kwargs={"add_generation_prompt": 1}),
+                                        "chat_template_kwargs.add_generation_prompt"),
+}
+
+
+@pytest.mark.parametrize("case", LEAKY)
+def test_a_400_says_what_is_wrong_without_library_internals(server, case):
+    (route, body), words = LEAKY[case]
+    status, text = http(f"{server}{route}", body)
+    assert status == 400 and words in text, text[:300]
+    assert not re.search(r"\.(?:cc|cpp|py):\d+|/project/|render\(\)|\[\d\d:\d\d:\d\d\]", text), text
+
+
+def raw_post(url: str, text: str) -> tuple[int, str]:
+    request = urllib.request.Request(url, data=text.encode(), headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
 
 
 def test_the_server_stays_healthy(server):

@@ -5,6 +5,8 @@ adapters at once), /v1/models listing them, and the refusals (400, 404, a launch
 from __future__ import annotations
 
 import json
+import shutil
+import struct
 import subprocess
 import sys
 import threading
@@ -109,3 +111,76 @@ def test_an_adapter_that_does_not_fit_is_a_launch_error(adapters):
                                "--port", "0", *flags], capture_output=True, text=True, timeout=120)
         assert done.returncode != 0 and words in done.stderr + done.stdout, done.stderr[-500:]
         assert "Traceback" not in done.stderr
+
+
+def _copy(root, name: str, mutate=None, config: dict | None = None):
+    """A copy of adapter a1 named `name`, its weights file changed by `mutate` (bytes -> bytes), its config
+    updated with `config`."""
+    folder = root / name
+    shutil.copytree(root / "a1", folder)
+    weights = folder / "adapter_model.safetensors"
+    if mutate is not None:
+        weights.write_bytes(mutate(weights.read_bytes()))
+    if config is not None:
+        path = folder / "adapter_config.json"
+        path.write_text(json.dumps(json.loads(path.read_text()) | config))
+    return folder
+
+
+def _cut_short(data: bytes) -> bytes:
+    """A copy stopped partway: the header whole, the tensors' data cut."""
+    (size,) = struct.unpack("<Q", data[:8])
+    return data[: 8 + size + 100]
+
+
+def _list_header(data: bytes) -> bytes:
+    return struct.pack("<Q", 9) + b"[1, 2, 3]"
+
+
+def _huge_header(data: bytes) -> bytes:
+    return struct.pack("<Q", 2**62) + data[8:]
+
+
+def _model_weights(data: bytes) -> bytes:
+    return (DEMO_MODEL_DIR / "model.safetensors").read_bytes()
+
+
+BROKEN = {  # issue 40: the first was accepted and then killed the engine; the next three were 500s
+    "cut short": ({"mutate": _cut_short}, "is not whole"),
+    "a list for a header": ({"mutate": _list_header}, "malformed safetensors header"),
+    "a header of 2^62 bytes": ({"mutate": _huge_header}, "is not a safetensors file"),
+    "the base model's weights": ({"mutate": _model_weights}, "are not a LoRA A or B"),
+    "a DoRA config": ({"config": {"use_dora": True}}, "use_dora is set"),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN)
+def test_a_broken_adapter_is_a_400_at_load_and_the_server_serves_on(server, adapters, case):
+    """Checked whole when it loads; the 400 names what is wrong and repeats neither a path nor what the
+    files hold (tensor names, config values)."""
+    root, expected = adapters
+    change, words = BROKEN[case]
+    folder = _copy(root, f"broken-{list(BROKEN).index(case)}", **change)
+    status, body = post(server, "/v1/load_lora_adapter", {"lora_name": "broken", "lora_path": str(folder)})
+    assert status == 400 and words in body["error"]["message"], body
+    assert str(root) not in body["error"]["message"] and "embed_tokens" not in body["error"]["message"]
+    assert "True" not in body["error"]["message"]
+    assert complete(server, "broken")[0] == 404
+    status, body = complete(server, "a1")
+    assert status == 200 and body["choices"][0]["token_ids"] == expected["a1"]
+
+
+def test_a_path_too_long_for_the_file_system_is_a_400(server):
+    status, body = post(server, "/v1/load_lora_adapter", {"lora_name": "long", "lora_path": "/tmp/" + "x" * 300})
+    assert status == 400 and "not a PEFT adapter folder" in body["error"]["message"], body
+
+
+def test_an_adapter_deleted_after_it_was_added_fails_its_requests_without_its_path(server, adapters):
+    root, _ = adapters
+    folder = _copy(root, "gone")
+    assert http(f"{server}/v1/load_lora_adapter", {"lora_name": "gone", "lora_path": str(folder)}, AUTH)[0] == 200
+    shutil.rmtree(folder)
+    status, body = complete(server, "gone")
+    assert status == 400 and "not a PEFT adapter folder" in body["error"]["message"], body
+    assert str(root) not in json.dumps(body)
+    assert http(f"{server}/v1/unload_lora_adapter", {"lora_name": "gone"}, AUTH)[0] == 200
