@@ -9,7 +9,7 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -305,12 +305,12 @@ def serve_once(config: DeployConfig, plan: PlanFile, listener: socket.socket, ap
         logger.info("cluster: %d live nodes (%s) have the model's files and this host's "
                     "versions", sum(n["alive"] for n in nodes),
                     ", ".join(n["ip"] for n in nodes if n["alive"]))
-    engines = start_engines(path, engine_kwargs(config), config.data_parallel_size or 1)
+    engines, restart = start_engines(path, engine_kwargs(config), config.data_parallel_size or 1)
     info = engines[0].info.kv_cache_info
     compare_kv(plan, info)
 
     replicas = ReplicaSet(engines, plan_check=PlanCheck(Prediction.from_plan(plan), for_traffic=expected),
-                          routing_policy=setting(config, "routing_policy"))
+                          routing_policy=setting(config, "routing_policy"), restart=restart)
     metrics = ServerMetrics(name, replicas.stats, replicas.max_model_len)
     replicas.metrics = metrics
     limit = config.max_queued_requests or 4 * setting(config, "max_num_seqs") * len(engines)
@@ -327,12 +327,15 @@ def serve_once(config: DeployConfig, plan: PlanFile, listener: socket.socket, ap
     return asyncio.run(run(server, replicas, listener))
 
 
-def start_engines(path: str, kwargs: dict, num_replicas: int) -> Sequence[EngineClient]:
+def start_engines(path: str, kwargs: dict, num_replicas: int) -> tuple[Sequence[EngineClient], Callable]:
     """Every replica, one or many, in a process of its own (its own GIL, its own GPUs), talked to over
-    a socket (runtime/core/client.py, the one EngineClient): the API process never steps an engine."""
-    from shardserve.runtime.core.client import start_replicas
+    a socket (runtime/core/client.py, the one EngineClient): the API process never steps an engine. With
+    them, how to start replica i anew (ReplicaSet's restart)."""
+    from shardserve.runtime.core.client import start_replica, start_replicas
     from shardserve.runtime.engine_args import EngineArgs
-    return start_replicas(EngineArgs.from_kwargs(path, kwargs, "launch"), num_replicas)
+    args = EngineArgs.from_kwargs(path, kwargs, "launch")
+    engines = start_replicas(args, num_replicas)
+    return engines, lambda index: start_replica(args, index, engines[0].tokenizer)
 
 
 def api_key_from_env(flag: str | None) -> str | None:

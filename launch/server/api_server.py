@@ -24,7 +24,7 @@ from shardserve.launch.server.metrics import ServerMetrics
 from shardserve.launch.openai_api.openai_serving import OpenAIServing, PreparedRequest
 from shardserve.launch.server.prefix_router import session_key
 from shardserve.launch.openai_api.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from shardserve.launch.server.replicas import ReplicaSet
+from shardserve.launch.server.replicas import ReplicaSet, public_message
 from shardserve.launch.server.request_checks import json_body
 from shardserve.launch.server.responding import off_loop, streaming, until_disconnect
 from shardserve.launch.responses.routes import add_responses_routes
@@ -84,6 +84,9 @@ def build_app(replicas: ReplicaSet, serving: OpenAIServing, metrics: ServerMetri
             return JSONResponse({"status": "dead", "reason": dead}, status_code=503)
         if admission.is_draining:  # a load balancer sends no more
             return JSONResponse({"status": "shutting down"}, status_code=503)
+        down = replicas.down()
+        if down:  # the others serve while these restart
+            return {"status": "degraded", "replicas_down": {str(i): public_message(r) for i, r in down.items()}}
         return {"status": "ok"}
 
     @app.get("/version")

@@ -85,6 +85,10 @@ class PrefixRouter:
         self.caches = [CachedBlocks(capacity_blocks) for _ in range(num_replicas)]
         self.sessions: OrderedDict[str, int] = OrderedDict()
 
+    def forget(self, index: int) -> None:
+        """Replica `index` starts anew (restarted): its pool holds nothing."""
+        self.caches[index] = CachedBlocks(self.caches[index].capacity)
+
     def choose(self, loads: Sequence[int], token_ids: Sequence[int], session: str | None = None,
                seed: int | None = None) -> Route:
         """The replica for a prompt, given each replica's prompts in flight; `seed` keeps an adapter's

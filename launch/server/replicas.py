@@ -1,11 +1,14 @@
-"""Engine replicas behind one server: routing (launch/server/prefix_router.py), liveness and per-prompt metrics."""
+"""Engine replicas behind one server: routing (launch/server/prefix_router.py), liveness (a dead replica's
+prompts fail, the others serve on while it is restarted) and per-prompt metrics."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
+import sys
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import TYPE_CHECKING
 
 from shardserve.launch.server.engine_client import EngineClient
@@ -13,6 +16,7 @@ from shardserve.launch.server.metrics import PromptTimer, ServerMetrics
 from shardserve.launch.server.plan_check import FinishedRequest, PlanCheck
 from shardserve.launch.server.prefix_router import CACHE_AWARE, PrefixRouter, Route
 from shardserve.launch.openai_api.protocol import shutting_down
+from shardserve.launch.server.api_error import APIError
 from shardserve.runtime.input_processor import ProcessedPrompt
 from shardserve.runtime.lora_request import LoRARequest
 from shardserve.runtime.outputs import EmbeddingRequestOutput, PromptDelta, embedding_output
@@ -26,6 +30,9 @@ if TYPE_CHECKING:
 
 
 _PATH = re.compile(r"(?:[A-Za-z]:)?(?:/[\w.\-]+){2,}/?")
+logger = logging.getLogger("shardserve.launch")
+DEAD_LOAD = sys.maxsize  # a dead replica's load, as the router sees it: never chosen while another lives
+RESTART_FIRST_SECONDS, RESTART_MAX_SECONDS = 1.0, 60.0  # a dead replica's restarts back off, doubling
 
 
 def public_message(text: str) -> str:
@@ -51,8 +58,14 @@ class Replica:
 
 class ReplicaSet:
     def __init__(self, engines: Sequence[EngineClient], metrics: ServerMetrics | None = None,
-                 plan_check: PlanCheck | None = None, routing_policy: str = CACHE_AWARE):
+                 plan_check: PlanCheck | None = None, routing_policy: str = CACHE_AWARE,
+                 restart: Callable[[int], EngineClient] | None = None):
+        """restart(index): a new engine for replica `index`, started and ready (blocking; run in a thread).
+        With it and more than one replica, a replica that dies is restarted while the others serve;
+        without it (or with one replica), its death is the server's."""
         self.replicas = [Replica(i, e) for i, e in enumerate(engines)]
+        self.restart = restart if len(engines) > 1 else None
+        self._restarts: dict[int, asyncio.Task] = {}
         kv = self.replicas[0].engine.info.kv_cache_info  # every replica has the same layout, so the same pool
         self.router = PrefixRouter(len(self.replicas), kv.block_size, kv.num_blocks, routing_policy)
         self.metrics = metrics
@@ -78,24 +91,67 @@ class ReplicaSet:
         return [r.engine.get_stats() for r in self.replicas]
 
     def dead_reason(self) -> str | None:
-        """Why serving stopped (a rank or the engine loop died), in full for the log, or None."""
-        for r in self.replicas:
-            if r.error is not None:
-                return f"replica {r.index}: {type(r.error).__name__}: {r.error}"
+        """Why serving stopped (every replica is dead, or one that is not restarted), in full for the log;
+        None while a replica serves."""
+        down = self.down()
+        if down and (self.restart is None or len(down) == len(self.replicas)):
+            return "; ".join(f"replica {index}: {reason}" for index, reason in down.items())
         return None
+
+    def down(self) -> dict[int, str]:
+        """The dead replicas (restarting, where they are restarted) and why each died."""
+        return {r.index: f"{type(r.error).__name__}: {r.error}" for r in self.replicas if r.error is not None}
+
+    def restart_dead(self) -> None:
+        """Start restarting each dead replica that is not being restarted yet (the server's watchdog)."""
+        for r in self.replicas:
+            if self.restart is not None and r.error is not None and r.index not in self._restarts:
+                logger.error("replica %d died (%s: %s); its requests failed, the others serve on; restarting it",
+                             r.index, type(r.error).__name__, r.error)
+                self._restarts[r.index] = asyncio.get_running_loop().create_task(self._restarted(r))
+
+    async def _restarted(self, replica: Replica) -> None:
+        assert self.restart is not None  # (restart_dead's condition)
+        delay = RESTART_FIRST_SECONDS
+        try:
+            while not self.is_stopping:
+                await asyncio.sleep(delay)
+                try:
+                    engine = await asyncio.to_thread(self.restart, replica.index)
+                except Exception as error:  # noqa: BLE001 - logged, tried again later
+                    delay = min(2 * delay, RESTART_MAX_SECONDS)
+                    logger.error("replica %d could not restart (%s: %s); next try in %g s", replica.index,
+                                 type(error).__name__, error, delay)
+                    continue
+                old, replica.engine = replica.engine, engine
+                self.router.forget(replica.index)
+                engine.start()
+                await old.shutdown()
+                logger.info("replica %d is back", replica.index)
+                return
+        finally:
+            del self._restarts[replica.index]
 
     def public_dead_reason(self) -> str | None:
         """dead_reason as a client may read it: its first line, no traceback, no file path."""
         reason = self.dead_reason()
         return None if reason is None else public_message(reason)
 
+    def loads(self) -> list[int]:
+        """Each replica's prompts in flight (a dead one's: DEAD_LOAD); a 503 when none is alive."""
+        loads = [r.num_active if r.error is None else DEAD_LOAD for r in self.replicas]
+        if min(loads) == DEAD_LOAD:
+            raise APIError(503, "no replica is running (they are restarting)", error_type="service_unavailable")
+        return loads
+
     def pick(self) -> Replica:
-        return min(self.replicas, key=lambda r: (r.num_active, r.index))
+        loads = self.loads()
+        return min(self.replicas, key=lambda r: (loads[r.index], r.index))
 
     def route(self, prompt: ProcessedPrompt, session: str | None, lora: LoRARequest | None = None) -> Route:
-        """The replica for a prompt (the router's choice, counted), which now holds its blocks (an adapter's
-        apart from the base model's)."""
-        route = self.router.choose([r.num_active for r in self.replicas], prompt.prompt_token_ids, session,
+        """The replica for a prompt (the router's choice among the live ones, counted), which now holds its
+        blocks (an adapter's apart from the base model's)."""
+        route = self.router.choose(self.loads(), prompt.prompt_token_ids, session,
                                    None if lora is None else lora.lora_int_id)
         self.router.record(route, prompt.prompt_token_ids, session)
         if self.metrics is not None:
@@ -189,5 +245,7 @@ class ReplicaSet:
         return len(running)
 
     async def shutdown(self) -> None:
+        for task in self._restarts.values():
+            task.cancel()
         for r in self.replicas:
             await r.engine.shutdown()

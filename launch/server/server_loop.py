@@ -101,6 +101,7 @@ async def run(server, replicas: ReplicaSet, listener: socket.socket) -> tuple[in
                 await asyncio.sleep(1.0)  # /health answers 503 meanwhile
                 server.should_exit = True
                 return
+            replicas.restart_dead()  # (with replicas: one that died is restarted while the others serve)
             await asyncio.sleep(0.5)
 
     replicas.start()

@@ -41,7 +41,7 @@ logger = logging.getLogger("shardserve.runtime.core")
 
 CORE_MODULE = "shardserve.runtime.core.loop"
 STOP_GRACE_SECONDS = 10.0
-SILENCE_SECONDS = 60.0  # a core sends stats every half second; this long without a word: hung
+SILENCE_SECONDS = 15.0  # a core's heartbeat comes every second, whatever its step does; this long without: hung
 _ABORTED = object()  # ends a prompt's stream here
 _ADDED = object()  # the core has the prompt (PromptAdded)
 OPENED = object()  # the first item of a stream that open() hands back: the core has the prompt
@@ -332,6 +332,19 @@ async def opened(stream: AsyncGenerator) -> AsyncGenerator:
         assert first is OPENED, first
         break
     return stream
+
+
+def start_replica(args: EngineArgs, index: int, tokenizer) -> EngineCoreClient:
+    """Replica `index`'s core, started and ready (a restart: the server's tokenizer is its)."""
+    client = EngineCoreClient.in_process(index, args)
+    try:
+        client.wait_ready()
+    except BaseException:
+        client.core.stop(0.0)
+        client.sock.close()
+        raise
+    client.use_tokenizer(tokenizer)
+    return client
 
 
 def start_replicas(args: EngineArgs, num_replicas: int) -> list[EngineCoreClient]:

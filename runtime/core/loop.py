@@ -12,11 +12,12 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 import traceback
 from typing import TYPE_CHECKING
 
-from shardserve.runtime.core.protocol import (AbortPrompt, AddPrompt, CoreReady, CoreStartFailed, CoreStartup,
+from shardserve.runtime.core.protocol import (AbortPrompt, AddPrompt, Alive, CoreReady, CoreStartFailed, CoreStartup,
                                               EngineFailed, PromptAdded, PromptFailed, StatsMessage, StepUpdates,
                                               StopCore, StopRequests, portable_error)
 from shardserve.runtime.distributed.child_process import FrameReader, child_main, send_blocking
@@ -28,6 +29,7 @@ logger = logging.getLogger("shardserve.runtime.core")
 
 STATS_SECONDS = 0.5  # stats for /metrics (a sign of life) this often and when the engine turns idle; its idle health as often
 COMPILE_POLL_SECONDS = 0.005  # how often an idle loop looks at the grammars being compiled
+HEARTBEAT_SECONDS = 1.0  # an Alive this often, from a thread beside the loop
 
 
 class CoreLoop:
@@ -42,9 +44,29 @@ class CoreLoop:
         self.inbox = FrameReader(sock)
         self.compiling: dict[str, tuple[AddPrompt, GrammarCompile]] = {}  # prompt id -> its add, its grammar's compile
         self.last_report = 0.0
+        self._send_lock = threading.Lock()  # the loop and the heartbeat write whole frames, one at a time
+        self._ended = threading.Event()
+
+    def send(self, message: object) -> None:
+        with self._send_lock:
+            send_blocking(self.sock, message)
+
+    def _heartbeat(self) -> None:
+        while not self._ended.wait(HEARTBEAT_SECONDS):
+            try:
+                self.send(Alive())
+            except OSError:
+                return  # the client went away
 
     def serve(self) -> int:
         """Until StopCore or the client goes; 1 if the engine died, else 0."""
+        threading.Thread(target=self._heartbeat, name="core-heartbeat", daemon=True).start()
+        try:
+            return self._serve()
+        finally:
+            self._ended.set()
+
+    def _serve(self) -> int:
         engine = self.engine
         while True:
             busy = engine.has_unfinished_requests()
@@ -60,16 +82,16 @@ class CoreLoop:
                 if busy:
                     updates = engine.step()
                     if updates:
-                        send_blocking(self.sock, StepUpdates(updates))
+                        self.send(StepUpdates(updates))
                     report = report or not engine.has_unfinished_requests()  # idle now: say so at once
                 elif report:
                     engine.check_health()  # a rank that died while the engine was idle
             except Exception as error:
                 logger.error("the engine failed: %s", traceback.format_exc())
-                send_blocking(self.sock, EngineFailed(f"{type(error).__name__}: {error}"))
+                self.send(EngineFailed(f"{type(error).__name__}: {error}"))
                 return 1
             if report:
-                send_blocking(self.sock, StatsMessage(engine.get_stats()))
+                self.send(StatsMessage(engine.get_stats()))
                 self.last_report = time.monotonic()
 
     def _idle_wait(self) -> float:
@@ -104,9 +126,9 @@ class CoreLoop:
             del self.compiling[prompt_id]
             error = compile_.error(add.compile_timeout)
             if error is not None:
-                send_blocking(self.sock, PromptFailed(prompt_id, portable_error(error)))
+                self.send(PromptFailed(prompt_id, portable_error(error)))
             elif self._add(add):
-                send_blocking(self.sock, PromptAdded(prompt_id))
+                self.send(PromptAdded(prompt_id))
 
     def _add(self, add: AddPrompt) -> bool:
         """A prompt the engine refuses (one its pool cannot hold, an id in use) fails alone."""
@@ -114,7 +136,7 @@ class CoreLoop:
             self.engine.add_request(add.prompt_id, add.prompt, add.params, add.lora)
             return True
         except Exception as error:
-            send_blocking(self.sock, PromptFailed(add.prompt_id, portable_error(error)))
+            self.send(PromptFailed(add.prompt_id, portable_error(error)))
             return False
 
 

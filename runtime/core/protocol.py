@@ -6,7 +6,7 @@ pickles:
     client -> core:  CoreStartup (a core in a process of its own), then AddPrompt | AbortPrompt | StopRequests
                      | StopCore
     core -> client:  CoreReady | CoreStartFailed, then PromptAdded | StepUpdates | PromptFailed | StatsMessage
-                     | EngineFailed (the engine died; its loop ends after)"""
+                     | Alive | EngineFailed (the engine died; its loop ends after)"""
 
 from __future__ import annotations
 
@@ -107,6 +107,12 @@ class StatsMessage:
     """Sent every STATS_SECONDS: the scheduler's numbers for /metrics, and a sign of life."""
 
     stats: EngineStats
+
+
+@dataclass(frozen=True, slots=True)
+class Alive:
+    """The core's process runs: sent every HEARTBEAT_SECONDS from a thread of its own, whatever a step is
+    doing, so a long step is not silence and a stopped or frozen process is."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,10 +1,12 @@
 """data_parallel_size > 1: each replica in a process of its own behind the one server."""
 
 import asyncio
+import contextlib
 import concurrent.futures
 import json
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -122,26 +124,58 @@ def test_replicas_in_their_own_processes_serve_and_stop_cleanly():
     assert wait_gone(replicas, 15) == [], "a replica outlived the server"
 
 
-def test_a_killed_replica_is_reported_and_the_server_stops():
+def _stream_text(url: str, results: list, max_tokens: int) -> None:
+    body = {"model": "shardserve-demo", "prompt": f"Story {len(results)}", "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    results.append(None)
+    index = len(results) - 1
+    results[index] = http(f"{url}/v1/completions", body, timeout=120)
+
+
+def _until(check, seconds: float):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.1)
+    return check()
+
+
+def test_a_killed_replica_fails_only_its_requests_and_is_restarted():
+    """Issue 40: killing one replica of two ended the server and cut the other's streams. Now its own stream
+    ends with an error event and [DONE], the other's runs to its end, /health says degraded, new requests
+    go to the live replica, and the dead one is back in a new process."""
     proc, url = start_server(*DP2)
     replicas = children(proc.pid, "shardserve.runtime.core.loop")
+    streams: list = []
     try:
         assert len(replicas) == 2, replicas
+        threads = [threading.Thread(target=_stream_text, args=(url, streams, 600)) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        assert _wait_running(url, lambda running: running == [1.0, 1.0]) == [1.0, 1.0]
         os.kill(replicas[1], signal.SIGKILL)
-        deadline, statuses, bodies = time.monotonic() + 30, set(), []
-        while time.monotonic() < deadline and proc.poll() is None:
-            status, body = http(f"{url}/health", timeout=2)
-            statuses.add(status)
-            bodies.append(body)
-            time.sleep(0.1)
-        out = proc.communicate(timeout=60)[0]
+        health = _until(lambda: json.loads(http(f"{url}/health")[1] or "{}").get("replicas_down"), 15)
+        assert health and "1" in health, health
+        status, text = http(f"{url}/v1/completions", {"model": "shardserve-demo", "prompt": "hi", "max_tokens": 4})
+        assert status == 200, text
+        for thread in threads:
+            thread.join(120)
+        back = _until(lambda: http(f"{url}/health")[1] == '{"status":"ok"}', 90)
+        new = children(proc.pid, "shardserve.runtime.core.loop")
+        if back:
+            _check_the_load_is_shared(url)
     finally:
-        kill_if_running(proc)
-    assert proc.returncode == 1, out
-    assert 503 in statuses, statuses
-    assert any("replica 1" in body and "exited with code -9" in body for body in bodies), bodies
-    assert "engine died" in out
-    assert wait_gone(replicas, 15) == [], "a replica outlived the server"
+        code, out = stop_server(proc)
+    ended = sorted(streams, key=lambda answer: '"error"' in answer[1])
+    assert [status for status, _ in ended] == [200, 200], ended
+    assert '"finish_reason":"length"' in ended[0][1] and '"error"' not in ended[0][1]
+    assert '"error"' in ended[1][1] and ended[1][1].rstrip().endswith("data: [DONE]"), ended[1][1][-400:]
+    assert back, out[-2000:]
+    assert len(new) == 2 and replicas[0] in new and replicas[1] not in new, (replicas, new)
+    assert code == 0, out
+    assert "replica 1 died" in out and "replica 1 is back" in out
 
 
 def test_a_replica_that_cannot_start_fails_the_launch(tmp_path):
@@ -151,3 +185,23 @@ def test_a_replica_that_cannot_start_fails_the_launch(tmp_path):
 
     with pytest.raises(ValueError, match="max_model_len"):
         start_replicas(EngineArgs(str(DEMO_MODEL_DIR), device="cpu", max_model_len=10**7), 2)
+
+
+def test_a_stopped_replica_is_reported_dead_within_seconds():
+    """Issue 40: a SIGSTOPped engine reported healthy for 58 s. Its heartbeat comes every second, whatever
+    its step does: 15 s without one is death."""
+    proc, url = start_server("--profile", "demo")
+    (replica,) = children(proc.pid, "shardserve.runtime.core.loop")
+    try:
+        os.kill(replica, signal.SIGSTOP)
+        stopped = time.monotonic()
+        assert _until(lambda: http(f"{url}/health", timeout=2)[0] == 503 or proc.poll() is not None, 30)
+        seen = time.monotonic() - stopped
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(replica, signal.SIGCONT)
+        kill_if_running(proc)
+    assert seen < 20, f"reported after {seen:.1f} s"
+    assert proc.returncode == 1 and "has sent nothing for 15 s" in out, out[-1500:]
+    assert wait_gone([replica], 15) == [], "the stopped replica outlived the server"
