@@ -293,6 +293,7 @@ def serve_once(config: DeployConfig, plan: PlanFile, listener: socket.socket, ap
     from shardserve.launch.openai_api.openai_serving import OpenAIServing
     from shardserve.launch.server.serving_options import ServingOptions
     from shardserve.launch.server.plan_check import PlanCheck, Prediction
+    from shardserve.launch.server.fair_share import FairShare
     from shardserve.launch.server.replicas import ReplicaSet
     from shardserve.launch.server.server_loop import ENDING_SECONDS, Drain, run, server_class
 
@@ -309,8 +310,9 @@ def serve_once(config: DeployConfig, plan: PlanFile, listener: socket.socket, ap
     info = engines[0].info.kv_cache_info
     compare_kv(plan, info)
 
+    share = FairShare(setting(config, "max_num_seqs") * len(engines), setting(config, "queue_timeout"))
     replicas = ReplicaSet(engines, plan_check=PlanCheck(Prediction.from_plan(plan), for_traffic=expected),
-                          routing_policy=setting(config, "routing_policy"), restart=restart)
+                          routing_policy=setting(config, "routing_policy"), restart=restart, fair_share=share)
     metrics = ServerMetrics(name, replicas.stats, replicas.max_model_len)
     replicas.metrics = metrics
     limit = config.max_queued_requests or 4 * setting(config, "max_num_seqs") * len(engines)

@@ -254,6 +254,11 @@ SETTINGS: tuple[Setting, ...] = (
        "bundled demo model, however given; else --model).", "server"),
     _s("max_queued_requests", int, None, "Requests in flight before the server answers 503 "
        "(default: 4 x max_num_seqs per replica).", "server", minimum=1),
+    _s("queue_timeout", float, 60.0, "Seconds a request may wait for room on the engines while its client "
+       "has nothing running there (one client holds at most 15/16 of the sequences the replicas run at once, "
+       "so another's request finds room at once; waiting requests are served client by client); then it is "
+       "answered 503 with Retry-After.",
+       "server", above=0),
     _s("shutdown_timeout", float, 10.0, "Seconds that SIGTERM or Ctrl-C gives in-flight requests to finish "
        "while new ones get 503; then streams still running end with an error event and [DONE], other "
        "requests with a 503. 0 ends them at once; a second signal cuts the wait short.", "server", minimum=0),

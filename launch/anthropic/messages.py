@@ -16,7 +16,9 @@ from shardserve.launch.server.api_error import APIError
 from shardserve.launch.server.metrics import ServerMetrics
 from shardserve.launch.openai_api.openai_serving import OpenAIServing, PreparedRequest
 from shardserve.launch.openai_api.request_deltas import RequestDeltas
+from shardserve.launch.server.fair_share import client_key
 from shardserve.launch.server.prefix_router import session_key
+from shardserve.launch.server.request_checks import app_path
 from shardserve.launch.server.responding import off_loop, streaming, until_disconnect
 
 MESSAGES_PATH = "/v1/messages"
@@ -34,7 +36,8 @@ def add_messages_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMet
             prepared = await off_loop(lambda b: serving.prepare_chat(b.chat_request()), body)
             # a Message's stream ends with its usage
             prepared = dataclasses.replace(prepared, options=dataclasses.replace(prepared.options, include_usage=True),
-                                           session=session_key(request.headers, (body.metadata or {}).get("user_id")))
+                                           session=session_key(request.headers, (body.metadata or {}).get("user_id")),
+                                           client=client_key((body.metadata or {}).get("user_id"), request))
             head, stops = message_head(prepared), tuple(body.stop_sequences or ())
             deltas = await serving.open(prepared)  # a grammar's 400 comes before any stream starts
         except APIError as e:
@@ -71,9 +74,7 @@ class AnthropicErrors:
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
-        path, root = scope.get("path", ""), scope.get("root_path", "")
-        path = path[len(root):] if root and path.startswith(root) else path  # a proxy's prefix (--root-path)
-        if scope["type"] != "http" or path != MESSAGES_PATH:
+        if scope["type"] != "http" or app_path(scope) != MESSAGES_PATH:
             return await self.app(scope, receive, send)
         start: dict | None = None
         parts: list[bytes] = []

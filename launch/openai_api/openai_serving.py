@@ -156,16 +156,17 @@ class OpenAIServing:
     async def open(self, request: PreparedRequest) -> RequestDeltas:
         """Every prompt of the request handed to a replica, once each has it: a grammar is compiled there (the
         server's process compiles none), and one that fails or takes more than --grammar-compile-timeout is a
-        400 here, before any response starts. The caller closes what it gets back when its response ends.
-        NOTE: one prompt after another: a second prompt's grammar is the first's, a cache hit."""
-        streams: list = []
+        400 here, before any response starts; so is a 503 for a request that found no room on the engines
+        (fair_share). The caller closes what it gets back when its response ends."""
+        def opener(i: int, prompt):
+            return lambda: self.replicas.open(prompt, request.params, request.prompt_id(i), request.session,
+                                              request.lora, self.options.grammar_compile_timeout, request.client)
+
+        deltas = RequestDeltas([opener(i, p) for i, p in enumerate(request.prompts)], _engine_error)
         try:
-            for i, prompt in enumerate(request.prompts):
-                streams.append(await self.replicas.open(prompt, request.params, request.prompt_id(i), request.session,
-                                                        request.lora, self.options.grammar_compile_timeout))
+            await deltas.opened()
         except BaseException as error:
-            for stream in streams:
-                await stream.aclose()
+            await deltas.aclose()
             if not isinstance(error, Exception):
                 raise
             if isinstance(error, GrammarCompileTimeout):
@@ -173,7 +174,7 @@ class OpenAIServing:
                 raise APIError(400, f"{field}: {error} (the server's --grammar-compile-timeout); make it smaller or "
                                "simpler", field) from None
             raise _engine_error(error) from None
-        return RequestDeltas(streams, _engine_error)
+        return deltas
 
     async def full_response(self, request: PreparedRequest, deltas: RequestDeltas) -> dict:
         """Accumulate every prompt's deltas (open()'s), then answer once."""

@@ -44,6 +44,7 @@ class PreparedRequest:
     echo_message: str = ""  # chat's echo: the reply starts with the last message's content
     options: ResponseOptions = field(default_factory=ResponseOptions)
     session: str | None = None  # the conversation's key for routing (x-session-id header, or the user field)
+    client: str | None = None  # whom its sequences are counted for (fair_share.client_key); None: nobody
     lora: LoRARequest | None = None  # the adapter its model field names; None: the base model
     created: int = field(default_factory=lambda: int(time.time()))
 

@@ -12,6 +12,7 @@ from shardserve.launch.server.api_error import APIError
 from shardserve.launch.server.metrics import ServerMetrics
 from shardserve.launch.openai_api.openai_serving import OpenAIServing, PreparedRequest
 from shardserve.launch.openai_api.request_deltas import RequestDeltas
+from shardserve.launch.server.fair_share import client_key
 from shardserve.launch.server.prefix_router import session_key
 from shardserve.launch.responses.output import from_completion, response_head
 from shardserve.launch.responses.request import ResponsesRequest
@@ -32,7 +33,8 @@ def add_responses_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMe
             # a Response's usage always has its cached tokens; a stream always ends with it
             options = dataclasses.replace(prepared.options, include_usage=True, prompt_tokens_details=True)
             session = session_key(request.headers, (body.model_extra or {}).get("prompt_cache_key"), body.user)
-            prepared = dataclasses.replace(prepared, options=options, session=session)
+            prepared = dataclasses.replace(prepared, options=options, session=session,
+                                           client=client_key(body.user, request))
             head = response_head(body, prepared)
             deltas = await serving.open(prepared)  # a grammar's 400 comes before any stream starts
         except APIError as e:

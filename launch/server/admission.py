@@ -7,7 +7,9 @@ from collections.abc import Callable
 
 from fastapi.responses import JSONResponse
 
+from shardserve.launch.server.fair_share import RETRY_AFTER_SECONDS
 from shardserve.launch.server.metrics import ServerMetrics
+from shardserve.launch.server.request_checks import API_PATHS, app_path
 from shardserve.launch.openai_api.protocol import APIError, shutting_down
 
 
@@ -25,13 +27,14 @@ class Admission:
             return shutting_down()
         if self.num_in_flight >= self.limit:
             return APIError(503, f"server overloaded: {self.num_in_flight} requests in flight; retry later",
-                            error_type="service_unavailable")
+                            error_type="service_unavailable", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
         return None
 
 
 class InFlightLimit:
-    """ASGI middleware over the API routes (POST /v1/...): answers 503 while draining or beyond the limit;
-    counts a request from arrival until its response is sent or its client has gone, whichever is first.
+    """ASGI middleware over the API routes (every POST to request_checks.API_PATHS, under any --root-path):
+    answers 503 while draining or beyond the limit; counts a request from arrival until its response is
+    sent or its client has gone, whichever is first.
 
     NOTE: counting here, not in the engine, closes the race where a burst passes the check before any of
     its requests has reached a replica. A client's departure frees its slot the moment the connection
@@ -42,13 +45,13 @@ class InFlightLimit:
         self.app, self.admission = app, admission
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http" or scope["method"] != "POST" or not app_path(scope).startswith(API_PATHS):
             return await self.app(scope, receive, send)
         admission = self.admission
         refusal = admission.refusal()
         if refusal is not None:
             admission.metrics.outcome(refusal.outcome)
-            return await JSONResponse(refusal.body(), refusal.status)(scope, receive, send)
+            return await JSONResponse(refusal.body(), refusal.status, headers=refusal.headers)(scope, receive, send)
         admission.num_in_flight += 1
         is_counted = True
 

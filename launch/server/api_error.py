@@ -13,9 +13,9 @@ class APIError(Exception):
     """An error the client caused (or an overload): becomes an OpenAI-shaped JSON response."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 error_type: str | None = None):
+                 error_type: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.headers = status, message, param, headers
         self.error_type = error_type or {400: "invalid_request_error",
                                          401: "authentication_error",
                                          404: "not_found_error"}.get(status, "server_error")

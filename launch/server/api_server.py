@@ -22,10 +22,11 @@ from shardserve.launch.server.embeddings import add_embedding_routes
 from shardserve.launch.server.lora_routes import add_lora_routes
 from shardserve.launch.server.metrics import ServerMetrics
 from shardserve.launch.openai_api.openai_serving import OpenAIServing, PreparedRequest
+from shardserve.launch.server.fair_share import client_key
 from shardserve.launch.server.prefix_router import session_key
 from shardserve.launch.openai_api.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from shardserve.launch.server.replicas import ReplicaSet, public_message
-from shardserve.launch.server.request_checks import json_body
+from shardserve.launch.server.request_checks import API_PATHS, app_path, json_body
 from shardserve.launch.server.responding import off_loop, streaming, until_disconnect
 from shardserve.launch.responses.routes import add_responses_routes
 from shardserve.launch.server.tokenization import DetokenizeRequest, TokenizeRequest, tokenizer_info
@@ -42,10 +43,8 @@ class ApiKeyAuth:
         self.app, self.expected, self.key = app, f"Bearer {api_key}".encode(), api_key.encode()
 
     async def __call__(self, scope, receive, send):
-        path, root = scope.get("path", ""), scope.get("root_path", "")
-        path = path[len(root):] if root and path.startswith(root) else path  # a proxy's prefix (--root-path)
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and \
-                path.startswith(("/v1", "/tokenize", "/detokenize", "/invocations")):
+        path = app_path(scope)
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and path.startswith(API_PATHS):
             headers, is_messages = dict(scope["headers"]), path == MESSAGES_PATH
             is_known = hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
             if is_messages and hmac.compare_digest(headers.get(b"x-api-key", b""), self.key):
@@ -140,6 +139,7 @@ def _add_generation_routes(app: FastAPI, serving: OpenAIServing, metrics: Server
     async def respond(prepared: PreparedRequest, body, request: Request):
         extra = body.model_extra or {}
         prepared.session = session_key(request.headers, extra.get("prompt_cache_key"), extra.get("user"))
+        prepared.client = client_key(extra.get("user"), request)
         deltas = await serving.open(prepared)  # a grammar's 400 comes before any stream starts
         if body.stream:
             return streaming(serving.stream(prepared, deltas), metrics, deltas)
@@ -176,7 +176,7 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError):
         metrics.outcome(e.outcome)
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException):

@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from shardserve.launch.server.api_error import APIError
+from shardserve.launch.server.fair_share import client_key
 from shardserve.launch.server.metrics import ServerMetrics
 from shardserve.launch.openai_api.openai_serving import OpenAIServing, PreparedRequest
 from shardserve.launch.openai_api.request_deltas import RequestDeltas
@@ -38,11 +39,13 @@ def add_chat_batch_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerM
 
     @app.post(BATCH_PATH)
     async def chat_batch(request: Request):
-        bodies = conversations(await json_body(request))
+        data = await json_body(request)
+        bodies = conversations(data)
         prepared = await off_loop(lambda b: [_prepared(serving, body, i) for i, body in enumerate(b)], bodies)
         opened: list = []
         try:
             for one in prepared:
+                one.client = client_key(data.get("user"), request)
                 opened.append(await serving.open(one))  # the same grammar for each: compiled once, then cached
         except BaseException:
             for deltas in opened:

@@ -4,6 +4,7 @@ prompts fail, the others serve on while it is restarted) and per-prompt metrics.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import sys
@@ -12,6 +13,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import TYPE_CHECKING
 
 from shardserve.launch.server.engine_client import EngineClient
+from shardserve.launch.server.fair_share import FairShare
 from shardserve.launch.server.metrics import PromptTimer, ServerMetrics
 from shardserve.launch.server.plan_check import FinishedRequest, PlanCheck
 from shardserve.launch.server.prefix_router import CACHE_AWARE, PrefixRouter, Route
@@ -59,11 +61,12 @@ class Replica:
 class ReplicaSet:
     def __init__(self, engines: Sequence[EngineClient], metrics: ServerMetrics | None = None,
                  plan_check: PlanCheck | None = None, routing_policy: str = CACHE_AWARE,
-                 restart: Callable[[int], EngineClient] | None = None):
+                 restart: Callable[[int], EngineClient] | None = None, fair_share: FairShare | None = None):
         """restart(index): a new engine for replica `index`, started and ready (blocking; run in a thread).
         With it and more than one replica, a replica that dies is restarted while the others serve;
         without it (or with one replica), its death is the server's."""
         self.replicas = [Replica(i, e) for i, e in enumerate(engines)]
+        self.fair_share = fair_share  # the engines' sequences shared between clients; None: first come first served
         self.restart = restart if len(engines) > 1 else None
         self._restarts: dict[int, asyncio.Task] = {}
         kv = self.replicas[0].engine.info.kv_cache_info  # every replica has the same layout, so the same pool
@@ -159,13 +162,24 @@ class ReplicaSet:
         return route
 
     async def open(self, prompt: ProcessedPrompt, params: SamplingParams, prompt_id: str, session: str | None = None,
-                   lora: LoRARequest | None = None, compile_timeout: float | None = None) -> AsyncGenerator[PromptDelta]:
+                   lora: LoRARequest | None = None, compile_timeout: float | None = None,
+                   client: str | None = None) -> AsyncGenerator[PromptDelta]:
         """The prompt handed to the replica the router chose (`session`: the conversation's key), once that
-        replica has it (a grammar compiled: its failure raises here); the returned iterator yields its deltas,
-        timed for metrics. A prompt that stop() ended raises a 503."""
-        return await opened(self._stream(prompt, params, prompt_id, session, lora, compile_timeout))
+        replica has it (a grammar compiled: its failure raises here) and, with a fair share, once `client`
+        may hold its sequences (a 503 if it waits too long); the returned iterator yields its deltas, timed
+        for metrics. A prompt that stop() ended raises a 503."""
+        return await opened(self._stream(prompt, params, prompt_id, session, lora, compile_timeout, client))
 
     async def _stream(self, prompt: ProcessedPrompt, params: SamplingParams, prompt_id: str, session: str | None,
+                      lora: LoRARequest | None, compile_timeout: float | None, client: str | None) -> AsyncGenerator:
+        if self.is_stopping:
+            raise shutting_down()
+        share = self.fair_share
+        async with share.holding(client, params.n) if share and client else contextlib.AsyncExitStack():
+            async for item in self._routed(prompt, params, prompt_id, session, lora, compile_timeout):
+                yield item
+
+    async def _routed(self, prompt: ProcessedPrompt, params: SamplingParams, prompt_id: str, session: str | None,
                       lora: LoRARequest | None, compile_timeout: float | None) -> AsyncGenerator:
         if self.is_stopping:
             raise shutting_down()

@@ -16,6 +16,15 @@ from shardserve.launch.server.api_error import APIError
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
 
 
+API_PATHS = ("/v1", "/tokenize", "/detokenize", "/invocations")  # the API's routes: keyed, and POSTs counted
+
+
+def app_path(scope) -> str:
+    """A request's path as the app's routes name it: a proxy's prefix (--root-path) taken off."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
 MAX_BODY_DEPTH = 128  # how deeply a body's arrays and objects may nest (a JSON schema in it: at most 64)
 
 

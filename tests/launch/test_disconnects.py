@@ -17,7 +17,7 @@ RUNNING, KV = "vllm:num_requests_running", "vllm:kv_cache_usage_perc"
 
 @pytest.fixture(scope="module")
 def server():
-    yield from serving("--profile", "demo", "--max-queued-requests", str(LIMIT))
+    yield from serving("--profile", "demo", "--max-queued-requests", str(LIMIT), "--root-path", "/llm")
 
 
 def wait_for(condition, timeout: float) -> float:
@@ -32,6 +32,20 @@ def wait_for(condition, timeout: float) -> float:
 
 def is_idle(url: str) -> bool:
     return metric(url, RUNNING) == 0 and metric(url, KV) == 0
+
+
+def test_every_api_route_counts_against_the_limit_under_any_root_path(server):
+    """Issue 40: /invocations, /tokenize and every route under --root-path were not counted at all."""
+    socks = [open_request(server, "/llm/v1/completions", LONG | {"stream": True}) for _ in range(LIMIT)]
+    try:
+        assert wait_for(lambda: metric(server, RUNNING) == LIMIT, 5) < 5
+        for path, body in (("/llm/v1/completions", LONG | {"max_tokens": 1}), ("/invocations", LONG),
+                           ("/llm/invocations", LONG), ("/tokenize", {"model": MODEL, "prompt": "hi"})):
+            assert http(f"{server}{path}", body)[0] == 503, path
+    finally:
+        for sock in socks:
+            sock.close()
+    assert wait_for(lambda: is_idle(server), 3) < 1.0
 
 
 def test_a_non_streaming_request_whose_client_times_out_is_aborted_within_a_second(server):

@@ -118,7 +118,7 @@ def test_adapters_that_do_not_fit_are_refused_before_they_run(adapters, checkpoi
     with LLM(folder, device="cpu", enable_lora=True, max_lora_rank=8) as llm:
         cases = [(a2, "rank 16, above max_lora_rank=8"), (LoRARequest("o", 3, str(tmp_path / "other")),
                                                            "does not fit"),
-                 (LoRARequest("b", 4, str(broken)), "use_dora=True is not served"),
+                 (LoRARequest("b", 4, str(broken)), "use_dora is set, which is not served"),
                  (LoRARequest("m", 5, str(tmp_path)), "not a PEFT adapter folder")]
         for lora, words in cases:
             with pytest.raises(AdapterError, match=words):
