@@ -71,16 +71,22 @@ def _data_bytes(path: Path, header) -> int:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        offsets = info.get("data_offsets") if isinstance(info, dict) else None
-        shape = info.get("shape") if isinstance(info, dict) else None
-        if not (isinstance(info.get("dtype") if isinstance(info, dict) else None, str)
-                and isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)
-                and isinstance(offsets, list) and len(offsets) == 2
-                and all(isinstance(o, int) for o in offsets) and 0 <= offsets[0] <= offsets[1]):
+        if not _is_entry(info):
             raise HeaderError(path, "has a malformed safetensors header (a tensor without dtype, shape and "
                               "data_offsets)")
-        end = max(end, offsets[1])
+        end = max(end, info["data_offsets"][1])
     return end
+
+
+def _is_entry(info) -> bool:
+    """A tensor's entry as the format writes it: a dtype name, a shape of sizes, [begin, end] offsets."""
+    if not isinstance(info, dict) or not isinstance(info.get("dtype"), str):
+        return False
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
+        return False
+    return (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1])
 
 
 # a multimodal checkpoint's language model tensors (transformers 5, then 4) -> the text model's names

@@ -43,9 +43,10 @@ def add_chat_batch_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerM
         bodies = conversations(data)
         prepared = await off_loop(lambda b: [_prepared(serving, body, i) for i, body in enumerate(b)], bodies)
         opened: list = []
+        client = client_key(data.get("user"), request)
         try:
             for one in prepared:
-                one.client = client_key(data.get("user"), request)
+                one.client = client
                 opened.append(await serving.open(one))  # the same grammar for each: compiled once, then cached
         except BaseException:
             for deltas in opened:

@@ -22,7 +22,10 @@ class EngineClient(Protocol):
     index: int  # the replica's number, in logs, errors and metric labels
 
     info: EngineInfo  # what the engine said when it came up: its model, KV cache, defaults and rules
-    tokenizer: Any  # what it makes text with (the server's one, shared by every replica); None without one
+
+    @property
+    def tokenizer(self) -> Any:
+        """What it makes text with (the server's one, shared by every replica); None without one."""
 
     @property
     def error(self) -> BaseException | None:

@@ -172,8 +172,6 @@ class ReplicaSet:
 
     async def _stream(self, prompt: ProcessedPrompt, params: SamplingParams, prompt_id: str, session: str | None,
                       lora: LoRARequest | None, compile_timeout: float | None, client: str | None) -> AsyncGenerator:
-        if self.is_stopping:
-            raise shutting_down()
         share = self.fair_share
         async with share.holding(client, params.n) if share and client else contextlib.AsyncExitStack():
             async for item in self._routed(prompt, params, prompt_id, session, lora, compile_timeout):

@@ -119,8 +119,7 @@ class EngineCoreClient:
     def __init__(self, index: int, core: ProcessCore | ThreadCore, sock: socket.socket):
         self.index, self.core, self.sock = index, core, sock
         self.info: EngineInfo  # what the core said once it was up (wait_ready; a thread's at once)
-        self.tokenizer = None  # the text side's (use_tokenizer): one per process, shared by its clients
-        self.outputs: OutputProcessor
+        self.outputs: OutputProcessor  # the text side (use_tokenizer)
         self._stats: EngineStats
         self._error: BaseException | None = None
         self._last_heard = time.monotonic()
@@ -174,8 +173,18 @@ class EngineCoreClient:
         self.info, self._stats = info, info.stats
 
     def use_tokenizer(self, tokenizer) -> None:
-        """The tokenizer this client makes text with (None: the model skips it, and outputs have no text)."""
-        self.tokenizer, self.outputs = tokenizer, OutputProcessor(tokenizer)
+        """The tokenizer this client makes text with (None: the model skips it, and outputs have no text); one
+        per process, shared by its clients."""
+        self.outputs = OutputProcessor(tokenizer)
+
+    @property
+    def tokenizer(self):
+        return self.outputs.tokenizer
+
+    def discard(self) -> None:
+        """Stop a core that never served (it failed to start, or another replica did) at once."""
+        self.core.stop(0.0)
+        self.sock.close()
 
     @property
     def error(self) -> BaseException | None:
@@ -340,8 +349,7 @@ def start_replica(args: EngineArgs, index: int, tokenizer) -> EngineCoreClient:
     try:
         client.wait_ready()
     except BaseException:
-        client.core.stop(0.0)
-        client.sock.close()
+        client.discard()
         raise
     client.use_tokenizer(tokenizer)
     return client
@@ -361,7 +369,6 @@ def start_replicas(args: EngineArgs, num_replicas: int) -> list[EngineCoreClient
             replica.use_tokenizer(tokenizer)
     except BaseException:
         for replica in replicas:
-            replica.core.stop(0.0)
-            replica.sock.close()
+            replica.discard()
         raise
     return replicas

@@ -58,7 +58,8 @@ def test_a_request_with_no_room_is_a_503_with_retry_after(server):
     """Client a holds 7 sequences, client b the last one: client c's request waits with nothing running,
     and after --queue-timeout it is refused (a and b run on)."""
     answers: dict = {}
-    threads = [threading.Thread(target=timed, args=(server, fan_out(user, 1, n, 200), answers, user))
+    # 900 tokens: neither a nor b ends within the timeout (200 on an idle machine did, and c found room)
+    threads = [threading.Thread(target=timed, args=(server, fan_out(user, 1, n, 900), answers, user))
                for user, n in (("a", MAX_NUM_SEQS - 1), ("b", 1))]
     threads[0].start()
     assert until(lambda: metric(server, RUNNING) == MAX_NUM_SEQS - 1, 10)
