@@ -296,6 +296,7 @@ def serve_once(config: DeployConfig, plan: PlanFile, listener: socket.socket, ap
     from shardserve.launch.server.fair_share import FairShare
     from shardserve.launch.server.replicas import ReplicaSet
     from shardserve.launch.server.server_loop import ENDING_SECONDS, Drain, run, server_class
+    from shardserve.launch.server.connections import http_protocol
 
     host, port = setting(config, "host"), listener.getsockname()[1]
     name = loras.base_name
@@ -312,19 +313,22 @@ def serve_once(config: DeployConfig, plan: PlanFile, listener: socket.socket, ap
 
     share = FairShare(setting(config, "max_num_seqs") * len(engines), setting(config, "queue_timeout"))
     replicas = ReplicaSet(engines, plan_check=PlanCheck(Prediction.from_plan(plan), for_traffic=expected),
-                          routing_policy=setting(config, "routing_policy"), restart=restart, fair_share=share)
+                          routing_policy=setting(config, "routing_policy"), restart=restart, fair_share=share,
+                          max_num_seqs=setting(config, "max_num_seqs"))
     metrics = ServerMetrics(name, replicas.stats, replicas.max_model_len)
     replicas.metrics = metrics
     limit = config.max_queued_requests or 4 * setting(config, "max_num_seqs") * len(engines)
     serving = OpenAIServing(replicas, name, ServingOptions.from_config(config), loras)
     app = build_app(replicas, serving, metrics, api_key, limit, config.allowed_origins,
-                    max_request_body_bytes=setting(config, "max_request_body_bytes"))
+                    max_request_body_bytes=setting(config, "max_request_body_bytes"),
+                    request_read_timeout=setting(config, "request_read_timeout"))
     warn_exposure(host, api_key)
     logger.info("serving %r at http://%s:%d/v1; try:\n  %s", name, host, port,
                 try_it(name, host, port, api_key, setting(config, "runner")))
     # NOTE: uvicorn's own grace only covers what is left after the drain (see server_loop.Drain)
     drain = Drain(app.state.admission, replicas, setting(config, "shutdown_timeout"))
     server = server_class()(uvicorn.Config(app, host=host, port=port, log_level="info",
+                                           http=http_protocol(setting(config, "request_read_timeout")),
                                            timeout_graceful_shutdown=ENDING_SECONDS, access_log=False), drain)
     return asyncio.run(run(server, replicas, listener))
 

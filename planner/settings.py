@@ -265,6 +265,9 @@ SETTINGS: tuple[Setting, ...] = (
     _s("max_request_body_bytes", int, 16 << 20, "Largest request body the server reads; a larger one is "
        "answered 413 before it is parsed (16 MiB: a million-token prompt as text or token ids).", "server",
        minimum=1),
+    _s("request_read_timeout", float, 30.0, "Seconds a client may take to send a request's headers, and the "
+       "longest pause between pieces of its body (then the connection is closed, or answered 408): a client "
+       "that stalls does not hold a connection and its file descriptor.", "server", above=0),
     _s("grammar_compile_timeout", float, 10.0, "Seconds a request's grammar (response_format, guided_*, "
        "tool_choice required or named) may take to compile before the request is refused with a 400. It is "
        "compiled in the replica's process, off its step loop, so other requests go on meanwhile; the time "

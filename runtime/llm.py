@@ -27,6 +27,7 @@ class LLM:
         self.engine_args = args
         self.engine = EngineCore(args.create_engine_config())
         self.output_processor = OutputProcessor(self.engine.tokenizer)  # (the core's: one process)
+        self.failed_prompts: dict[str, BaseException] = {}  # prompt id -> why a step failed it; the caller pops
         self._next_id = 0
 
     @property
@@ -103,9 +104,14 @@ class LLM:
 
     def step(self) -> list[PromptDelta]:
         """One step of the core, its token updates as deltas; a sample a stop string ended is stopped in the
-        core before its next step (with batches in flight, its later tokens are dropped here)."""
+        core before its next step (with batches in flight, its later tokens are dropped here). A prompt the
+        step failed (its adapter's weights could not be read) has no more deltas: its error is put in
+        failed_prompts, and the other prompts run on."""
         deltas, stopped = self.output_processor.process(self.engine.step())
         self.engine.stop_requests(stopped)
+        for failed in self.engine.take_failed_prompts():
+            self.output_processor.abort(failed.prompt_id)
+            self.failed_prompts[failed.prompt_id] = failed.error
         return deltas
 
     def shutdown(self) -> None:
@@ -144,9 +150,15 @@ class LLM:
         return prompt_ids
 
     def _step_until_done(self, prompt_ids: list[str], take: Callable[[PromptDelta], None]) -> None:
-        """Step until nothing is left; the deltas of these prompts go to `take`."""
+        """Step until nothing is left; the deltas of these prompts go to `take`. One of them failed: the
+        others are aborted and its error raised (as for a prompt refused when it was added)."""
         queued = set(prompt_ids)
         while self.has_unfinished_requests():
             for delta in self.step():
                 if delta.prompt_id in queued:
                     take(delta)
+            errors = [self.failed_prompts.pop(i) for i in prompt_ids if i in self.failed_prompts]
+            if errors:
+                for prompt_id in prompt_ids:
+                    self.abort_request(prompt_id)
+                raise errors[0]

@@ -55,6 +55,11 @@ class AdapterChecks:
             raise AdapterError(problem)
         self._checked[lora.lora_int_id] = lora
 
+    def forget(self, lora: LoRARequest) -> None:
+        """A rank could not read the adapter after it was checked (its files changed or vanished): the next
+        request that names it is checked again, its files read whole."""
+        self._checked.pop(lora.lora_int_id, None)
+
     @functools.cached_property
     def _spec(self) -> ModelSpec:
         """The planner's spec of the loaded model, made for the first adapter checked."""

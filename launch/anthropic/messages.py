@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Annotated
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 
 from shardserve.launch.anthropic.output import error_body, from_completion, message_head
 from shardserve.launch.anthropic.request import MessagesRequest
@@ -18,7 +19,7 @@ from shardserve.launch.openai_api.openai_serving import OpenAIServing, PreparedR
 from shardserve.launch.openai_api.request_deltas import RequestDeltas
 from shardserve.launch.server.fair_share import client_key
 from shardserve.launch.server.prefix_router import session_key
-from shardserve.launch.server.request_checks import app_path
+from shardserve.launch.server.request_checks import app_path, parsed_body
 from shardserve.launch.server.responding import off_loop, streaming, until_disconnect
 
 MESSAGES_PATH = "/v1/messages"
@@ -31,7 +32,7 @@ def add_messages_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMet
     added (the API key's among them): the last added runs first, so it sees every error the route answers."""
 
     @app.post(MESSAGES_PATH)
-    async def messages(body: MessagesRequest, request: Request):
+    async def messages(body: Annotated[MessagesRequest, Depends(parsed_body(MessagesRequest))], request: Request):
         try:
             prepared = await off_loop(lambda b: serving.prepare_chat(b.chat_request()), body)
             # a Message's stream ends with its usage

@@ -29,7 +29,7 @@ from pydantic import ConfigDict, Field, ValidationError
 
 from shardserve.launch.server.api_error import APIError
 from shardserve.launch.openai_api.protocol import ChatCompletionRequest
-from shardserve.launch.server.request_checks import UnicodeBody, check_keys, is_neutral, required_string
+from shardserve.launch.server.request_checks import Items, UnicodeBody, check_keys, is_neutral, required_string
 
 _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # "tool" names a function
 
@@ -38,15 +38,15 @@ class MessagesRequest(UnicodeBody):
     model_config = ConfigDict(extra="allow")  # an extra field is refused by name unless it asks for nothing
 
     model: str
-    messages: list[Any]
+    messages: Items[Any]
     max_tokens: int = Field(ge=1)
-    system: Optional[Union[str, list[Any]]] = None
+    system: Optional[Union[str, Items[Any]]] = None
     temperature: Optional[float] = Field(None, ge=0, le=1, allow_inf_nan=False)  # Anthropic's range
     top_p: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False)
     top_k: Optional[int] = None
-    stop_sequences: Optional[list[str]] = None
+    stop_sequences: Optional[Items[str]] = None
     stream: bool = False
-    tools: Optional[list[Any]] = None
+    tools: Optional[Items[Any]] = None
     tool_choice: Optional[dict[str, Any]] = None
     metadata: Optional[dict[str, Any]] = None  # {user_id}: asks for nothing that changes the reply
     chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM's extra, passed on to the chat template

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal, Optional, Union, cast
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from shardserve.launch.server.api_error import APIError, shutting_down as shutting_down
-from shardserve.launch.server.request_checks import IGNORED_FIELDS as IGNORED_FIELDS, UnicodeBody, is_neutral, refuse_unknown
+from shardserve.launch.server.request_checks import IGNORED_FIELDS as IGNORED_FIELDS, Items, UnicodeBody, is_neutral, refuse_unknown
 from shardserve.launch.openai_api.structured_request import (GUIDED_FIELDS, StructuredOutputsParams, asked_grammars,
                                                   structured_outputs)
 from shardserve.runtime.sampling_params import SamplingParams
@@ -50,8 +50,8 @@ class _SamplingFields(UnicodeBody):
     top_k: Optional[int] = None
     min_p: Optional[float] = Field(None, ge=0, le=1, allow_inf_nan=False)
     seed: Optional[int] = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)
-    stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[TokenId]] = None
+    stop: Optional[Union[str, Items[str]]] = None
+    stop_token_ids: Optional[Items[TokenId]] = None
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2, allow_inf_nan=False)
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2, allow_inf_nan=False)
     repetition_penalty: Optional[float] = Field(None, gt=0, allow_inf_nan=False)
@@ -67,13 +67,13 @@ class _SamplingFields(UnicodeBody):
     structured_outputs: Optional[StructuredOutputsParams] = None  # vLLM's structured-output extra
     guided_json: Optional[Union[str, dict[str, Any]]] = None  # vLLM's older structured-output extras
     guided_regex: Optional[str] = None
-    guided_choice: Optional[list[str]] = None
+    guided_choice: Optional[Items[str]] = None
     guided_grammar: Optional[str] = None
     # vLLM's extras: keep the prompt's last N tokens (-1: max_model_len), or its first N (truncation_side right)
     truncate_prompt_tokens: Optional[int] = Field(None, ge=-1, le=INT64_MAX)
     truncation_side: Optional[Literal["left", "right"]] = None
     use_beam_search: bool = False  # only false: there is no beam search here
-    logprob_token_ids: Optional[list[TokenId]] = None  # vLLM's: logprobs of chosen tokens; refused when given
+    logprob_token_ids: Optional[Items[TokenId]] = None  # vLLM's: logprobs of chosen tokens; refused when given
     return_token_ids: Optional[bool] = None  # the choices carry token_ids, the response prompt_token_ids
     return_tokens_as_token_ids: Optional[bool] = None  # logprob tokens as "token_id:N" (None: the server's)
 
@@ -137,7 +137,7 @@ class _SamplingFields(UnicodeBody):
                            "to be shown)", "prompt_logprobs")
 
 
-PromptInput = Union[str, list[str], list[int], list[list[int]]]
+PromptInput = Union[str, Items[str], Items[int], Items[Items[int]]]
 
 
 class CompletionRequest(_SamplingFields):
@@ -183,7 +183,7 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-MessageContent = Annotated[Union[Annotated[str, Tag("string")], Annotated[list[ContentPart], Tag("parts")]],
+MessageContent = Annotated[Union[Annotated[str, Tag("string")], Annotated[Items[ContentPart], Tag("parts")]],
                            _string_or("parts")]
 
 
@@ -192,7 +192,7 @@ class ChatMessage(BaseModel):
     role: Union[Literal["system", "user", "assistant", "tool", "developer"], str]  # or any the template takes
     content: Optional[MessageContent] = None
     name: Optional[str] = None
-    tool_calls: Optional[list[ToolCall]] = None
+    tool_calls: Optional[Items[ToolCall]] = None
     tool_call_id: Optional[str] = None
     reasoning_content: Optional[str] = None  # an assistant turn's reasoning, as --reasoning-parser returned it
     reasoning: Optional[str] = None  # its newer name
@@ -261,7 +261,7 @@ ToolChoice = Annotated[Union[Annotated[str, Tag("string")], Annotated[NamedToolC
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Items[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[int] = Field(None, ge=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
@@ -271,7 +271,7 @@ class ChatCompletionRequest(_SamplingFields):
     echo: bool = False  # vLLM's: the reply starts with the last message's content when the roles match
     chat_template_kwargs: Optional[dict[str, Any]] = None
     chat_template: Optional[str] = None  # vLLM's: only with --trust-request-chat-template
-    tools: Optional[list[Tool]] = None
+    tools: Optional[Items[Tool]] = None
     tool_choice: Optional[ToolChoice] = None  # none | auto | required | a named function
     parallel_tool_calls: Optional[bool] = None  # False: one call at most
 

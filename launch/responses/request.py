@@ -22,7 +22,7 @@ from pydantic import ConfigDict, Discriminator, Field, Tag, ValidationError
 
 from shardserve.launch.server.api_error import APIError
 from shardserve.launch.openai_api.protocol import ChatCompletionRequest, StreamOptions
-from shardserve.launch.server.request_checks import UnicodeBody, check_keys, is_neutral, refuse_unknown, required_string
+from shardserve.launch.server.request_checks import Items, UnicodeBody, check_keys, is_neutral, refuse_unknown, required_string
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # NOTE: accepted because it asks for nothing here: reasoning items (--reasoning-parser) carry their text, never
@@ -41,7 +41,7 @@ def _string_or(tag: str) -> Discriminator:
     return Discriminator(lambda value: "string" if isinstance(value, str) else tag)
 
 
-Input = Annotated[Union[Annotated[str, Tag("string")], Annotated[list[dict[str, Any]], Tag("items")]],
+Input = Annotated[Union[Annotated[str, Tag("string")], Annotated[Items[dict[str, Any]], Tag("items")]],
                   _string_or("items")]
 ToolChoice = Annotated[Union[Annotated[str, Tag("string")], Annotated[dict[str, Any], Tag("object")]],
                        _string_or("object")]
@@ -58,11 +58,11 @@ class ResponsesRequest(UnicodeBody):
     top_p: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    tools: Optional[list[dict[str, Any]]] = None
+    tools: Optional[Items[dict[str, Any]]] = None
     tool_choice: Optional[ToolChoice] = None
     parallel_tool_calls: Optional[bool] = None
     text: Optional[dict[str, Any]] = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
-    include: Optional[list[str]] = None
+    include: Optional[Items[str]] = None
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     metadata: Optional[dict[str, str]] = None  # returned as given
     user: Optional[str] = None  # returned as given

@@ -5,8 +5,9 @@ or, streamed, the Responses events (responses_stream)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Annotated
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 
 from shardserve.launch.server.api_error import APIError
 from shardserve.launch.server.metrics import ServerMetrics
@@ -18,6 +19,7 @@ from shardserve.launch.responses.output import from_completion, response_head
 from shardserve.launch.responses.request import ResponsesRequest
 from shardserve.launch.responses.stream import response_events
 from shardserve.launch.server.responding import off_loop, streaming, until_disconnect
+from shardserve.launch.server.request_checks import parsed_body
 
 # chat's names for what the Responses request calls otherwise, for the errors the chat path raises
 _RENAMED = {"messages": "input", "response_format": "text.format", "max_completion_tokens": "max_output_tokens",
@@ -27,7 +29,7 @@ _RENAMED = {"messages": "input", "response_format": "text.format", "max_completi
 def add_responses_routes(app: FastAPI, serving: OpenAIServing, metrics: ServerMetrics) -> None:
 
     @app.post("/v1/responses")
-    async def responses(body: ResponsesRequest, request: Request):
+    async def responses(body: Annotated[ResponsesRequest, Depends(parsed_body(ResponsesRequest))], request: Request):
         try:
             prepared = await off_loop(lambda b: serving.prepare_chat(b.chat_request()), body)
             # a Response's usage always has its cached tokens; a stream always ends with it

@@ -5,8 +5,9 @@ from __future__ import annotations
 import hmac
 import json
 from functools import partial
+from typing import Annotated
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -26,7 +27,7 @@ from shardserve.launch.server.fair_share import client_key
 from shardserve.launch.server.prefix_router import session_key
 from shardserve.launch.openai_api.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from shardserve.launch.server.replicas import ReplicaSet, public_message
-from shardserve.launch.server.request_checks import API_PATHS, app_path, json_body
+from shardserve.launch.server.request_checks import API_PATHS, app_path, document_bodies, json_body, parsed_body
 from shardserve.launch.server.responding import off_loop, streaming, until_disconnect
 from shardserve.launch.responses.routes import add_responses_routes
 from shardserve.launch.server.tokenization import DetokenizeRequest, TokenizeRequest, tokenizer_info
@@ -58,15 +59,17 @@ class ApiKeyAuth:
 
 def build_app(replicas: ReplicaSet, serving: OpenAIServing, metrics: ServerMetrics,
               api_key: str | None, max_queued_requests: int,
-              allowed_origins: list[str] | None = None, *, max_request_body_bytes: int) -> FastAPI:
+              allowed_origins: list[str] | None = None, *, max_request_body_bytes: int,
+              request_read_timeout: float) -> FastAPI:
     app = FastAPI(title="shardserve", version=__version__, root_path=serving.options.root_path or "")
     admission = app.state.admission = Admission(max_queued_requests, metrics)  # the launcher drains it
     app.add_middleware(InFlightLimit, admission=admission)
-    app.add_middleware(BodyLimit, limit=max_request_body_bytes, metrics=metrics)
+    app.add_middleware(BodyLimit, limit=max_request_body_bytes, read_timeout=request_read_timeout, metrics=metrics)
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
                            allow_headers=["*"], allow_credentials="*" not in allowed_origins)
     _install_error_handlers(app, metrics)
+    document_bodies(app)  # the routes' bodies are parsed off the event loop (parsed_body)
     _add_token_routes(app, serving)
     add_responses_routes(app, serving, metrics)  # POST /v1/responses, over the chat path
     add_embedding_routes(app, replicas, serving, metrics)  # POST /v1/embeddings (runner pooling)
@@ -146,11 +149,11 @@ def _add_generation_routes(app: FastAPI, serving: OpenAIServing, metrics: Server
         return await until_disconnect(serving.full_response(prepared, deltas), request, metrics, deltas)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(body: Annotated[CompletionRequest, Depends(parsed_body(CompletionRequest))], request: Request):
         return await respond(await off_loop(serving.prepare_completion, body), body, request)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request):
+    async def chat(body: Annotated[ChatCompletionRequest, Depends(parsed_body(ChatCompletionRequest))], request: Request):
         return await respond(await off_loop(serving.prepare_chat, body), body, request)
 
     @app.post("/invocations")
@@ -216,9 +219,9 @@ def _add_token_routes(app: FastAPI, serving: OpenAIServing) -> None:
     """vLLM's /tokenize and /detokenize, through the same input processor as generation."""
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):  # the answer's JSON (millions of ids) is written off the loop too
+    async def tokenize(body: Annotated[TokenizeRequest, Depends(parsed_body(TokenizeRequest))]):  # the answer's JSON (millions of ids) is written off the loop too
         return await off_loop(lambda b: json_in_slices(serving.tokenize(b)), body)
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest):
+    async def detokenize(body: Annotated[DetokenizeRequest, Depends(parsed_body(DetokenizeRequest))]):
         return await off_loop(serving.detokenize, body)

@@ -11,14 +11,14 @@ from dataclasses import dataclass, field
 from typing import Annotated, Literal, Optional, Union, cast
 
 import numpy as np
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from pydantic import ConfigDict, Field
 
 from shardserve.launch.server.api_error import APIError
 from shardserve.launch.server.metrics import ServerMetrics
 from shardserve.launch.openai_api.openai_serving import OpenAIServing, _engine_error
 from shardserve.launch.server.replicas import ReplicaSet
-from shardserve.launch.server.request_checks import UnicodeBody, refuse_unknown
+from shardserve.launch.server.request_checks import Items, UnicodeBody, parsed_body, refuse_unknown
 from shardserve.runtime.input_processor import InvalidPromptError, ProcessedPrompt
 from shardserve.runtime.outputs import EmbeddingRequestOutput
 from shardserve.runtime.pooling_params import PoolingParams
@@ -32,7 +32,7 @@ class EmbeddingRequest(UnicodeBody):
 
     model_config = ConfigDict(extra="allow")
     model: Optional[str] = None
-    input: Union[str, list[str], list[TokenId], list[list[TokenId]]]
+    input: Union[str, Items[str], Items[TokenId], Items[Items[TokenId]]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Optional[int] = None
     user: Optional[str] = None
@@ -108,6 +108,6 @@ def _item(index: int, output: EmbeddingRequestOutput, encoding_format: str) -> d
 def add_embedding_routes(app: FastAPI, replicas: ReplicaSet, serving: OpenAIServing, metrics: ServerMetrics) -> None:
 
     @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest, request: Request):
+    async def embeddings(body: Annotated[EmbeddingRequest, Depends(parsed_body(EmbeddingRequest))], request: Request):
         prepared = await off_loop(lambda b: prepare_embeddings(b, replicas, serving), body)
         return await until_disconnect(embed_all(replicas, prepared), request, metrics, None)

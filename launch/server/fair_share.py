@@ -33,11 +33,17 @@ def client_key(user: object, request) -> str:
 
 class FairShare:
     def __init__(self, capacity: int, timeout: float):
-        self.capacity, self.timeout = capacity, timeout
-        self.per_client = max(1, capacity - max(1, capacity // 16))  # the rest stays for other clients
+        self.timeout = timeout
         self.held: dict[str, int] = {}  # client -> sequences its prompts hold
         self.total = 0
         self.waiting: dict[str, deque[tuple[int, asyncio.Future]]] = {}  # client -> its prompts, in order
+        self.resize(capacity)
+
+    def resize(self, capacity: int) -> None:
+        """The replicas now run `capacity` sequences at once (fewer while one is dead and restarting)."""
+        self.capacity = capacity
+        self.per_client = max(1, capacity - max(1, capacity // 16))  # the rest stays for other clients
+        self._grant()  # (room that grew)
 
     @contextlib.asynccontextmanager
     async def holding(self, client: str, n: int) -> AsyncIterator[None]:

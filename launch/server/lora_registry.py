@@ -2,7 +2,8 @@
 --enable-runtime-lora-updating): a request's `model` names the base model or one of them.
 
 Each adapter is checked against the model once, when it is added (planner.lora: its rank, modules and
-shapes), so a bad one is a launch error or a 400 and never a request that fails later. A name loaded
+shapes, its weights read whole), so a bad one is a launch error or a 400; one whose files change or vanish after
+that fails only the requests that use it (the engine's ranks say so when they load it). A name loaded
 again gets a new lora_int_id: replicas cache adapters by id, and the old weights are never mixed in."""
 
 from __future__ import annotations

@@ -4,14 +4,14 @@ the model is a 400 naming why; the next request naming it runs with it (each rep
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi.responses import PlainTextResponse
 from pydantic import ConfigDict
 
 from shardserve.launch.server.api_error import APIError
-from shardserve.launch.server.request_checks import UnicodeBody
+from shardserve.launch.server.request_checks import UnicodeBody, parsed_body
 from shardserve.planner.lora import AdapterError
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ def add_lora_routes(app: FastAPI, serving: OpenAIServing) -> None:
     registry = serving.loras
 
     @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+    async def load_lora_adapter(body: Annotated[LoadLoRAAdapterRequest, Depends(parsed_body(LoadLoRAAdapterRequest))]):
         try:
             registry.add(body.lora_name, body.lora_path)
         except AdapterError as error:
@@ -42,7 +42,7 @@ def add_lora_routes(app: FastAPI, serving: OpenAIServing) -> None:
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+    async def unload_lora_adapter(body: Annotated[UnloadLoRAAdapterRequest, Depends(parsed_body(UnloadLoRAAdapterRequest))]):
         adapter = registry.adapters.get(body.lora_name)
         if adapter is not None and body.lora_int_id not in (None, adapter.lora_int_id):
             raise APIError(400, f"LoRA adapter {body.lora_name!r} is loaded with another lora_int_id", "lora_int_id")

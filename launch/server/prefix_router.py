@@ -90,17 +90,21 @@ class PrefixRouter:
         self.caches[index] = CachedBlocks(self.caches[index].capacity)
 
     def choose(self, loads: Sequence[int], token_ids: Sequence[int], session: str | None = None,
-               seed: int | None = None) -> Route:
+               seed: int | None = None, full: Sequence[bool] = ()) -> Route:
         """The replica for a prompt, given each replica's prompts in flight; `seed` keeps an adapter's
-        blocks (its lora_int_id) apart from the base model's."""
-        least = min(range(len(loads)), key=lambda i: (loads[i], i))
+        blocks (its lora_int_id) apart from the base model's. `full`: the replicas whose sequences are all
+        taken (max_num_seqs): while another has room, no prompt goes to one (it would wait there for a whole
+        generation of another's fan-out, however idle the other replicas)."""
+        has_room = [i for i in range(len(loads)) if not (full and full[i])] or list(range(len(loads)))
+        least = min(has_room, key=lambda i: (loads[i], i))
         if not self.is_active:
             return Route(least, "least_loaded")
         hashes = tuple(block_hashes(token_ids, self.block_size, seed))
         bound = loads[least] + max(LOAD_SLACK, loads[least])
-        if session is not None and session in self.sessions and loads[self.sessions[session]] <= bound:
+        eligible = [i in has_room and loads[i] <= bound for i in range(len(loads))]
+        if session is not None and session in self.sessions and eligible[self.sessions[session]]:
             return Route(self.sessions[session], "session", hashes=hashes, seed=seed)
-        matched = [cache.matched(hashes) if loads[i] <= bound else 0 for i, cache in enumerate(self.caches)]
+        matched = [cache.matched(hashes) if eligible[i] else 0 for i, cache in enumerate(self.caches)]
         best = max(range(len(loads)), key=lambda i: (matched[i], -loads[i], -i))
         if matched[best] == 0:
             return Route(least, "least_loaded", hashes=hashes, seed=seed)

@@ -52,6 +52,7 @@ class Replica:
     def __init__(self, index: int, engine: EngineClient):
         self.index, self.engine = index, engine
         self.num_active = 0  # prompts this server has given the replica and not seen end
+        self.num_seqs = 0  # their sequences (n each)
 
     @property
     def error(self) -> BaseException | None:
@@ -61,12 +62,14 @@ class Replica:
 class ReplicaSet:
     def __init__(self, engines: Sequence[EngineClient], metrics: ServerMetrics | None = None,
                  plan_check: PlanCheck | None = None, routing_policy: str = CACHE_AWARE,
-                 restart: Callable[[int], EngineClient] | None = None, fair_share: FairShare | None = None):
+                 restart: Callable[[int], EngineClient] | None = None, fair_share: FairShare | None = None,
+                 max_num_seqs: int | None = None):
         """restart(index): a new engine for replica `index`, started and ready (blocking; run in a thread).
         With it and more than one replica, a replica that dies is restarted while the others serve;
         without it (or with one replica), its death is the server's."""
         self.replicas = [Replica(i, e) for i, e in enumerate(engines)]
         self.fair_share = fair_share  # the engines' sequences shared between clients; None: first come first served
+        self.max_num_seqs = max_num_seqs  # each replica's; a replica holding as many is full (None: never)
         self.restart = restart if len(engines) > 1 else None
         self._restarts: dict[int, asyncio.Task] = {}
         kv = self.replicas[0].engine.info.kv_cache_info  # every replica has the same layout, so the same pool
@@ -106,12 +109,22 @@ class ReplicaSet:
         return {r.index: f"{type(r.error).__name__}: {r.error}" for r in self.replicas if r.error is not None}
 
     def restart_dead(self) -> None:
-        """Start restarting each dead replica that is not being restarted yet (the server's watchdog)."""
+        """Start restarting each dead replica that is not being restarted yet (the server's watchdog, twice a
+        second); one back gives its sequences to the clients waiting for room."""
+        self._share_live()
         for r in self.replicas:
             if self.restart is not None and r.error is not None and r.index not in self._restarts:
                 logger.error("replica %d died (%s: %s); its requests failed, the others serve on; restarting it",
                              r.index, type(r.error).__name__, r.error)
                 self._restarts[r.index] = asyncio.get_running_loop().create_task(self._restarted(r))
+
+    def _share_live(self) -> None:
+        """The fair share counts the live replicas' sequences only: with one dead, a client's fan-out sized for
+        all of them would fill the others, and another's request wait behind it."""
+        if self.fair_share is not None and self.max_num_seqs is not None:
+            capacity = self.max_num_seqs * max(1, sum(r.error is None for r in self.replicas))
+            if self.fair_share.capacity != capacity:
+                self.fair_share.resize(capacity)
 
     async def _restarted(self, replica: Replica) -> None:
         assert self.restart is not None  # (restart_dead's condition)
@@ -151,11 +164,13 @@ class ReplicaSet:
         loads = self.loads()
         return min(self.replicas, key=lambda r: (loads[r.index], r.index))
 
-    def route(self, prompt: ProcessedPrompt, session: str | None, lora: LoRARequest | None = None) -> Route:
-        """The replica for a prompt (the router's choice among the live ones, counted), which now holds its
-        blocks (an adapter's apart from the base model's)."""
+    def route(self, prompt: ProcessedPrompt, session: str | None, lora: LoRARequest | None = None, n: int = 1) -> Route:
+        """The replica for a prompt of n sequences (the router's choice among the live ones with room for them,
+        counted), which now holds its blocks (an adapter's apart from the base model's)."""
+        limit = self.max_num_seqs
+        full = [r.error is not None or (limit is not None and r.num_seqs + n > limit) for r in self.replicas]
         route = self.router.choose(self.loads(), prompt.prompt_token_ids, session,
-                                   None if lora is None else lora.lora_int_id)
+                                   None if lora is None else lora.lora_int_id, full)
         self.router.record(route, prompt.prompt_token_ids, session)
         if self.metrics is not None:
             self.metrics.routed.labels(self.metrics.model, str(route.index), route.reason).inc()
@@ -173,6 +188,7 @@ class ReplicaSet:
     async def _stream(self, prompt: ProcessedPrompt, params: SamplingParams, prompt_id: str, session: str | None,
                       lora: LoRARequest | None, compile_timeout: float | None, client: str | None) -> AsyncGenerator:
         share = self.fair_share
+        self._share_live()  # (a replica that died a moment ago)
         async with share.holding(client, params.n) if share and client else contextlib.AsyncExitStack():
             async for item in self._routed(prompt, params, prompt_id, session, lora, compile_timeout):
                 yield item
@@ -181,9 +197,10 @@ class ReplicaSet:
                       lora: LoRARequest | None, compile_timeout: float | None) -> AsyncGenerator:
         if self.is_stopping:
             raise shutting_down()
-        route = self.route(prompt, session, lora)
+        route = self.route(prompt, session, lora, params.n)
         replica = self.replicas[route.index]
         replica.num_active += 1
+        replica.num_seqs += params.n
         self.prompts[prompt_id] = replica
         timer = self.metrics.prompt_timer(replica.index, prompt.num_prompt_tokens, params) if self.metrics else None
         is_finished = False
@@ -209,6 +226,7 @@ class ReplicaSet:
         finally:
             self.prompts.pop(prompt_id, None)
             replica.num_active -= 1
+            replica.num_seqs -= params.n
 
     async def embed(self, prompt: ProcessedPrompt, params: PoolingParams, prompt_id: str) -> EmbeddingRequestOutput:
         """The prompt's pooled vector from the least-loaded replica (whose runner is pooling), counted for

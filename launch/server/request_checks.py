@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from typing import Annotated, Any, TypeVar
 
-from fastapi import Request
-from pydantic import BaseModel, model_validator
+from fastapi import FastAPI, Request
+from fastapi.routing import APIRoute
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from shardserve.launch.server.api_error import APIError
 
 # Fields OpenAI clients send that change nothing in what is generated: accepted (prompt_cache_key and user
 # key a conversation's routing between replicas, launch/server/prefix_router.py).
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
+
+
+_T = TypeVar("_T")
+# A list in a request body whose check stops at its first bad item: 15 MB of items of the wrong kind were millions of
+# errors, seconds of work holding the GIL (every stream waited). Every list field of the API's bodies is one.
+Items = Annotated[list[_T], Field(fail_fast=True)]
 
 
 API_PATHS = ("/v1", "/tokenize", "/detokenize", "/invocations")  # the API's routes: keyed, and POSTs counted
@@ -34,9 +42,62 @@ async def json_body(request: Request) -> Any:
     body = await request.body()
     try:
         return await asyncio.to_thread(_parsed, body)
-    except (ValueError, RecursionError):
-        raise APIError(400, f"the request body is not valid JSON, or nests arrays and objects more than "
-                       f"{MAX_BODY_DEPTH} deep") from None
+    except (_TooDeep, RecursionError):
+        raise APIError(400, f"the request body nests arrays and objects more than {MAX_BODY_DEPTH} deep") from None
+    except ValueError:
+        raise APIError(400, "the request body is not valid JSON") from None
+
+
+class _TooDeep(Exception):
+    pass
+
+
+MAX_LISTED_ERRORS = 64  # a body with more type errors is answered with their count
+
+
+def parsed_body(kind: type[BaseModel]):
+    """A FastAPI dependency: the route's body as `kind`, parsed and validated off the event loop (FastAPI's own
+    parse of a typed body runs on it: 15 MB of token ids held every stream and /health for 4 s), with the
+    400s FastAPI gives (RequestValidationError). Use: body: Annotated[Kind, Depends(parsed_body(Kind))]."""
+    async def read(request: Request) -> BaseModel:
+        data = await json_body(request)
+        try:
+            return await asyncio.to_thread(kind.model_validate, data)
+        except ValidationError as error:
+            if error.error_count() > MAX_LISTED_ERRORS:  # (listing them all took seconds, holding the GIL)
+                raise APIError(400, f"the request body has {error.error_count()} values that do not fit its "
+                               "fields' types; see the API reference for each field") from None
+            raise RequestValidationError([{**err, "loc": ("body", *err["loc"])}
+                                          for err in error.errors(include_url=False)]) from None
+    read.body_kind = kind  # type: ignore[attr-defined]  # for document_bodies
+    return read
+
+
+def document_bodies(app: FastAPI) -> None:
+    """The OpenAPI document names each parsed_body route's body, as it would a typed body parameter's."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            _add_bodies(generate(), app.routes)  # (generate keeps the document as app.openapi_schema)
+        return app.openapi_schema  # type: ignore[return-value]
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _add_bodies(document: dict, routes: list) -> None:
+    components = document.setdefault("components", {}).setdefault("schemas", {})
+    for route in routes:
+        if not isinstance(route, APIRoute):
+            continue
+        for kind in filter(None, (getattr(d.call, "body_kind", None) for d in route.dependant.dependencies)):
+            schema = kind.model_json_schema(ref_template="#/components/schemas/{model}")
+            for name, definition in schema.pop("$defs", {}).items():
+                components.setdefault(name, definition)
+            components.setdefault(kind.__name__, schema)
+            body = {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{kind.__name__}"}}}}
+            for method in route.methods or ():
+                document["paths"][route.path_format][method.lower()]["requestBody"] = body
 
 
 def _parsed(body: bytes) -> Any:
@@ -45,7 +106,7 @@ def _parsed(body: bytes) -> Any:
     while level:  # breadth first, no recursion
         depth += 1
         if depth > MAX_BODY_DEPTH:
-            raise ValueError("nested too deeply")
+            raise _TooDeep
         level = [child for item in level if isinstance(item, (list, dict))
                  for child in (item.values() if isinstance(item, dict) else item)]
     return data

@@ -10,6 +10,7 @@ import socket
 import time
 
 from shardserve.launch.server.admission import Admission
+from shardserve.launch.server.connections import quiet_accept_errors, raise_file_limit
 from shardserve.launch.server.replicas import ReplicaSet
 
 logger = logging.getLogger("shardserve.launch")
@@ -90,6 +91,7 @@ async def run(server, replicas: ReplicaSet, listener: socket.socket) -> tuple[in
     """Serve until the drain or the engine's death stops uvicorn, then stop the engines;
     (exit code, whether the engine died)."""
     exit_code, engine_died = 0, False
+    quiet_accept_errors(asyncio.get_running_loop(), raise_file_limit())
 
     async def watchdog():
         nonlocal exit_code, engine_died

@@ -10,7 +10,7 @@ from pydantic import ConfigDict
 from shardserve.launch.server.api_error import APIError, as_api_error
 from shardserve.launch.openai_api.chat_render import render, template_conversation, template_kwargs
 from shardserve.launch.openai_api.protocol import ChatMessage, Tool
-from shardserve.launch.server.request_checks import UnicodeBody
+from shardserve.launch.server.request_checks import Items, UnicodeBody
 
 if TYPE_CHECKING:
     from shardserve.launch.openai_api.openai_serving import OpenAIServing
@@ -22,12 +22,12 @@ class TokenizeRequest(UnicodeBody):
     model_config = ConfigDict(extra="forbid")
     model: Optional[str] = None
     prompt: Optional[str] = None
-    messages: Optional[list[ChatMessage]] = None
+    messages: Optional[Items[ChatMessage]] = None
     add_special_tokens: Optional[bool] = None  # default: true for a prompt, false for messages (as vLLM)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     return_token_strs: bool = False  # the tokens' strings beside their ids
-    tools: Optional[list[Tool]] = None
+    tools: Optional[Items[Tool]] = None
     chat_template: Optional[str] = None  # only with --trust-request-chat-template
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
@@ -35,7 +35,7 @@ class TokenizeRequest(UnicodeBody):
 class DetokenizeRequest(UnicodeBody):
     model_config = ConfigDict(extra="forbid")
     model: Optional[str] = None
-    tokens: list[int]
+    tokens: Items[int]
 
 
 def tokenize(serving: OpenAIServing, body: TokenizeRequest) -> dict:

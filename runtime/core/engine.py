@@ -9,6 +9,7 @@ import random
 from collections import deque
 from dataclasses import dataclass
 
+from shardserve.planner.lora import AdapterError
 from shardserve.runtime.core.block_manager import BlockManager
 from shardserve.runtime.config import EngineConfig, KVCacheInfo, ModelConfig
 from shardserve.runtime.errors import EngineDeadError
@@ -19,6 +20,7 @@ from shardserve.runtime.core.kv_sizing import size_kv_cache, with_measured_len
 from shardserve.runtime.lora_request import AdapterChecks, LoRARequest
 from shardserve.runtime.core.lora_slots import LoRASlots
 from shardserve.runtime.core.messages import ModelRunnerOutput, RequestUpdate, SchedulerOutput
+from shardserve.runtime.core.protocol import PromptFailed
 from shardserve.runtime.pooling_params import PROMPT_ONLY, PoolingParams
 from shardserve.runtime.core.request import Request, RequestStatus, sample_request_ids
 from shardserve.runtime.sampling_params import SamplingParams
@@ -77,6 +79,7 @@ class EngineCore:
         self.prompts: dict[str, set[str]] = {}  # prompt id -> its requests not finished yet
         self._prompt_of: dict[str, str] = {}  # request id -> its prompt's id
         self._draining: set[str] = set()  # aborted prompts whose requests are in a batch still in flight
+        self._failed: list[PromptFailed] = []  # prompts failed by a step, for the client (take_failed_prompts)
         self._seeds = random.Random(config.seed)  # seeds for prompts that bring none
         self.in_flight: deque[SchedulerOutput] = deque()  # submitted batches, oldest first
         # the step loop, chosen once: a batch at a time, or batches overlapped (pipeline stages, async scheduling)
@@ -196,9 +199,33 @@ class EngineCore:
         return output if bitmask is None else dataclasses.replace(output, grammar_bitmask=bitmask)
 
     def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestUpdate]:
+        if runner_output.failed_loras:  # their requests' tokens from this step are dropped below
+            self._fail_adapters(scheduler_output, runner_output.failed_loras)
         if scheduler_output.grammar_bitmask is not None:  # before a finished request leaves the scheduler
             accept_tokens(scheduler_output.grammar_bitmask, self.scheduler.requests, runner_output.sampled_token_ids)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _fail_adapters(self, scheduler_output: SchedulerOutput, failed_loras: tuple[int, ...]) -> None:
+        """The adapters a rank could not read when this step loaded them (their files changed or vanished after
+        add_request checked them) fail their prompts alone: each prompt's error waits in take_failed_prompts,
+        and the next request naming the adapter is checked again when it is added."""
+        for lora in (lora for _, lora in scheduler_output.lora_loads if lora.lora_int_id in failed_loras):
+            self.adapter_checks.forget(lora)
+            request_ids = self.scheduler.fail_adapter(lora)
+            prompt_ids = dict.fromkeys(self._prompt_of[r] for r in request_ids if r in self._prompt_of)
+            self._forget(request_ids)
+            error = AdapterError(f"LoRA adapter {lora.lora_name!r}: its weights could not be read (its files changed "
+                                 "or were removed after it was loaded); load it again")
+            for prompt_id in prompt_ids:
+                self._failed.append(PromptFailed(prompt_id, error))
+                if self.in_flight:  # as an abort's: its id stays in use while a batch holding it runs
+                    self._draining.add(prompt_id)
+
+    def take_failed_prompts(self) -> list[PromptFailed]:
+        """The prompts steps have failed since the last call (an adapter its ranks could not read): they have
+        no more updates, and their clients end them with the error."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def get_stats(self) -> EngineStats:
         scheduler, pool = self.scheduler, self.block_manager

@@ -83,6 +83,8 @@ class CoreLoop:
                     updates = engine.step()
                     if updates:
                         self.send(StepUpdates(updates))
+                    for failed in engine.take_failed_prompts():  # (an adapter its ranks could not read)
+                        self.send(failed)
                     report = report or not engine.has_unfinished_requests()  # idle now: say so at once
                 elif report:
                     engine.check_health()  # a rank that died while the engine was idle

@@ -44,5 +44,13 @@ class LoRASlots:
         if not self.users[slot]:
             self._released[slot] = next(self._clock)
 
+    def empty(self, lora: LoRARequest) -> None:
+        """Its ranks could not load `lora` (its requests are finished): its slot holds nothing now, so its
+        next request loads it again."""
+        slot = self.slot_of(lora)
+        if slot is not None:
+            assert not self.users[slot], "an adapter emptied while requests still use its slot"
+            self.adapters[slot] = None
+
     def check_integrity(self, running_slots: list[int]) -> None:
         assert [running_slots.count(s) for s in range(len(self.users))] == self.users, "slot users disagree"

@@ -85,6 +85,9 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, tuple[TokenLogprobs, ...]]] = field(default_factory=dict)
     # request id -> its prompt's pooled vector ([hidden_size] float32), on the step that computed its last chunk
     pooled: dict[str, np.ndarray] = field(default_factory=dict)
+    # lora_int_ids of this step's lora_loads that some rank could not read (their files changed or vanished
+    # after the engine checked them): every rank left their slots empty, and their requests' tokens are void
+    failed_loras: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)

@@ -96,7 +96,8 @@ class StepUpdates:
 
 @dataclass(frozen=True, slots=True)
 class PromptFailed:
-    """The prompt's stream ended with this error (a prompt the pool cannot hold, a dead engine)."""
+    """The prompt's stream ended with this error (a prompt the pool cannot hold, a dead engine, an adapter
+    whose weights its ranks could not read: the step's other prompts run on)."""
 
     prompt_id: str
     error: BaseException

@@ -9,6 +9,7 @@ from shardserve.planner.memory import max_blocks_per_request
 from shardserve.runtime.core.block_manager import BlockManager
 from shardserve.runtime.config import SchedulerConfig
 from shardserve.runtime.core.lora_slots import LoRASlots
+from shardserve.runtime.lora_request import LoRARequest
 from shardserve.runtime.core.messages import (CachedRequestData, ModelRunnerOutput, NewRequestData, RequestUpdate,
                                          SchedulerOutput)
 from shardserve.runtime.outputs import SampleTimes
@@ -327,6 +328,16 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is not None and not request.status.is_finished:
                 self._finish(request, status)
+
+    def fail_adapter(self, lora: LoRARequest) -> list[str]:
+        """Finish every unfinished request of an adapter its ranks could not load, and empty its slot; the
+        ids of the requests (their tokens in batches still in flight are dropped as an abort's are)."""
+        failed = [r.request_id for r in (*self.running, *self.waiting)
+                  if r.lora is not None and r.lora.lora_int_id == lora.lora_int_id]
+        self.finish_requests(failed, RequestStatus.FINISHED_ABORTED)
+        if self.lora_slots is not None:
+            self.lora_slots.empty(lora)
+        return failed
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status is RequestStatus.RUNNING:

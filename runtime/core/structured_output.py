@@ -60,12 +60,19 @@ class StructuredOutputs:
                 raise ValueError("starts_after needs at least one token id")
             object.__setattr__(self, "starts_after", tuple(self.starts_after))
 
+    @property
+    def num_chars(self) -> int:
+        """The grammar's size in characters (all its choices together)."""
+        if isinstance(self.spec, tuple):
+            return sum(len(choice) for choice in self.spec)
+        return len(self.spec or "")
+
     def check_size(self) -> None:
         """A ValueError naming the limit when the grammar is larger than this engine takes."""
         spec = self.spec
         if isinstance(spec, tuple):  # choice
             _at_most(len(spec), MAX_CHOICES, "choices")
-            _at_most(sum(len(choice) for choice in spec), MAX_CHOICE_CHARS, "characters in all its choices")
+            _at_most(self.num_chars, MAX_CHOICE_CHARS, "characters in all its choices")
         elif isinstance(spec, str) and self.kind == "json":
             _at_most(len(spec), MAX_SCHEMA_CHARS, "characters in its JSON schema")
             _at_most(_json_depth(spec), MAX_SCHEMA_DEPTH, "levels of nesting in its JSON schema")
@@ -125,8 +132,12 @@ def _json_depth(text: str) -> int:
 _COMPILERS: dict[tuple[str, int], object] = {}  # (model folder, vocab size) -> its GrammarCompiler
 _COMPILERS_LOCK = threading.Lock()
 _NUM_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-# NOTE: compiles take at most half the cores (xgrammar's threads), so the engine's steps go on meanwhile
-_COMPILE_POOL = ThreadPoolExecutor(max_workers=max(1, min(2, _NUM_CORES // 2)), thread_name_prefix="grammar-compile")
+# Two lanes: a grammar of at most QUICK_GRAMMAR_CHARS compiles in milliseconds (a few hundred choices, a schema
+# of a hundred fields) and never waits behind a large one; large ones take at most half the cores (xgrammar's
+# threads), so the engine's steps go on meanwhile
+QUICK_GRAMMAR_CHARS = 4096
+_QUICK_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-quick")
+_LARGE_POOL = ThreadPoolExecutor(max_workers=max(1, min(2, _NUM_CORES // 2)), thread_name_prefix="grammar-large")
 _COMPILE_THREADS = max(1, min(8, _NUM_CORES // 4))
 COMPILE_CACHE_BYTES = 512 << 20  # compiled grammars kept for reuse, per process
 
@@ -175,15 +186,18 @@ class GrammarCompileTimeout(ValueError):
 
 
 class GrammarCompile:
-    """A grammar compiling in a worker thread (xgrammar releases the GIL while it compiles), so the engine's
-    steps go on meanwhile; the engine's matcher then finds it in the cache. Its time is counted from the moment
-    a thread starts on it, not while it waits behind other grammars. NOTE: a started compile cannot be
-    stopped: one given up on (cancel, timed out) finishes and stays cached; one not yet started is dropped."""
+    """A grammar compiling in a worker thread of its lane (xgrammar releases the GIL while it compiles), so the
+    engine's steps go on meanwhile; the engine's matcher then finds it in the cache. Its time is counted from the
+    moment a thread starts on it, not while it waits behind other grammars of its lane. NOTE: a started compile
+    cannot be stopped (xgrammar has no way to, and its result cannot cross processes: a compiled schema of 300
+    fields is 30 MB of JSON that takes longer to write and read than to compile): one given up on (cancel, timed
+    out) finishes and stays cached, holding a thread of the large lane only; one not yet started is dropped."""
 
     def __init__(self, model_config, tokenizer, outputs: StructuredOutputs):
         self.started: float | None = None
         self.seconds: float | None = None  # how long it took, once done
-        self.future = _COMPILE_POOL.submit(self._run, model_config, tokenizer, outputs)
+        pool = _QUICK_POOL if outputs.num_chars <= QUICK_GRAMMAR_CHARS else _LARGE_POOL
+        self.future = pool.submit(self._run, model_config, tokenizer, outputs)
 
     def _run(self, model_config, tokenizer, outputs: StructuredOutputs) -> None:
         self.started = time.monotonic()

@@ -105,3 +105,13 @@ def tensor_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(_STATE.tp_size)]
     torch.distributed.all_gather(parts, x.contiguous(), group=_TP_GROUP)
     return torch.cat(parts, dim=dim)
+
+
+def world_any(flags: list[bool], device: torch.device) -> list[bool]:
+    """Each flag, set where any rank of the engine set it: one all-reduce (MAX) over every rank, so all
+    ranks must call it with as many flags (alone, a rank's own flags come back)."""
+    if _STATE.world_size == 1:
+        return flags
+    agreed = torch.tensor(flags, dtype=torch.int32, device=device)
+    torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)  # the default group: every rank
+    return [bool(flag) for flag in agreed.tolist()]

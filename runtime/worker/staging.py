@@ -122,9 +122,10 @@ class StepOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict = field(default_factory=dict)  # as ModelRunnerOutput.prompt_logprobs
     pooled: dict[str, torch.Tensor] = field(default_factory=dict)  # request id -> [hidden_size], on the device
+    failed_loras: tuple[int, ...] = ()  # as ModelRunnerOutput.failed_loras
 
     def to_runner_output(self) -> ModelRunnerOutput:
         sampled = dict(zip(self.request_ids, self.tokens.tolist())) if self.tokens is not None else {}
         pooled = {request_id: vector.cpu().numpy() for request_id, vector in self.pooled.items()}
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=self.logprobs,
-                                 prompt_logprobs=self.prompt_logprobs, pooled=pooled)
+                                 prompt_logprobs=self.prompt_logprobs, pooled=pooled, failed_loras=self.failed_loras)

@@ -244,15 +244,18 @@ class Worker:
         if output.kv_transfers:
             assert self.kv_cache is not None and self.offload_cache is not None  # the engine has a CPU tier
             run_transfers(self.kv_cache, self.offload_cache, output.kv_transfers)
-        for slot, lora in output.lora_loads:  # in order, before the step that first uses them
+        failed_loras: tuple[int, ...] = ()
+        if output.lora_loads:  # before the step that first uses them (a collective: every rank is here)
             assert self.adapters is not None  # the engine has enable_lora
-            self.adapters.load(slot, lora)
+            failed_loras = self.adapters.load(output.lora_loads)
         batch = apply_scheduler_output(self.states, output)
         if not batch:
-            return StepOutput() if self.parallel_state.is_output_rank else None
+            return StepOutput(failed_loras=failed_loras) if self.parallel_state.is_output_rank else None
         host = build_host_inputs(batch, output.num_scheduled_tokens, self.config.cache.block_size)
         result = self._run(host, batch, output.grammar_bitmask)
         count_samples(host)
+        if result is not None:  # the output rank's
+            result.failed_loras = failed_loras
         return result
 
     def _run(self, host: HostInputs, batch: list[RequestState], grammar: GrammarBitmask | None) -> StepOutput | None:

@@ -68,3 +68,16 @@ def test_the_session_key_comes_from_the_header_then_the_fields():
     assert session_key({"x-session-id": "s1"}, "cache-key", "user-1") == "s1"
     assert session_key({}, None, "user-1") == "user-1"
     assert session_key({}, "", None) is None
+
+
+def test_no_prompt_goes_to_a_full_replica_while_another_has_room():
+    """A client's fan-out fills replica 1's sequences (its conversation's replica, and the one holding the
+    prefix): a prompt of the same conversation or prefix goes to replica 0, which has room, and back to
+    replica 1 only when every replica is full."""
+    router = PrefixRouter(2, BLOCK, 100)
+    prompt = tokens(0, 8)
+    router.record(Route(1, "least_loaded"), prompt, session="probe")
+    assert router.choose([0, 4], prompt, session="probe").index == 1  # within the load bound: affinity holds
+    assert router.choose([0, 4], prompt, session="probe", full=[False, True]) == Route(0, "least_loaded")
+    assert router.choose([0, 4], prompt, full=[False, True]).index == 0
+    assert router.choose([3, 4], prompt, session="probe", full=[True, True]).index == 1

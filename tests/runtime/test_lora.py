@@ -1,19 +1,24 @@
 """LoRA adapters in the engine: each request's greedy tokens equal transformers' with its PEFT adapter merged,
 with different adapters and the base model in one batch, at tp 1, tp 2 and pp 2; fewer slots than adapters;
-the prefix cache kept apart per adapter; and the refusals."""
+the prefix cache kept apart per adapter; the refusals; and an adapter whose files change after its check
+failing its own prompts alone."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import shutil
+from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 from lora_adapters import ALL_MODULES, save_adapter
-from shardserve.planner.lora import AdapterError, slot_bytes
+from shardserve.planner.lora import WEIGHTS_FILE, AdapterError, slot_bytes
 from shardserve.planner.model_spec import ModelSpec
 from shardserve.planner.settings import SettingError
-from shardserve.runtime import LLM, SamplingParams
+from shardserve.runtime import LLM, AsyncEngine, SamplingParams
 from shardserve.runtime.lora_request import LoRARequest
 from shardserve.runtime.core.lora_slots import LoRASlots
 from test_runtime_matches_transformers import random_prompts, reference
@@ -124,3 +129,131 @@ def test_adapters_that_do_not_fit_are_refused_before_they_run(adapters, checkpoi
             with pytest.raises(AdapterError, match=words):
                 llm.generate([PROMPTS[0]], GREEDY, lora_request=lora)
         assert not llm.engine.has_unfinished_requests()
+
+
+
+def broken_copy(root: Path, tmp_path: Path, lora_int_id: int) -> tuple[LoRARequest, Path]:
+    """a1's adapter in a folder of its own (read by no engine yet), and its weights file."""
+    shutil.copytree(root / "a1", tmp_path / "broken")
+    return LoRARequest("broken", lora_int_id, str(tmp_path / "broken")), tmp_path / "broken" / WEIGHTS_FILE
+
+
+def step_until_done(llm: LLM) -> dict[str, list[int]]:
+    """Each prompt's greedy tokens from LLM.step's deltas, once nothing is left."""
+    tokens: dict[str, list[int]] = {}
+    while llm.has_unfinished_requests():
+        for delta in llm.step():
+            tokens.setdefault(delta.prompt_id, []).extend(delta.samples[0].new_token_ids)
+    return tokens
+
+
+def check_failed(llm: LLM, prompt_id: str, tmp_path: Path) -> None:
+    """The prompt failed with the adapter's name, nothing of its files; no slot or host cache keeps it."""
+    error = llm.failed_prompts.pop(prompt_id)
+    assert isinstance(error, ValueError) and "'broken': its weights could not be read" in str(error)
+    assert str(tmp_path) not in str(error) and WEIGHTS_FILE not in str(error) and "lora_" not in str(error)
+    slots = llm.engine.scheduler.lora_slots
+    assert slots is not None and slots.users == [0, 0] and all(a is None or a.lora_name != "broken"
+                                                               for a in slots.adapters)
+    assert not llm.failed_prompts and not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+def test_an_adapter_cut_short_after_its_check_fails_its_prompt_alone(is_async, adapters, tmp_path):
+    """The weights file is cut short between add_request's check and the step that loads it: that prompt fails
+    with a ValueError naming the adapter, the base prompt beside it gets the tokens it gets alone, the adapter is
+    checked again at its next add (refused while cut short), and once whole again it serves as before."""
+    folder, (_, a2), expected, root = adapters
+    broken, weights = broken_copy(root, tmp_path, 7)
+    whole = weights.read_bytes()
+    with LLM(folder, device="cpu", enable_lora=True, max_loras=2, max_lora_rank=16, async_scheduling=is_async) as llm:
+        alone = generate(llm, [None] * len(PROMPTS))
+        llm.add_request("a", {"prompt_token_ids": PROMPTS[0]}, GREEDY, broken)
+        llm.add_request("b", {"prompt_token_ids": PROMPTS[2]}, GREEDY)
+        llm.add_request("c", {"prompt_token_ids": PROMPTS[1]}, GREEDY, a2)
+        weights.write_bytes(whole[: len(whole) // 2])
+        tokens = step_until_done(llm)
+        assert not tokens.get("a") and tokens["b"] == alone[2] and tokens["c"] == expected[1]
+        check_failed(llm, "a", tmp_path)
+        assert 7 not in llm.engine.executor.worker.adapters.cache
+        with pytest.raises(AdapterError, match="'broken'"):
+            llm.generate([PROMPTS[0]], GREEDY, lora_request=broken)
+        weights.write_bytes(whole)
+        assert generate(llm, [broken, a2, None, broken, a2]) == expected
+
+
+def test_generate_raises_for_an_adapter_removed_after_its_check(adapters, tmp_path, monkeypatch):
+    """LLM.generate's prompts: one fails mid-run, the call raises its error (as for a prompt refused when it is
+    added) and the engine keeps serving."""
+    folder, _, expected, root = adapters
+    broken, weights = broken_copy(root, tmp_path, 7)
+    with LLM(folder, device="cpu", enable_lora=True, max_loras=2, max_lora_rank=16) as llm:
+        check = llm.engine.adapter_checks.check
+
+        def check_then_remove(lora: LoRARequest | None) -> None:
+            check(lora)
+            if lora == broken:
+                weights.unlink()
+
+        monkeypatch.setattr(llm.engine.adapter_checks, "check", check_then_remove)
+        with pytest.raises(AdapterError, match="'broken': its weights could not be read"):
+            llm.generate([PROMPTS[0], PROMPTS[2]], GREEDY, lora_request=[broken, None])
+        assert not llm.engine.has_unfinished_requests() and not llm.failed_prompts
+        assert generate(llm, [None, None, None, None, None])[2] == expected[2]
+
+
+def test_an_async_stream_ends_with_its_adapters_error_and_the_others_run_on(adapters, tmp_path, monkeypatch):
+    """Through the core's loop: the prompt's stream raises the ValueError (PromptFailed), the base stream beside
+    it ends as it would alone, and the engine serves the next prompt."""
+    folder, _, expected, root = adapters
+    broken, weights = broken_copy(root, tmp_path, 7)
+    whole = weights.read_bytes()
+
+    async def tokens(engine: AsyncEngine, prompt_id: str, prompt: list[int], lora: LoRARequest | None) -> list[int]:
+        ids: list[int] = []
+        async for delta in engine.generate({"prompt_token_ids": prompt}, GREEDY, prompt_id, lora):
+            ids.extend(delta.samples[0].new_token_ids)
+        return ids
+
+    async def main() -> tuple[list, list[int], BaseException | None]:
+        engine = AsyncEngine(folder, device="cpu", enable_lora=True, max_loras=2, max_lora_rank=16)
+        check = engine.engine.adapter_checks.check
+
+        def check_then_cut(lora: LoRARequest | None) -> None:
+            check(lora)
+            if lora == broken:
+                weights.write_bytes(whole[: len(whole) // 2])
+
+        monkeypatch.setattr(engine.engine.adapter_checks, "check", check_then_cut)
+        try:
+            both = await asyncio.gather(tokens(engine, "a", PROMPTS[0], broken), tokens(engine, "b", PROMPTS[2], None),
+                                        return_exceptions=True)
+            return both, await tokens(engine, "c", PROMPTS[2], None), engine.error
+        finally:
+            await engine.shutdown()
+
+    (failed, base), after, engine_error = asyncio.run(main())
+    assert isinstance(failed, AdapterError) and "'broken': its weights could not be read" in str(failed)
+    assert str(tmp_path) not in str(failed)
+    assert base == after == expected[2] and engine_error is None
+
+
+@pytest.mark.slow
+def test_an_adapter_only_the_first_stage_cannot_read_fails_its_prompt_on_every_stage(adapters, tmp_path):
+    """pp 2 in processes: the file changes so that only stage 0's layer cannot be read (a B with too few rows);
+    the ranks agree, the output rank (stage 1, which read it) reports it, and the base prompt beside it runs on."""
+    folder, _, _, root = adapters
+    broken, weights = broken_copy(root, tmp_path, 7)
+    tensors = load_file(weights)
+    stage_0 = next(name for name in tensors if ".layers.0." in name and name.endswith("lora_B.weight"))
+    tensors[stage_0] = tensors[stage_0][:1].clone()
+    with LLM(folder, device="cpu", enable_lora=True, max_loras=2, max_lora_rank=16, pipeline_parallel_size=2,
+             distributed_executor_backend="mp") as llm:
+        alone = generate(llm, [None] * len(PROMPTS))
+        llm.add_request("a", {"prompt_token_ids": PROMPTS[0]}, GREEDY, broken)
+        llm.add_request("b", {"prompt_token_ids": PROMPTS[2]}, GREEDY)
+        save_file(tensors, weights, metadata={"format": "pt"})
+        tokens = step_until_done(llm)
+        assert not tokens.get("a") and tokens["b"] == alone[2]
+        check_failed(llm, "a", tmp_path)
+        assert generate(llm, [None] * len(PROMPTS)) == alone
