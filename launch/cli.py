@@ -16,7 +16,8 @@ from shardserve.launch.cli_options import launch_command_settings, plan_command_
 from shardserve.launch.cluster.cli import cluster_app
 from shardserve.launch.deploy.cli import deploy
 from shardserve.launch.cli_models import models
-from shardserve.launch.cli_support import Format, err, print_data, user_errors
+from shardserve.launch.cli_support import Format, err, print_data, refusal_as_data, user_errors
+from shardserve.planner.errors import PlanError
 
 # NOTE: click's plain help, not typer's rich panels: those cut option names at 80 columns
 app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None,
@@ -48,6 +49,9 @@ def root(version: Annotated[bool, typer.Option("--version", callback=_version,
 @app.command(short_help="Choose the layout, predict memory and speed, say why.")
 @setting_options(plan_command_settings())
 def plan(
+    target: Annotated[Optional[str], typer.Argument(
+        metavar="MODEL", help="The model, as `launch MODEL` takes it (the same as --model: a folder, a Hub id, "
+        "or a catalog id).")] = None,
     profile: Annotated[Optional[str], typer.Option(
         help="A profile name (shardserve profiles list) or YAML file; flags override it.")]
     = None,
@@ -65,12 +69,17 @@ def plan(
     **settings,
 ) -> None:
     """Choose tensor/pipeline/replica sizes, predict memory, KV cache and speed, and say why."""
-    with user_errors():
+    with user_errors(), refusal_as_data(format.value if format in (PlanFormat.json, PlanFormat.yaml) else None):
         from shardserve.launch.plan_view import make_plan_from, render_plan, write_plan
         if ray_address:
             from shardserve.launch.cluster.ray_cluster import resolve_address, use_cluster_auth
             ray_address = resolve_address(ray_address)
             use_cluster_auth()
+        if target is not None:
+            if settings.get("model") not in (None, target):
+                raise PlanError(f"two models: {target} (the argument) and --model {settings['model']}: give one "
+                                "of them")
+            settings["model"] = target
         record = make_plan_from(settings, profile, ray_address, recommend).record()
         if output is not None:
             write_plan(record, output)
@@ -93,7 +102,7 @@ def plan(
 def launch(
     target: Annotated[Optional[str], typer.Argument(
         metavar="MODEL|PLAN.yaml", help="A model, as `vllm serve MODEL` (the same as --model: a folder, a Hub "
-        "id org/name, downloaded when the cache lacks it, or a catalog id); or a plan from `shardserve plan -o`. "
+        "id (org/name, or a bare name such as gpt2), downloaded when the cache lacks it, or a catalog id); or a plan from `shardserve plan -o`. "
         "Without either, plan now for --model or --profile; with none of them, serve the demo (--profile demo).")]
     = None,
     profile: Annotated[Optional[str], typer.Option(help="A profile name or YAML file.")] = None,

@@ -45,8 +45,11 @@ def models(
     if format is not Format.table:
         print_data({"gpu": gpu, "models": [r.to_dict() for r in rows]}, format)
         return
-    from rich.table import Table
     most = f">{NODE_SIZES[-1]}"
+    if not Console().is_terminal:  # piped: whole ids, one row a line, for grep and cut
+        _print_plain(rows, most)
+        return
+    from rich.table import Table
     table = Table(title=f"Fewest {gpu} on one node ({most}: more; fp8: with --quantization fp8)")
     table.add_column("id (* cached)", overflow="fold")
     for name in ("architecture", "params", "context", "quant", "GPUs", "fp8"):
@@ -62,3 +65,20 @@ def models(
         table.add_row(marked, r.architecture.removesuffix("ForCausalLM"), _params(r.num_params),
                       _tokens(r.max_context_len), r.quantization or "", *fits)
     Console().print(table)
+
+
+def _print_plain(rows, most: str) -> None:
+    """The table as plain columns, nothing cut or folded (rich fits a table to 80 columns when piped)."""
+    lines = [("id", "architecture", "params", "context", "quant", "GPUs", "fp8")]
+    for r in rows:
+        marked = r.id + (" *" if r.source == "hf-cache" else "")
+        if r.architecture is None or r.max_context_len is None:
+            lines.append((marked, f"unreadable: {r.problem}", "", "", "", "", ""))
+            continue
+        fits = [r.problem, ""] if r.problem else [
+            _count(r.gpus, most), _count(r.gpus_fp8, most) if r.can_quantize_fp8 else "-"]
+        lines.append((marked, r.architecture.removesuffix("ForCausalLM"), _params(r.num_params),
+                      _tokens(r.max_context_len), r.quantization or "", *fits))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]) - 1)]
+    for line in lines:
+        print("  ".join([cell.ljust(width) for cell, width in zip(line, widths)] + [line[-1]]).rstrip())

@@ -36,3 +36,17 @@ def user_errors():
     except PlanError as e:
         err.print(f"[bold red]error:[/] {e}", highlight=False)
         raise typer.Exit(e.exit_code) from None
+
+
+@contextlib.contextmanager
+def refusal_as_data(format: str | None):
+    """With --format json or yaml, a refused plan is data on stdout as well ({"error": {"message", "exit_code",
+    "infeasible"}}), for the script that reads it; the red line and the exit code stay (user_errors, outside)."""
+    from shardserve.planner import InfeasibleError, PlanError
+    try:
+        yield
+    except PlanError as e:
+        if format is not None:
+            print_data({"error": {"message": str(e), "exit_code": e.exit_code,
+                                  "infeasible": isinstance(e, InfeasibleError)}}, Format(format))
+        raise

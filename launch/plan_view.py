@@ -68,14 +68,27 @@ def write_plan(plan: PlanFile, path: Path) -> None:
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB"
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 / 20 or n == 0 else f"{n / 2**20:.1f} MiB"  # (a small model's)
+
+
+def _params(num: int) -> str:
+    return f"{num / 1e9:.2f}B" if num >= 0.9995e9 else f"{num / 1e6:.1f}M"
+
+
+def _weights_kind(model) -> str:
+    """What the weights' size is of: the checkpoint's own format (an FP8 checkpoint's, not the compute dtype's)."""
+    quant = model.quantization
+    if not quant:
+        return f"in {model.dtype}"
+    bits = f" {quant['bits']}-bit" if quant.get("bits") and quant.get("method") != "fp8" else ""
+    return f"as {quant['method']}{bits} weights"
 
 
 def render_plan(plan: PlanFile, console: Console) -> None:
     m, hw, par, mem, rt = plan.model, plan.hardware, plan.parallel, plan.memory, plan.runtime
     nodes = f"{hw.nodes}x" if hw.nodes > 1 else ""
-    console.print(f"[bold]{m.id}[/] ({m.architecture}, {m.num_params / 1e9:.2f}B "
-                  f"params, {_gib(m.weight_bytes)} in {m.dtype}) on "
+    console.print(f"[bold]{m.id}[/] ({m.architecture}, {_params(m.num_params)} params, "
+                  f"{_gib(m.weight_bytes)} {_weights_kind(m)}) on "
                   f"[bold]{nodes}{hw.gpus_per_node}x{hw.gpu.name}[/] "
                   f"({hw.source}, {hw.interconnect})", highlight=False)
     layout = Table(title="Layout", show_header=False, title_justify="left")

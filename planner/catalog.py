@@ -47,11 +47,27 @@ def model_catalog() -> dict[str, dict]:
         return yaml.load(f, Loader=_LOADER)
 
 
-def find_model(model_id: str) -> tuple[str, dict] | None:
-    """A catalog config by id, case-insensitive; the org may be left out when the name is unique."""
+def catalog_matches(model_id: str) -> list[str]:
+    """The catalog ids a name stands for, case-insensitive: the id itself, else every id whose name (the org left
+    out) it is."""
     wanted = model_id.strip().lower()
     exact = [k for k in model_catalog() if k.lower() == wanted]
-    matches = exact or [k for k in model_catalog() if k.lower().split("/")[-1] == wanted]
+    return exact or [k for k in model_catalog() if k.lower().split("/")[-1] == wanted]
+
+
+def find_model(model_id: str) -> tuple[str, dict] | None:
+    """A catalog config by id, case-insensitive; the org may be left out when the name is unique."""
+    matches = catalog_matches(model_id)
     if len(matches) == 1:
         return matches[0], dict(model_catalog()[matches[0]])
     return None
+
+
+def resolution_note(model_id: str, found: str) -> str | None:
+    """What a name that is not the catalog id it stands for became, and the catalog's variants of that id (a
+    short name that plans the base model says the chat model's id); None when the name is the id."""
+    if model_id == found:
+        return None
+    variants = [k for k in model_catalog() if k.lower().startswith(found.lower() + "-")]
+    also = f" (also in the catalog: {', '.join(variants)})" if variants else ""
+    return f"model {model_id} is the catalog's {found}{also}"

@@ -69,10 +69,16 @@ def hf_cache_dir() -> Path:
     return Path(home) / "hub"
 
 
+_BARE_ID = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9])?")  # the Hub's older ids: gpt2, t5-small
+
+
 def is_hub_id(model: str) -> bool:
-    """`org/name`, not a path."""
+    """`org/name`, or a bare name as the Hub's oldest models have (gpt2, as vLLM takes it); not a path, and
+    not a plan or profile file's name."""
     org, slash, name = model.partition("/")
-    return bool(slash and org and name) and "/" not in name and not model.startswith((".", "~"))
+    if not slash:
+        return bool(_BARE_ID.fullmatch(model)) and ".." not in model and not model.endswith((".yaml", ".yml", ".json"))
+    return bool(org and name) and "/" not in name and not model.startswith((".", "~"))
 
 
 def cached_snapshot(model_id: str, hub: HubOptions | None = None) -> Path | None:
@@ -224,7 +230,7 @@ def hub_errors(model: str, hub: HubOptions, nearest: Callable[[str], str]) -> It
     except hf.RemoteEntryNotFoundError:
         raise HubError(f"{model} has no config.json on the Hub: not a transformers model") from None
     except hf.HFValidationError:
-        raise HubError(f"{model!r} is not a Hub id: write org/name") from None
+        raise HubError(f"{model!r} is not a Hub id: write org/name (or a bare name such as gpt2)") from None
     except unreachable:
         raise HubError(offline_help(model, hub) if is_offline() else
                        f"cannot reach the Hub at {constants.ENDPOINT} for {model}: check the network (a proxy: "

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 
-from shardserve.planner.catalog import find_model, model_catalog
+from shardserve.planner.catalog import catalog_matches, find_model, model_catalog, resolution_note
 from shardserve.planner.errors import PlanError
 from shardserve.planner.hf_config import read_config_json
 from shardserve.planner.hub import (HubError, HubOptions, download, download_config, has_weights, hub_errors, is_hub_id,
@@ -51,6 +51,7 @@ class ModelInfo:
     tensors_from: str        # safetensors (exact sizes) | config (derived)
     config: dict = field(default_factory=dict, repr=False, compare=False)  # config.json as read
     hub: HubOptions | None = None  # how a Hub id was looked up (revision, download_dir); None: a folder
+    note: str | None = None  # what a short or differently written name became (a catalog id), for the plan
 
     @cached_property
     def groups(self) -> TensorGroups:
@@ -105,14 +106,15 @@ def load_model(model: str, quantization: str | None = None, hub: HubOptions | No
         return _from_folder(path, model if model == DEMO_MODEL_NAME else str(path), "folder", quantization)
     if model.startswith(("/", "./", "../", "~")):
         raise PlanError(f"model folder {model} does not exist")
-    found = find_model(model)
+    found = _catalog_entry(model, hub)
     snapshot = cached_snapshot(model, hub) or (cached_snapshot(found[0], hub) if found else None)
     if snapshot is not None:
         return replace(_from_folder(snapshot, model, "hf-cache", quantization), hub=hub)
     if found is not None:  # NOTE: offline by design: a catalog id plans without the network
         model_id, config = found
         spec = ModelSpec.from_config(model_id, config, quantization)
-        return ModelInfo(spec, tuple(derive_tensors(spec)), "catalog", None, "config", config, hub)
+        return ModelInfo(spec, tuple(derive_tensors(spec)), "catalog", None, "config", config, hub,
+                         resolution_note(model, model_id))
     if not is_hub_id(model) or is_offline():
         offline = (f"; HF_HUB_OFFLINE forbids asking the Hub (`hf download {model}` where it is reachable)"
                    if is_hub_id(model) else "")
@@ -140,11 +142,22 @@ def local_weights(model: str, hub: HubOptions, load_format: str = "auto") -> Pat
     if snapshot is not None and (not needs_weights or has_weights(snapshot)):
         return snapshot
     if not is_hub_id(repo):
-        raise PlanError(f"model {model!r} is not a folder and not a Hub id (org/name): {_nearest(model)}")
+        raise PlanError(f"model {model!r} is not a folder and not a Hub id (org/name, or a bare name such as "
+                        f"gpt2): {_nearest(model)}")
     if is_offline():
         raise HubError(offline_help(repo, hub))
     with hub_errors(repo, hub, _nearest):
         return download(repo, hub) if needs_weights else download_config(repo, hub)
+
+
+def _catalog_entry(model: str, hub: HubOptions) -> tuple[str, dict] | None:
+    """The catalog's entry for a name (find_model); a short name several ids share is refused, listing them,
+    unless it is in the Hugging Face cache as given."""
+    matches = catalog_matches(model)
+    if len(matches) > 1 and cached_snapshot(model, hub) is None:
+        raise PlanError(f"model {model!r} names {len(matches)} catalog models: {', '.join(matches)}; give one "
+                        "of these ids")
+    return find_model(model)
 
 
 def no_weights_problem(folder: Path, load_format: str) -> str | None:

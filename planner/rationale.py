@@ -204,7 +204,7 @@ def _tp_blocker(candidates: list[Candidate], tp: int) -> str:
 def warnings(model: ModelInfo, hardware: Hardware, settings: RuntimeSettings,
              chosen: Candidate) -> list[str]:
     spec, layout = model.spec, chosen.layout
-    out = list(hardware.notes)
+    out = ([model.note] if model.note else []) + list(hardware.notes)
     if hardware.is_cpu:
         out.append("no GPU: this is a CPU plan (gloo between ranks; float32)")
     idle = hardware.total_gpus - layout.num_gpus

@@ -125,7 +125,7 @@ def _s(name, type_, default, help_, layers, **kw) -> Setting:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    _s("model", str, None, "A model folder, a Hugging Face Hub id (org/name: `plan` reads its config.json and "
+    _s("model", str, None, "A model folder, a Hugging Face Hub id (org/name, or a bare name such as gpt2: `plan` reads its config.json and "
        "safetensors headers, `launch` downloads its safetensors weights when the cache lacks them), or a catalog "
        "id; shardserve-demo is the bundled demo (bare `launch` serves it: --profile demo).",
        "input engine", short="-m"),

@@ -34,7 +34,8 @@ def deploy(
         "for the whole plan (ray executor). slurm: an sbatch script for the whole plan.")] = Target.k8s,
     output: Annotated[Optional[Path], typer.Option(
         "--output", "-o", help="The folder to write (required): k8s.yaml, lws.yaml or kuberay.yaml (the "
-        "objects as one multi-document YAML, for kubectl apply -f DIR), or slurm.sbatch.")] = None,
+        "objects as one multi-document YAML, for kubectl apply -f DIR), or slurm.sbatch; - writes the file to "
+        "stdout (kubectl apply -f -).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace a non-empty -o folder that holds only "
                                         "files such as deploy writes.")] = False,
     image: Annotated[Optional[str], typer.Option(
@@ -79,6 +80,11 @@ def deploy(
                                 namespace, parse_model_cache(model_cache), api_key_secret, load_rate_gbps,
                                 socket_ifname, tuple(parse_env(env or []).items()))
         files = render(plan, options)
+        if str(output) == "-":  # for `kubectl apply -f -`: the files on stdout, what to do next on stderr
+            if len(files) > 1:
+                raise _error(f"-o -: the {target.value} target writes {len(files)} files; give a folder")
+            print(next(iter(files.values())), end="")
+            return _warnings(plan, options)
         write_folder(output, files, force)
     _report(plan, options, output, files)
 
@@ -113,15 +119,10 @@ def _check_names(namespace: str | None, api_key_secret: str | None, socket_ifnam
 
 
 def _report(plan, options, output: Path, files: dict[str, str]) -> None:
-    from shardserve.launch.deploy.plan import gpu_product_label, is_cpu_plan, nodes_per_replica
+    from shardserve.launch.deploy.plan import nodes_per_replica
     for file_name in files:
         print(f"wrote {output / file_name}")
-    if options.target != "slurm" and gpu_product_label(plan) is None and not is_cpu_plan(plan):
-        err.print(f"[yellow]warning:[/] no nvidia.com/gpu.product value known for {plan.hardware.gpu.name}: the "
-                  "pods have no nodeSelector; add one by hand", highlight=False)
-    if options.model_cache is None:
-        err.print("[yellow]warning:[/] no --model-cache: each pod or node reads the model from its own Hugging "
-                  "Face cache (downloading it there first)", highlight=False)
+    _warnings(plan, options)
     print("next:")
     if options.target == "slurm":
         print(f"  sbatch {output / next(iter(files))}")
@@ -133,6 +134,16 @@ def _report(plan, options, output: Path, files: dict[str, str]) -> None:
         print(f"  kubectl create secret generic {options.api_key_secret}{_ns(options)} "
                   "--from-literal=api-key=YOUR_KEY")
     print(f"  kubectl apply -f {output}")
+
+
+def _warnings(plan, options) -> None:
+    from shardserve.launch.deploy.plan import gpu_product_label, is_cpu_plan
+    if options.target != "slurm" and gpu_product_label(plan) is None and not is_cpu_plan(plan):
+        err.print(f"[yellow]warning:[/] no nvidia.com/gpu.product value known for {plan.hardware.gpu.name}: the "
+                  "pods have no nodeSelector; add one by hand", highlight=False)
+    if options.model_cache is None:
+        err.print("[yellow]warning:[/] no --model-cache: each pod or node reads the model from its own Hugging "
+                  "Face cache (downloading it there first)", highlight=False)
 
 
 def _ns(options) -> str:

@@ -188,3 +188,11 @@ def test_a_plan_of_a_local_folder_needs_a_cache_the_pods_see():
     (text,) = render(plan, DeployOptions("k8s", "x", IMAGE, model_cache=parse_model_cache("hostpath:/data/models"))).values()
     assert "path: /data/models\n" in text
     assert render(plan, DeployOptions("slurm", "x"))  # Slurm nodes share the submitting host's folders
+
+
+@pytest.mark.slow
+def test_dash_o_dash_writes_the_file_to_stdout_for_kubectl_apply():
+    """`deploy ... -o -` (kubectl apply -f -): the one file on stdout, the warnings on stderr, nothing written."""
+    done = deploy(str(plan_path("2node")), "--target", "slurm", "-o", "-")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("#!") and "srun" in done.stdout and "wrote" not in done.stdout

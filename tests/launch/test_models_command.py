@@ -75,3 +75,15 @@ def test_a_filter_matching_nothing_and_an_unknown_gpu_are_one_line():
                         (["--gpu", "X100"], "unknown GPU 'X100'")]:
         result = run(*args)
         assert result.exit_code == 1 and named in result.output and "Traceback" not in result.output
+
+
+def test_piped_the_list_keeps_whole_ids_one_row_a_line(tmp_path):
+    """Piped (as CliRunner runs it: no terminal), rich fitted the table to 80 columns and cut ids across lines,
+    so `shardserve models | grep ID` found nothing."""
+    result = run(env={"HF_HUB_CACHE": str(tmp_path), "COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0].split() == ["id", "architecture", "params", "context", "quant", "GPUs", "fp8"]
+    row = next(line for line in lines if line.startswith("hugging-quants/Meta-Llama-3.1-70B-Instruct-AWQ-INT4 "))
+    assert row.split()[-2:] == ["2", "-"]
+    assert not any(line.startswith(" ") for line in lines)  # no folded cell on a line of its own

@@ -56,8 +56,11 @@ def test_every_shard_of_the_index_must_be_there(tmp_path):
 
 
 def test_hub_ids_and_options():
-    assert is_hub_id("acme/tiny") and not is_hub_id("tiny") and not is_hub_id("./acme/tiny")
+    assert is_hub_id("acme/tiny") and not is_hub_id("./acme/tiny")
     assert not is_hub_id("acme/tiny/extra") and not is_hub_id("/acme")
+    # the Hub's oldest models have no org, and vLLM takes them so (`vllm serve gpt2`)
+    assert is_hub_id("gpt2") and is_hub_id("t5-small") and is_hub_id("bert-base-uncased")
+    assert not is_hub_id("plan.yaml") and not is_hub_id("-x") and not is_hub_id("a b") and not is_hub_id("..")
     settings = SimpleNamespace(download_dir="/d", revision="v1", hf_token="t", port=1)
     assert HubOptions.of(settings) == HubOptions("/d", "v1", "t")
     assert HubOptions(download_dir="~/m").cache_dir == Path("~/m").expanduser()

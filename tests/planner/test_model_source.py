@@ -200,3 +200,14 @@ def test_catalog_quantized_releases_weigh_their_stored_bytes(quantized, base, me
     plan = plan_for(quantized, "8xH100-80GB").record()
     assert plan.model.quantization["method"] == method
     assert plan.model.weight_bytes < most * plan_for(base, "8xH100-80GB").record().model.weight_bytes
+
+
+def test_a_short_name_says_which_catalog_id_it_became():
+    """`plan --model llama-3.1-70b` planned the base model and said nothing; the plan's warnings now name the id
+    and the catalog's variants of it (the chat model)."""
+    plan = plan_for("llama-3.1-70b", "8xH100-80GB")
+    assert plan.model.spec.id == "meta-llama/Llama-3.1-70B"
+    note = "model llama-3.1-70b is the catalog's meta-llama/Llama-3.1-70B (also in the catalog: " \
+           "meta-llama/Llama-3.1-70B-Instruct"
+    assert any(w.startswith(note) for w in plan.warnings), plan.warnings
+    assert not any("is the catalog's" in w for w in plan_for("meta-llama/Llama-3.1-70B", "8xH100-80GB").warnings)
