@@ -20,7 +20,7 @@ from shardserve.launch.cli_support import Format, err, print_data, refusal_as_da
 from shardserve.planner.errors import PlanError
 
 # NOTE: click's plain help, not typer's rich panels: those cut option names at 80 columns
-app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None,
+app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,  # (--install-completion: bash, zsh, fish)
                   help="Plan and launch multi-GPU LLM serving.")
 
 

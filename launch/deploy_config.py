@@ -9,7 +9,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model
 
 from shardserve.planner import PlanError
-from shardserve.planner.settings import SETTINGS, Setting
+from shardserve.planner.settings import BY_NAME, SETTINGS, Setting
 from shardserve.planner.yaml_file import read_yaml
 
 
@@ -68,19 +68,23 @@ def parse_env(items: list[str]) -> dict[str, str]:
     return out
 
 
-def validate(values: dict, source: str, lines: dict[str, int] | None = None) -> DeployConfig:
+def validate(values: dict, source: str, lines: dict[str, int] | None = None, flags: dict | None = None) -> DeployConfig:
+    """The settings as one record; a PlanError names each bad one as its source gave it: a flag as typed
+    (--input-len) where `flags` (the command line's values) holds it, else the key (with its line)."""
     try:
         return DeployConfig(**values)
     except ValidationError as e:
         problems = []
         for error in e.errors():
             field = ".".join(str(p) for p in error["loc"])
+            if flags and flags.get(field) is not None and field in BY_NAME:
+                field = BY_NAME[field].flag
             where = f" (line {lines[field]})" if lines and field in lines else ""
             message = ("unknown key" if error["type"] == "extra_forbidden"
                        else str(error["ctx"]["error"]) if error["type"] == "value_error"
                        else error["msg"].lower())
             problems.append(f"{field}{where}: {message}")
-        raise PlanError(f"{source}: " + "; ".join(problems)) from None
+        raise PlanError((f"{source}: " if source else "") + "; ".join(problems)) from None
 
 
 def load_yaml_config(path: Path) -> DeployConfig:

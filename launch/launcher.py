@@ -75,7 +75,7 @@ def settle(plan_path: str | None, profile: str | None, flags: dict,
     base = load_profile(profile).set_values() if profile else {}
     plan = read_plan_file(plan_path) if plan_path else None
     planned = plan_settings(plan) if plan else {}
-    config = validate(merge(base, planned, flags), "launch settings")
+    config = validate(merge(base, planned, flags), "launch settings", flags=flags)
     hardware = resolve_hardware(None, ray_address)
     if hardware.is_cpu and config.hardware and not ray_address:  # a Ray cluster is the hardware
         declared = resolve_hardware(config.hardware, None)

@@ -45,7 +45,7 @@ def make_plan_from(flags: dict, profile: str | None, ray_address: str | None, re
     from shardserve.launch.profiles import load_profile
 
     base = load_profile(profile).set_values() if profile else {}
-    config = validate(merge(base, flags), "options")
+    config = validate(merge(base, flags), f"profile {profile}" if profile else "", flags=flags)
     return build_plan(config, resolve_hardware(config.hardware, ray_address), recommend=recommend)
 
 
@@ -91,6 +91,7 @@ def render_plan(plan: PlanFile, console: Console) -> None:
                   f"{_gib(m.weight_bytes)} {_weights_kind(m)}) on "
                   f"[bold]{nodes}{hw.gpus_per_node}x{hw.gpu.name}[/] "
                   f"({hw.source}, {hw.interconnect})", highlight=False)
+    console.print(summary(plan), highlight=False)
     layout = Table(title="Layout", show_header=False, title_justify="left")
     for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
                 "layer_split", "distributed_executor_backend", "enable_expert_parallel"):
@@ -130,17 +131,36 @@ def render_plan(plan: PlanFile, console: Console) -> None:
         console.print(_alternatives_table(plan))
 
 
+def summary(plan: PlanFile) -> str:
+    """The answer in one line, before the detail: layout, GPUs, latency at the percentile, speed, KV."""
+    par, est, mem, p = plan.parallel, plan.estimates, plan.memory, plan.estimates.workload.percentile
+    num = par.tensor_parallel_size * par.pipeline_parallel_size * par.data_parallel_size
+    unit = "CPU ranks" if plan.runtime.device == "cpu" else plan.hardware.gpu.name
+    ttft = "unbounded (overloaded)" if est.ttft_ms is None else f"{est.ttft_ms:,.0f} ms"
+    return (f"[bold]Plan:[/] tp {par.tensor_parallel_size} x pp {par.pipeline_parallel_size} x dp "
+            f"{par.data_parallel_size} on {num} {unit}: TTFT p{p} {ttft}, TPOT p{p} {est.tpot_ms:,.1f} ms, "
+            f"{est.output_tokens_per_s:,.0f} output tok/s ({est.output_tokens_per_s_per_user:,.1f} per user), "
+            f"KV cache {mem.kv_cache_tokens:,} tokens per replica ({mem.max_concurrency:.2f}x "
+            f"{plan.runtime.max_model_len:,})")
+
+
 def _alternatives_table(plan: PlanFile) -> Table:
     """The layouts that lost, with an ep column where experts could be dealt out whole (a MoE model):
     the same tp and pp with and without expert parallel are two rows."""
     with_ep = plan.parallel.enable_expert_parallel or any(a["enable_expert_parallel"] for a in plan.alternatives)
     unit = "CPU rank" if plan.hardware.gpu.is_cpu else "GPU"
-    alt = Table(title=f"Other layouts (* on the Pareto front: output tok/s per {unit} against per user; "
+    alt = Table(title=f"The plan and the other layouts (* on the Pareto front: output tok/s per {unit} against per user; "
                 "TTFT and TPOT in ms)", title_justify="left")
     shape = ("tp", "pp", "dp", "ep") if with_ep else ("tp", "pp", "dp")
     for col in (*shape, "tok/s", "/rank" if plan.hardware.gpu.is_cpu else "/GPU", "/user", "TTFT", "TPOT"):
         alt.add_column(col, no_wrap=True)
     alt.add_column("why not")
+    par, est = plan.parallel, plan.estimates
+    chosen = [str(par.tensor_parallel_size), str(par.pipeline_parallel_size), str(par.data_parallel_size)]
+    alt.add_row(*chosen, *(["yes" if par.enable_expert_parallel else "no"] if with_ep else []),
+                *(_cell(v, f) for v, f in ((est.output_tokens_per_s, ",.0f"), (est.output_tokens_per_s_per_gpu, ",.0f"),
+                                           (est.output_tokens_per_s_per_user, ",.1f"), (est.ttft_ms, ",.0f"),
+                                           (est.tpot_ms, ",.1f"))), "[bold]the plan[/]")
     for a in plan.alternatives:
         numbers = [_cell(a[k], f) for k, f in (("output_tokens_per_s", ",.0f"), (
             "output_tokens_per_s_per_gpu", ",.0f"), ("output_tokens_per_s_per_user", ",.1f"), (

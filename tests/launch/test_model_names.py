@@ -1,5 +1,6 @@
 """Model names as vLLM users give them (issue 43): `plan MODEL` as `launch MODEL` takes it, bare Hub ids (gpt2),
-a short name that says which catalog id it became, an uncached id offline that says so."""
+a short name that says which catalog id it became, an uncached id offline that says so; and the plan's first
+screen: the answer first, the checkpoint's own format, refusals as data, flags named as typed."""
 
 from __future__ import annotations
 
@@ -56,3 +57,36 @@ def test_a_refused_plan_in_json_is_json_on_stdout():
     assert result.exit_code == 2
     refusal = json.loads(result.stdout)["error"]
     assert refusal["infeasible"] and refusal["exit_code"] == 2 and "does not fit on 1xL4" in refusal["message"]
+
+
+def test_the_plan_answers_in_its_first_lines_and_leads_its_layouts_table():
+    """The answer came after ~69 lines of detail; the chosen layout was not in the table of layouts."""
+    result = plan("meta-llama/Llama-3.1-70B-Instruct", "--hardware", "8xH100-80GB", "--request-rate", "5",
+                  "--format", "json")
+    record = json.loads(result.output)
+    est = record["estimates"]
+    text = " ".join(plan("meta-llama/Llama-3.1-70B-Instruct", "--hardware", "8xH100-80GB", "--request-rate",
+                         "5").output.split())
+    first = text[:400]
+    assert f"Plan: tp 8 x pp 1 x dp 1 on 8 H100-80GB: TTFT p50 {est['ttft_ms']:,.0f} ms, TPOT p50 " \
+           f"{est['tpot_ms']:,.1f} ms, {est['output_tokens_per_s']:,.0f} output tok/s" in first, first
+    assert "│ 8 │ 1 │ 1 │" in text.split("The plan and the other layouts")[1].split("the plan")[0]
+
+
+def test_a_bad_flag_value_is_named_as_typed():
+    """It was "options: input_len: ...": the internal name of the record, and the key, not the flag."""
+    result = plan("meta-llama/Llama-3.1-8B-Instruct", "--hardware", "H100-80GB", "--input-len", "0")
+    message = " ".join(result.output.split())
+    assert result.exit_code == 1 and message.startswith("error: --input-len: "), message
+    assert "options" not in message and "input_len" not in message
+
+
+def test_the_shell_completes_commands_and_flags():
+    """`shardserve --install-completion` (bash, zsh, fish): the shell asks the CLI, which answers from its own
+    commands and the settings' flags."""
+    def complete(words: str) -> list[str]:
+        env = {"_SHARDSERVE_COMPLETE": "complete_bash", "COMP_WORDS": words, "COMP_CWORD": str(len(words.split()) - 1)}
+        result = CliRunner().invoke(app, [], env=env, prog_name="shardserve")
+        return result.output.split()
+    assert complete("shardserve pl") == ["plan"]
+    assert "--max-model-len" in complete("shardserve launch --max-mo")

@@ -85,7 +85,7 @@ def test_version_and_help():
     (["-m", "meta-llama/Llama-3.1-405B", "--hardware", "8xH100"], 2,
      "2x8xH100-80GB would fit"),
     (["-m", "gpt2", "--hardware", "H100", "--gpu-memory-utilization", "1.5"], 1,
-     "gpu_memory_utilization: input should be less than or equal to 1"),
+     "--gpu-memory-utilization: input should be less than or equal to 1"),
     (["-m", "gpt2", "--hardware", "H100", "--max-model-len", "4096"], 1,
      "beyond the model's 1024 positions"),
 ])
