@@ -43,9 +43,12 @@ SKIPPED = {  # command (whitespace collapsed) -> why it cannot run on one CPU ma
     "shardserve doctor --ray-address auto": NEEDS_CLUSTER,
     "shardserve launch --model Qwen/Qwen3-8B": "downloads Qwen3-8B from the Hub (test_hub_download serves a Hub "
                                                "id from a stand-in Hub; test_launch a cached one)",
+    "vllm serve meta-llama/Llama-3.1-70B-Instruct --tensor-parallel-size 8 --max-model-len 32768 "
+    "--gpu-memory-utilization 0.9 --enable-prefix-caching --api-key $KEY": "vLLM's own command, for comparison",
 }
 REFUSED_ON_CPU = {  # command -> what it says, exit 1: plan.yaml (from the Plan section) is for 3xL4
     "shardserve launch plan.yaml": "the plan needs 3 GPU(s)",
+    "shardserve launch llama70b.yaml --api-key $KEY": "the plan needs 4 GPU(s)",
 }
 FAILS_A_CHECK_ON_CPU = {"shardserve doctor --plan plan.yaml": "gpus"}
 
