@@ -63,6 +63,11 @@ def plan(
     format: Annotated[PlanFormat, typer.Option("--format", help="table, json or yaml on stdout; vllm or "
                                            "sglang: that engine's equivalent serve command.")]
     = PlanFormat.table,
+    trace: Annotated[Optional[Path], typer.Option(
+        "--trace", help="Plan for this recorded traffic: JSON lines or CSV, one request a line (arrival_s, "
+        "input_len, output_len; optionally prefix_id and prefix_len). The layout is searched on its means; the "
+        "chosen one replays the trace through the engine's scheduler for percentiles of TTFT, TPOT, ITL and "
+        "end-to-end time.")] = None,
     recommend: Annotated[bool, typer.Option(
         "--recommend", help="Plan on the fewest GPUs of the --hardware GPU type (its GPUs per node) that "
         "serve --request-rate or --concurrency within --ttft-ms/--tpot-ms.")] = False,
@@ -80,7 +85,7 @@ def plan(
                 raise PlanError(f"two models: {target} (the argument) and --model {settings['model']}: give one "
                                 "of them")
             settings["model"] = target
-        record = make_plan_from(settings, profile, ray_address, recommend).record()
+        record = make_plan_from(settings, profile, ray_address, recommend, trace)
         if output is not None:
             write_plan(record, output)
     if format is PlanFormat.json:
@@ -270,4 +275,8 @@ def main() -> None:
     # NOTE: click exits 2 on a usage error; here 2 means "does not fit", so bad input exits 1
     # (typer carries its own click: its UsageError is reached through the public BadParameter)
     typer.BadParameter.__base__.exit_code = 1  # type: ignore[union-attr]  # the base: click's UsageError
+    import sys
+
+    from shardserve.launch.vllm_flags.argv import answer_vllm_flags
+    sys.argv[1:] = answer_vllm_flags(app, sys.argv[1:])  # a pasted `vllm serve` line: each vLLM flag answered
     app(prog_name="shardserve")

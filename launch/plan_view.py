@@ -39,14 +39,29 @@ def build_plan(config, hardware: Hardware, info=None, recommend: bool = False):
     return make_plan(model, hardware, options, recommend)
 
 
-def make_plan_from(flags: dict, profile: str | None, ray_address: str | None, recommend: bool = False):
-    """Plan from a profile overridden by flags (None means 'not given')."""
+def make_plan_from(flags: dict, profile: str | None, ray_address: str | None, recommend: bool = False,
+                   trace_path: Path | None = None) -> PlanFile:
+    """Plan from a profile overridden by flags (None means 'not given'); with a trace, for its traffic, the
+    estimates replayed from it (launch/trace_plan.py)."""
     from shardserve.launch.deploy_config import merge, validate
     from shardserve.launch.profiles import load_profile
 
+    trace = None
+    if trace_path is not None:
+        from shardserve.launch.trace_plan import workload_flags
+        from shardserve.planner.trace import read_trace
+        trace = read_trace(trace_path)
+        flags = workload_flags(trace, flags)
     base = load_profile(profile).set_values() if profile else {}
     config = validate(merge(base, flags), f"profile {profile}" if profile else "", flags=flags)
-    return build_plan(config, resolve_hardware(config.hardware, ray_address), recommend=recommend)
+    hardware = resolve_hardware(config.hardware, ray_address)
+    if trace is None:
+        return build_plan(config, hardware, recommend=recommend).record()
+    from shardserve.launch.trace_plan import with_replay
+    from shardserve.planner import load_model
+    from shardserve.planner.hub import HubOptions
+    model = load_model(config.model, config.quantization, HubOptions.of(config))
+    return with_replay(build_plan(config, hardware, model, recommend).record(), model, trace)
 
 
 def write_plan(plan: PlanFile, path: Path) -> None:
@@ -205,4 +220,21 @@ def render_estimates(plan: PlanFile, console: Console) -> None:
         target = targets.get(key)
         table.add_row(label, value, unit + (f" (target {target:g})" if target is not None else ""))
     console.print(table)
+    if est.percentiles is not None and est.trace is not None:
+        console.print(_percentiles_table(est))
     console.print(f"  speed from {est.source}", highlight=False)
+
+
+def _percentiles_table(est) -> Table:
+    """A replayed trace's latencies at p50, p90 and p99."""
+    tr = est.trace
+    table = Table(title=f"The trace replayed through the engine's scheduler: {tr.num_requests:,} requests "
+                  f"({'offline' if tr.offline else 'as they arrived'}) in {tr.replay_seconds:.1f} s; ms",
+                  title_justify="left")
+    for col in ("", "p50", "p90", "p99"):
+        table.add_column(col, justify="right")
+    for label, spread in (("TTFT", est.percentiles.ttft_ms), ("TPOT", est.percentiles.tpot_ms),
+                          ("ITL", est.percentiles.itl_ms), ("E2E", est.percentiles.e2e_ms)):
+        if spread is not None:
+            table.add_row(label, *(f"{v:,.1f}" for v in (spread.p50, spread.p90, spread.p99)))
+    return table

@@ -151,6 +151,32 @@ class WorkloadSection:
 
 
 @dataclass(frozen=True)
+class Spread:
+    """A latency's percentiles over the requests of a replayed trace, in ms."""
+    p50: float
+    p90: float
+    p99: float
+
+
+@dataclass(frozen=True)
+class PercentilesSection:
+    ttft_ms: Spread
+    tpot_ms: Spread | None  # None: no request generated more than one token
+    itl_ms: Spread | None   # every gap between two tokens of a request
+    e2e_ms: Spread
+
+
+@dataclass(frozen=True)
+class TraceSection:
+    """The trace the percentiles come from, replayed through the engine's scheduler (runtime/core/replay.py)."""
+    source: str
+    num_requests: int
+    offline: bool
+    output_tokens_per_s: float  # the whole deployment, over the trace's span
+    replay_seconds: float  # how long the replay took
+
+
+@dataclass(frozen=True)
 class EstimatesSection:
     workload: WorkloadSection
     ttft_ms: float | None  # None: overloaded, the rate outruns the layout and TTFT grows without bound
@@ -161,6 +187,8 @@ class EstimatesSection:
     max_request_rate: float     # requests/s within the targets (without targets: before overload)
     decode_tokens_per_s_batch1: float
     source: str
+    percentiles: PercentilesSection | None = None  # with --trace: the chosen layout's, replayed
+    trace: TraceSection | None = None
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from shardserve.planner.served import ARCHITECTURES
 from shardserve.runtime.layers.quantization.config import QuantConfig
 from shardserve.runtime.layers.rotary import rope_parameters
 from shardserve.runtime.pooling_params import PoolerConfig
+from shardserve.runtime.core.scheduler_config import SchedulerConfig as SchedulerConfig  # (torch-free: the plan's replay)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -143,14 +144,6 @@ class CacheConfig:
     def torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The dtype the KV pool is allocated in."""
         return _KV_DTYPES.get(self.kv_cache_dtype, model_dtype)
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    async_scheduling: bool = False  # schedule step N+1 before step N's tokens are back
-    enable_chunked_prefill: bool = True  # always: a prompt beyond the token budget is prefilled over steps
 
 
 @dataclass(frozen=True)

@@ -107,7 +107,7 @@ def _plan(plan_file: Path | None, profile: str | None, settings: dict):
         data, _ = read_yaml(str(plan_file), "plan")
         return PlanFile.from_dict(data, str(plan_file))
     from shardserve.launch.plan_view import make_plan_from
-    return make_plan_from(settings, profile, None).record()
+    return make_plan_from(settings, profile, None)
 
 
 def _check_names(namespace: str | None, api_key_secret: str | None, socket_ifname: str | None) -> None:

@@ -7,7 +7,7 @@ from collections import deque
 
 from shardserve.planner.memory import max_blocks_per_request
 from shardserve.runtime.core.block_manager import BlockManager
-from shardserve.runtime.config import SchedulerConfig
+from shardserve.runtime.core.scheduler_config import SchedulerConfig
 from shardserve.runtime.core.lora_slots import LoRASlots
 from shardserve.runtime.lora_request import LoRARequest
 from shardserve.runtime.core.messages import (CachedRequestData, ModelRunnerOutput, NewRequestData, RequestUpdate,

@@ -68,7 +68,7 @@ def load_plan(key: str) -> PlanFile:
 
 def make_plan(key: str) -> PlanFile:
     from shardserve.launch.plan_view import make_plan_from
-    return make_plan_from(dict(PLANS[key]), None, None).record()
+    return make_plan_from(dict(PLANS[key]), None, None)
 
 
 def cpu_cluster_plan(model: str, node_ips: tuple[str, ...]) -> PlanFile:

@@ -26,14 +26,14 @@ def test_each_shipped_profile_validates_and_plans(name):
     assert profile.model and profile.description
     # plan on the profile's declared hardware; single-gpu.yaml declares none: give it one
     hardware = None if profile.hardware else "H100-80GB"
-    plan = make_plan_from({"hardware": hardware}, name, None).record()
+    plan = make_plan_from({"hardware": hardware}, name, None)
     for key in ("tensor_parallel_size", "pipeline_parallel_size"):
         if getattr(profile, key):
             assert getattr(plan.parallel, key) == getattr(profile, key)
 
 
 def test_flags_override_the_profile():
-    plan = make_plan_from({"tensor_parallel_size": 4}, "node-8xh100-tp8", None).record()
+    plan = make_plan_from({"tensor_parallel_size": 4}, "node-8xh100-tp8", None)
     assert plan.parallel.tensor_parallel_size == 4
 
 
@@ -63,7 +63,7 @@ def test_user_profile_folder(tmp_path, monkeypatch):
     (tmp_path / "mine.yaml").write_text("model: gpt2\nhardware: 2xL4\n")
     monkeypatch.setenv("SHARDSERVE_PROFILES", str(tmp_path))
     assert "mine" in list_profiles()
-    assert make_plan_from({}, "mine", None).record().hardware.gpu.name == "L4"
+    assert make_plan_from({}, "mine", None).hardware.gpu.name == "L4"
 
 
 def test_set_values_are_yaml_scalars():

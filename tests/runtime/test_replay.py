@@ -1,0 +1,68 @@
+"""A trace replayed through the engine's own scheduler and block manager (runtime/core/replay.py), each step timed
+by a replica's cycle: the times follow the scheduling decisions (chunked prefill, the prefix cache, queueing,
+preemption). The replica here times a step as 10 ms plus 0.1 ms per prompt token and 1 ms per decoding request,
+so each expectation is worked out by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardserve.planner.operators import Chunk
+from shardserve.planner.serving import Replica
+from shardserve.planner.trace import TraceRequest
+from shardserve.runtime.core.replay import EngineShape, replay
+from shardserve.runtime.core.scheduler_config import SchedulerConfig
+
+
+def cycle_ms(b: int, chunks: tuple[Chunk, ...], context: int) -> float:
+    return 10.0 + 0.1 * sum(c.tokens for c in chunks) + 1.0 * b
+
+
+REPLICA = Replica(cycle_ms, max_num_seqs=8, max_num_batched_tokens=64, kv_cache_tokens=4096)
+
+
+def shape(num_blocks: int = 256, max_num_seqs: int = 8, replicas: int = 1) -> EngineShape:
+    return EngineShape(SchedulerConfig(max_num_seqs, 64), num_blocks, 16, True, 2048, replicas)
+
+
+def test_one_request_prefills_in_chunks_then_decodes_a_token_a_step():
+    """100 prompt tokens under a budget of 64: chunks of 64 and 36 (the second samples the first token), then a
+    step per token."""
+    (served,) = replay((TraceRequest(0.0, 100, 4),), REPLICA, shape())
+    prefill = (10 + 6.4) + (10 + 3.6)
+    assert served.ttft_s * 1000 == pytest.approx(prefill)
+    assert [round((b - a) * 1000, 6) for a, b in zip(served.token_times, served.token_times[1:])] == [11.0] * 3
+    assert served.tpot_s * 1000 == pytest.approx(11.0)
+    assert served.e2e_s * 1000 == pytest.approx(prefill + 33)
+
+
+def test_a_shared_prefix_is_not_computed_again():
+    """The second request's first 48 tokens are the first's (three full blocks of 16): its prefill computes the
+    other 16 only, where a request of the same lengths without the prefix computes all 64."""
+    first, shared, alone = replay((TraceRequest(0.0, 64, 2, "sys", 48), TraceRequest(1.0, 64, 2, "sys", 48),
+                                   TraceRequest(2.0, 64, 2)), REPLICA, shape())
+    assert first.ttft_s * 1000 == pytest.approx(10 + 6.4)
+    assert shared.ttft_s * 1000 == pytest.approx(10 + 1.6)
+    assert alone.ttft_s * 1000 == pytest.approx(10 + 6.4)
+
+
+def test_requests_past_max_num_seqs_queue():
+    """Eight requests at once on a replica that runs two: the later ones wait for the earlier ones to end."""
+    served = replay(tuple(TraceRequest(0.0, 16, 8) for _ in range(8)), REPLICA, shape(max_num_seqs=2))
+    ttfts = [s.ttft_s for s in served]
+    assert ttfts[0] == ttfts[1] < ttfts[2] == ttfts[3] < ttfts[4]
+    assert ttfts[2] >= served[0].e2e_s  # they entered when the first two had left
+
+
+def test_a_pool_too_small_for_everyone_preempts_and_still_serves_each_request_whole():
+    served = replay(tuple(TraceRequest(0.0, 60, 40) for _ in range(6)), REPLICA, shape(num_blocks=16))
+    assert [len(s.token_times) for s in served] == [40] * 6
+    roomy = replay(tuple(TraceRequest(0.0, 60, 40) for _ in range(6)), REPLICA, shape())
+    assert max(s.e2e_s for s in served) > max(s.e2e_s for s in roomy)
+
+
+def test_replicas_share_the_requests_and_a_prefix_stays_on_one():
+    requests = tuple(TraceRequest(0.0, 32, 4, "p" if i % 2 else None, 16 if i % 2 else 0) for i in range(8))
+    one, two = replay(requests, REPLICA, shape()), replay(requests, REPLICA, shape(replicas=2))
+    assert max(s.e2e_s for s in two) < max(s.e2e_s for s in one)
+    assert len(two) == len(requests) and all(len(s.token_times) == 4 for s in two)
