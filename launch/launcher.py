@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import atexit
 import ipaddress
 import logging
@@ -27,6 +28,7 @@ from shardserve.planner.settings import BY_NAME, ENGINE, for_layer
 from shardserve.planner.yaml_file import read_yaml
 
 if TYPE_CHECKING:
+    from shardserve.launch.server.trace_recorder import TraceRecorder
     from shardserve.launch.server.engine_client import EngineClient
     from shardserve.launch.server.lora_registry import LoRARegistry
 
@@ -224,6 +226,7 @@ def serve(config: DeployConfig, plan: PlanFile, listener: socket.socket, api_key
     whole gang again, up to `restarts` times. Returns the process exit code."""
     from shardserve.launch.server.lora_registry import registry_from_settings
     from shardserve.launch.server.plan_check import for_traffic
+    from shardserve.launch.server.trace_recorder import TraceRecorder
 
     log_plan(plan)
     export_env(config.env or {})
@@ -232,13 +235,14 @@ def serve(config: DeployConfig, plan: PlanFile, listener: socket.socket, api_key
     loras = registry_from_settings(served_model_name or served_name(config), model.spec, setting(config, "enable_lora"),
                                    setting(config, "max_lora_rank"), config.lora_modules,
                                    setting(config, "enable_runtime_lora_updating"))
-    with listener:
+    recorder = TraceRecorder(setting(config, "record_trace")) if setting(config, "record_trace") else None
+    with listener, contextlib.closing(recorder) if recorder else contextlib.nullcontext():
         for attempt in range(restarts + 1):
             if attempt:
                 logger.warning("restarting every replica and rank (restart %d of %d)", attempt,
                                restarts)
             # NOTE: the server closes the socket it is given when it stops: each run gets a duplicate
-            code, engine_died = serve_once(config, plan, listener.dup(), api_key, loras, expected)
+            code, engine_died = serve_once(config, plan, listener.dup(), api_key, loras, expected, recorder)
             if not engine_died:
                 return code
     if restarts:
@@ -283,9 +287,10 @@ def model_folder(model: str) -> str:
 
 
 def serve_once(config: DeployConfig, plan: PlanFile, listener: socket.socket, api_key: str | None,
-               loras: LoRARegistry, expected=None) -> tuple[int, bool]:
+               loras: LoRARegistry, expected=None, recorder: TraceRecorder | None = None) -> tuple[int, bool]:
     """Start the replicas and the server on `listener`; (exit code, whether the engine died).
-    `expected`: the plan's speed for the traffic seen (plan_check.for_traffic), for the self-check."""
+    `expected`: the plan's speed for the traffic seen (plan_check.for_traffic), for the self-check;
+    `recorder`: --record-trace's, kept across restarts."""
     import uvicorn
 
     from shardserve.launch.server.api_server import build_app
@@ -317,6 +322,7 @@ def serve_once(config: DeployConfig, plan: PlanFile, listener: socket.socket, ap
                           max_num_seqs=setting(config, "max_num_seqs"))
     metrics = ServerMetrics(name, replicas.stats, replicas.max_model_len)
     replicas.metrics = metrics
+    replicas.recorder = recorder
     limit = config.max_queued_requests or 4 * setting(config, "max_num_seqs") * len(engines)
     serving = OpenAIServing(replicas, name, ServingOptions.from_config(config), loras)
     app = build_app(replicas, serving, metrics, api_key, limit, config.allowed_origins,

@@ -265,6 +265,9 @@ SETTINGS: tuple[Setting, ...] = (
     _s("max_request_body_bytes", int, 16 << 20, "Largest request body the server reads; a larger one is "
        "answered 413 before it is parsed (16 MiB: a million-token prompt as text or token ids).", "server",
        minimum=1),
+    _s("record_trace", str, None, "Write the traffic served to this file as a trace for `plan --trace` (JSON lines: "
+       "arrival_s, input_len, output_len, and prefix_id + prefix_len where the prefix cache served part of a "
+       "prompt; never text). The file must not exist yet.", "server"),
     _s("request_read_timeout", float, 30.0, "Seconds a client may take to send a request's headers, and the "
        "longest pause between pieces of its body (then the connection is closed, or answered 408): a client "
        "that stalls does not hold a connection and its file descriptor.", "server", above=0),

@@ -29,6 +29,7 @@ from shardserve.runtime.core.structured_output import prepare_checks
 
 if TYPE_CHECKING:
     from shardserve.runtime.core.engine import EngineStats
+    from shardserve.launch.server.trace_recorder import TraceRecorder
 
 
 _PATH = re.compile(r"(?:[A-Za-z]:)?(?:/[\w.\-]+){2,}/?")
@@ -76,6 +77,7 @@ class ReplicaSet:
         self.router = PrefixRouter(len(self.replicas), kv.block_size, kv.num_blocks, routing_policy)
         self.metrics = metrics
         self.plan_check = plan_check  # fed each finished prompt's times (with metrics)
+        self.recorder: TraceRecorder | None = None  # --record-trace's: each served prompt's line
         self.prompts: dict[str, Replica] = {}  # prompt id -> its replica, while its deltas flow
         self.is_stopping = False  # shutting down: running prompts are aborted, new ones refused
         # the server's one input processor, with the process's one tokenizer: every prompt is processed here,
@@ -203,7 +205,8 @@ class ReplicaSet:
         replica.num_seqs += params.n
         self.prompts[prompt_id] = replica
         timer = self.metrics.prompt_timer(replica.index, prompt.num_prompt_tokens, params) if self.metrics else None
-        is_finished = False
+        arrival = self.recorder.arrived() if self.recorder else 0.0
+        is_finished, num_cached = False, None
         output: list[int] = []  # the first sample's tokens: cached after the prompt's
         try:
             deltas = await replica.engine.open(prompt, params, prompt_id, lora, compile_timeout)
@@ -211,7 +214,10 @@ class ReplicaSet:
             try:
                 async for delta in deltas:
                     is_finished = delta.finished
-                    output.extend(t for s in delta.samples if s.sample_index == 0 for t in s.new_token_ids)
+                    for sample in delta.samples:
+                        if sample.sample_index == 0:
+                            output.extend(sample.new_token_ids)
+                            num_cached = num_cached if sample.num_cached_tokens is None else sample.num_cached_tokens
                     if timer is not None:
                         timer.delta(delta)
                     yield delta
@@ -223,6 +229,8 @@ class ReplicaSet:
                 self.router.record(route, [*prompt.prompt_token_ids, *output])
             if timer is not None:
                 self._finished(timer)
+            if self.recorder is not None and is_finished:
+                self.recorder.served(arrival, prompt.prompt_token_ids, len(output), num_cached)
         finally:
             self.prompts.pop(prompt_id, None)
             replica.num_active -= 1

@@ -39,7 +39,7 @@ VALUES = {
     "skip_tokenizer_init": True, "target_concurrency": 3, "host": "127.0.0.2",
     "port": 8123, "served_model_name": "tiny", "max_queued_requests": 5, "allowed_origins": ["https://app.example"],
     "shutdown_timeout": 2.5, "queue_timeout": 5.0, "max_request_body_bytes": 4096, "grammar_compile_timeout": 0.5,
-    "request_read_timeout": 12.0,
+    "request_read_timeout": 12.0, "record_trace": "/tmp/never-written.jsonl",
     "trust_request_chat_template": True,
     "max_logprobs": 64, "return_tokens_as_token_ids": True, "enable_force_include_usage": True,
     "enable_prompt_tokens_details": True, "enable_tokenizer_info_endpoint": True, "enable_server_load_tracking": True,
