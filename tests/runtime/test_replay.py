@@ -66,3 +66,38 @@ def test_replicas_share_the_requests_and_a_prefix_stays_on_one():
     one, two = replay(requests, REPLICA, shape()), replay(requests, REPLICA, shape(replicas=2))
     assert max(s.e2e_s for s in two) < max(s.e2e_s for s in one)
     assert len(two) == len(requests) and all(len(s.token_times) == 4 for s in two)
+
+
+def test_the_replay_schedules_as_the_engine_does():
+    """plan = launch down to the scheduling decisions: the demo engine on the CPU and the replay, given the same
+    requests (a shared prefix among them), the same budgets and the same KV pool (small enough to preempt), put
+    each request's every token in the same step."""
+    from shardserve.launch.demo import DEMO_MODEL_DIR
+    from shardserve.runtime.llm import LLM
+    from shardserve.runtime.sampling_params import SamplingParams
+
+    requests = tuple(TraceRequest(0.0, 20 + 7 * i, 6 + 3 * (i % 4), "sys" if i % 3 == 0 else None,
+                                  16 if i % 3 == 0 else 0) for i in range(10))
+    llm = LLM(str(DEMO_MODEL_DIR), device="cpu", max_num_seqs=4, max_num_batched_tokens=48, max_model_len=128,
+              kv_cache_memory_bytes=12 * 65536, async_scheduling=False, enable_prefix_caching=True)
+    try:
+        info = llm.kv_cache_info
+        for i, r in enumerate(requests):
+            shared = [7] * r.prefix_len  # in the demo's vocabulary: what matters is which requests share what
+            own = [100 + i] * (r.input_len - r.prefix_len)
+            llm.add_request(str(i), {"prompt_token_ids": shared + own},
+                            SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0))
+        engine_steps: dict[str, list[int]] = {str(i): [] for i in range(len(requests))}
+        step = 0
+        while llm.has_unfinished_requests():
+            step += 1
+            for delta in llm.step():
+                engine_steps[delta.prompt_id].extend([step] * sum(len(s.new_token_ids) for s in delta.samples))
+        preemptions = llm.engine.scheduler.num_preemptions
+    finally:
+        llm.shutdown()
+    one_ms_a_step = Replica(lambda b, chunks, context: 1.0, 4, 48, info.num_blocks * info.block_size)
+    shape_ = EngineShape(SchedulerConfig(4, 48), info.num_blocks, info.block_size, True, 128)
+    replayed = [[round(t * 1000) for t in s.token_times] for s in replay(requests, one_ms_a_step, shape_)]
+    assert preemptions > 0  # (the pool is small enough that the test covers preemption)
+    assert replayed == [engine_steps[str(i)] for i in range(len(requests))]
