@@ -4,7 +4,9 @@
     python bench/accuracy.py --check         # exit 1 when ACCURACY.md is not what the planner predicts now
 
 Each published result is re-planned with its layout pinned (tp, pp, dp), its GPU, dtype and
-workload; each published figure is set beside the plan's prediction of the same quantity.
+workload; each published figure is set beside the plan's prediction of the same quantity. ShareGPT traffic at
+a rate or all at once goes the way of `plan --traffic sharegpt`: its lengths (planner/catalog/traffic/
+sharegpt.json), num_prompts of them at the source's rate, replayed through the engine's scheduler.
 What the sources leave open is filled by the assumptions in ASSUMPTIONS, stated in the output.
 """
 
@@ -19,32 +21,43 @@ from pathlib import Path
 
 import yaml
 
+from shardserve.launch.trace_plan import with_replay
 from shardserve.planner import PlanError, PlanOptions, load_model, make_plan, parse_declared
+from shardserve.planner.operators import Chunk
 from shardserve.planner.perf_tables import load_database
 from shardserve.planner.replay import predict_replicas, replica_of
+from shardserve.planner.serving import Replica
+from shardserve.planner.trace import Trace
+from shardserve.planner.traffic import DEFAULT_NUM_REQUESTS, load_lengths, named_trace
 
 HERE = Path(__file__).resolve().parent
 ASSUMPTIONS = {
-    "sharegpt": "ShareGPT lengths where unpublished: 217 in / 202 out, the means GPUStack's runs of the same "
-                "data set report",
+    "sharegpt": "ShareGPT at a rate or all at once: num_prompts requests (1,000 where unstated) drawn from "
+                "ShareGPT's lengths as vLLM's benchmarks sample them (Llama-3 tokens, planner/catalog/traffic/"
+                "sharegpt.json), arriving at the source's rate (Poisson) or all at once, replayed through the "
+                "engine's scheduler (`plan --traffic sharegpt`); elsewhere its published mean lengths",
     "max_num_seqs": "max_num_seqs as each engine defaults: vLLM 0.6 256, newer vLLM 1024, SGLang and "
                     "TensorRT-LLM 2048 (their limits follow memory), NIM 256",
-    "offline": "offline runs and infinite rates are closed loops of num_prompts requests; their latencies "
-               "(a burst, no steady state) are not compared",
+    "offline": "offline runs and infinite rates are closed loops of num_prompts requests (ShareGPT's: replayed, "
+               "all at once); their latencies (a burst: each request's place in the queue) are not compared",
     "engine": "engine-level results (static batches) leave out the server's request overhead",
     "burst": "bursts (every request at once) of ShareGPT's spread of lengths end in a tail of long requests "
-             "at small batches; the planner predicts a steady state, so they are summed up apart",
-    "percentile": "means and medians are compared with the p50 estimate, p99 figures with the p99 estimate",
+             "at small batches, which the replay runs through as it comes; they are summed up apart, as when "
+             "the steady state predicted them",
+    "percentile": "means and medians are compared with the p50 estimate (a replay's p50), p99 figures with the "
+                  "p99 estimate",
     "fp8": "fp8 results serve fp8 weights; TensorRT-LLM fp8 engines an fp8 KV cache too",
     "mixed": "prefill steps as each engine defaults: SGLang (--enable-mixed-chunk off) and vLLM 0.6 (no chunked "
              "prefill below 32K tokens of context) run a prompt's step alone while the decodes wait; vLLM V1, "
-             "TensorRT-LLM and NIM put prefill chunks in the decode steps",
+             "TensorRT-LLM and NIM put prefill chunks in the decode steps (replayed: a step carrying prompts is "
+             "their step alone, which gives their first token, then the decodes' step)",
     "scheduler_steps": "vLLM 0.6 runs with --num-scheduler-steps 10 schedule once every 10 decode steps: a new "
-                       "request waits for the run in progress, and tokens stream 10 at a time (ITL = 10 TPOT)",
+                       "request waits for the run in progress (replayed: its share p of the 9 steps beyond the "
+                       "one the replay waits for, at percentile p, added to TTFT), and tokens stream 10 at a time "
+                       "(ITL = 10 TPOT)",
     "itl": "mean ITL is compared with TPOT; median ITL with a decode step alone where fewer than half the steps "
-           "carry a prompt (else TPOT)",
+           "carry a prompt (else TPOT); replayed, median and p99 ITL with the replay's gaps between tokens",
 }
-SHAREGPT = (217, 202)
 # Checkpoints outside the catalog, planned as the catalog model with the same shapes.
 SAME_SHAPES = {
     "nvidia/Llama-3.3-70B-Instruct-FP8": "meta-llama/Llama-3.1-70B-Instruct",
@@ -82,10 +95,14 @@ def _mixes_prefill(entry: dict) -> bool:
     return not (entry["engine"] == "sglang" or (entry["engine"] == "vllm" and version.startswith("0.6")))
 
 
-def _options(entry: dict, workload: dict) -> dict:
+def _options(entry: dict, workload: dict, trace: Trace | None = None) -> dict:
+    """The plan's options; with a trace, its mean lengths (as `plan --traffic` searches on them)."""
     w = workload
-    lengths = (w.get("input_len"), w.get("output_len"))
-    input_len, output_len = (SHAREGPT if lengths[0] is None else (round(lengths[0]), max(1, round(lengths[1]))))
+    published: tuple[float, float] | None = None if w.get("input_len") is None else (w["input_len"], w["output_len"])
+    sharegpt = load_lengths("sharegpt")  # (where a ShareGPT run's lengths are unpublished)
+    lengths = ((trace.mean("input_len"), trace.mean("output_len")) if trace else published
+               or (sharegpt.mean("input_len"), sharegpt.mean("output_len")))
+    input_len, output_len = round(lengths[0]), max(1, round(lengths[1]))
     opts = {"tensor_parallel_size": entry["tensor_parallel_size"],
             "pipeline_parallel_size": entry.get("pipeline_parallel_size") or 1,
             "data_parallel_size": entry.get("data_parallel_size") or 1,
@@ -97,7 +114,7 @@ def _options(entry: dict, workload: dict) -> dict:
     elif mode in ("concurrency", "static_batch"):
         opts["concurrency"] = float(w.get("concurrency") or w.get("batch_size"))
     else:  # offline, or every request at once
-        opts["concurrency"] = float(w.get("num_prompts") or 1000)
+        opts["concurrency"] = float(w.get("num_prompts") or DEFAULT_NUM_REQUESTS)
     opts["max_num_batched_tokens"] = max(8192, opts["max_num_seqs"], input_len + 1)
     if entry["dtype"] == "fp8" and entry["engine"] in ("tensorrt-llm", "nim"):
         opts["kv_cache_dtype"] = "fp8"
@@ -108,7 +125,8 @@ def predict(entry: dict) -> list[Row]:
     if entry["dtype"] not in ("bf16", "fp16", "fp8"):
         return [Row(entry["id"], entry["engine"], k, v, None, f"{entry['dtype']} is not served")
                 for k, v in entry["measured"].items()]
-    opts = _options(entry, entry["workload"])
+    trace = _sharegpt_trace(entry)
+    opts = _options(entry, entry["workload"], trace)
     model_id = SAME_SHAPES.get(entry["model"], entry["model"])
     try:
         model = load_model(model_id, "fp8" if entry["dtype"] == "fp8" else None)
@@ -117,6 +135,8 @@ def predict(entry: dict) -> list[Row]:
                          PlanOptions(dtype=dtype, **opts))
     except PlanError as e:
         return [Row(entry["id"], entry["engine"], k, v, None, str(e)[:80]) for k, v in entry["measured"].items()]
+    if trace is not None:
+        return _replayed(entry, plan.record(), model, trace)
     rows = []
     by_percentile: dict[int, tuple] = {}  # the estimates at p50 and at p99, each made once
     for metric, value in entry["measured"].items():
@@ -131,6 +151,77 @@ def predict(entry: dict) -> list[Row]:
         if predicted is not None:
             rows.append(Row(entry["id"], entry["engine"], metric, value, predicted, "", _is_burst(entry)))
     return rows
+
+
+def _sharegpt_trace(entry: dict) -> Trace | None:
+    """ShareGPT at a rate or all at once: the requests `plan --traffic sharegpt` replays for it; else None."""
+    w = entry["workload"]
+    if w.get("dataset") != "sharegpt" or w["mode"] not in ("request_rate", "offline"):
+        return None
+    rate = None if w["mode"] == "offline" or w.get("request_rate") in (None, "inf") else float(w["request_rate"])
+    return named_trace("sharegpt", w.get("num_prompts") or DEFAULT_NUM_REQUESTS, rate)
+
+
+def _scheduling_as(replica: Replica, entry: dict) -> Replica:
+    """The replica timing a step as the engine measured runs it: where prefill is not mixed into the decode steps,
+    a step carrying prompt chunks is the prompts' step alone (one decode token, a step's least, as
+    planner/serving.py times it) and then the decodes' own."""
+    steps = entry.get("scheduler_steps") or 1
+    if _mixes_prefill(entry):
+        return replace(replica, scheduler_steps=steps)
+    mixed = replica.cycle_ms
+
+    def alone(b: int, chunks: tuple[Chunk, ...], context: int) -> float:
+        if not chunks or not b:
+            return mixed(b, chunks, context)
+        return mixed(1, chunks, context) + mixed(b, (), context)
+    return replace(replica, cycle_ms=alone, scheduler_steps=steps, mixes_prefill=False)
+
+
+def _replayed(entry: dict, record, model, trace: Trace) -> list[Row]:
+    """The published figures beside the trace replayed on the plan's layout, scheduled as the engine does."""
+    replica = _scheduling_as(replica_of(record, model), entry)
+    est = with_replay(record, model, trace, replica).estimates
+    rows = []
+    for metric, value in entry["measured"].items():
+        predicted = _replayed_quantity(metric, est, replica, trace)
+        if predicted is not None:
+            rows.append(Row(entry["id"], entry["engine"], metric, value, predicted, "", _is_burst(entry)))
+    return rows
+
+
+def _replayed_quantity(metric: str, est, replica: Replica, trace: Trace) -> float | None:
+    """A published figure's prediction from the replay's percentiles (a mean or median: p50); None where the
+    figure is the offered load itself or a burst's latency."""
+    pct, steps = est.percentiles, replica.scheduler_steps
+    at = "p99" if metric.endswith("_p99") else "p50"
+    if metric.startswith(("ttft", "tpot", "itl", "e2e")):
+        if trace.is_offline:
+            return None
+        if metric.startswith("itl_ms_mean"):  # mean ITL: TPOT; tokens stream a run of steps at a time
+            return pct.tpot_ms.p50 * steps
+        kind = metric.split("_")[0]
+        spread = {"ttft": pct.ttft_ms, "tpot": pct.tpot_ms, "itl": pct.itl_ms, "e2e": pct.e2e_ms}[kind]
+        ttft_later, e2e_later = _start_ms(replica, pct.itl_ms.p50, 0.99 if at == "p99" else 0.5)
+        later = ttft_later if kind == "ttft" else e2e_later if kind == "e2e" else 0.0
+        return getattr(spread, at) * (steps if kind == "itl" else 1) + later
+    if not trace.is_offline:
+        return None
+    i, o = trace.mean("input_len"), trace.mean("output_len")
+    return {"output_tokens_per_s": est.output_tokens_per_s, "throughput_tokens_per_s": est.output_tokens_per_s,
+            "output_tokens_per_s_per_gpu": est.output_tokens_per_s_per_gpu,
+            "total_tokens_per_s": est.output_tokens_per_s * (i + o) / o,
+            "requests_per_s": est.output_tokens_per_s / o}.get(metric)
+
+
+def _start_ms(replica: Replica, decode_ms: float, p: float) -> tuple[float, float]:
+    """(TTFT, end-to-end time) to add to the replay's where its scheduler cannot start a request as the engine does.
+    Every k decode steps scheduled once (vLLM 0.6's --num-scheduler-steps): a new request waits for the rest of
+    the run in progress, not of one step; within a run always busy that wait is uniform, its percentile p that
+    share of the (k - 1) steps beyond the one the replay waits for. A prompt's step run alone: its first token
+    comes out of that step, before the decodes' step the replay times with it (one decode step less TTFT)."""
+    held = p * (replica.scheduler_steps - 1) * decode_ms
+    return held - (0.0 if replica.mixes_prefill else decode_ms), held
 
 
 def _is_burst(entry: dict) -> bool:

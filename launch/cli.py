@@ -60,6 +60,10 @@ def plan(
                                    "joined through `shardserve cluster up/join`).")] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o",
                                                    help="Write the plan YAML here.")] = None,
+    plot: Annotated[Optional[Path], typer.Option(
+        "--plot", help="Draw the plan here (PNG or SVG by the suffix): every layout's tok/s per GPU against per "
+        "user with the Pareto front, the plan's marked and the TPOT target drawn; with --trace, the latency "
+        "percentiles. Needs matplotlib: pip install 'shardserve[plot]'.")] = None,
     format: Annotated[PlanFormat, typer.Option("--format", help="table, json or yaml on stdout; vllm or "
                                            "sglang: that engine's equivalent serve command.")]
     = PlanFormat.table,
@@ -68,6 +72,10 @@ def plan(
         "input_len, output_len; optionally prefix_id and prefix_len). The layout is searched on its means; the "
         "chosen one replays the trace through the engine's scheduler for percentiles of TTFT, TPOT, ITL and "
         "end-to-end time.")] = None,
+    traffic: Annotated[Optional[str], typer.Option(
+        "--traffic", help="Plan for a named traffic instead of a trace (sharegpt: ShareGPT's lengths as vLLM's "
+        "and SGLang's benchmarks sample them): 1,000 requests at --request-rate (Poisson), or a burst of "
+        "--concurrency requests (default 1,000), replayed as --trace replays a file.")] = None,
     recommend: Annotated[bool, typer.Option(
         "--recommend", help="Plan on the fewest GPUs of the --hardware GPU type (its GPUs per node) that "
         "serve --request-rate or --concurrency within --ttft-ms/--tpot-ms.")] = False,
@@ -85,9 +93,12 @@ def plan(
                 raise PlanError(f"two models: {target} (the argument) and --model {settings['model']}: give one "
                                 "of them")
             settings["model"] = target
-        record = make_plan_from(settings, profile, ray_address, recommend, trace)
+        record = make_plan_from(settings, profile, ray_address, recommend, trace, traffic)
         if output is not None:
             write_plan(record, output)
+        if plot is not None:
+            from shardserve.launch.plan_plot import write_plot
+            write_plot(record, plot)
     if format is PlanFormat.json:
         print(json.dumps(record.to_dict(), indent=2))
     elif format is PlanFormat.yaml:

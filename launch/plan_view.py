@@ -40,14 +40,19 @@ def build_plan(config, hardware: Hardware, info=None, recommend: bool = False):
 
 
 def make_plan_from(flags: dict, profile: str | None, ray_address: str | None, recommend: bool = False,
-                   trace_path: Path | None = None) -> PlanFile:
-    """Plan from a profile overridden by flags (None means 'not given'); with a trace, for its traffic, the
-    estimates replayed from it (launch/trace_plan.py)."""
+                   trace_path: Path | None = None, traffic: str | None = None) -> PlanFile:
+    """Plan from a profile overridden by flags (None means 'not given'); with a trace (a file, or the named
+    `traffic`'s), for its traffic, the estimates replayed from it (launch/trace_plan.py)."""
     from shardserve.launch.deploy_config import merge, validate
     from shardserve.launch.profiles import load_profile
 
     trace = None
-    if trace_path is not None:
+    if trace_path is not None and traffic is not None:
+        raise PlanError(f"--trace with --traffic {traffic}: the trace is the traffic; give one of them")
+    if traffic is not None:
+        from shardserve.launch.trace_plan import traffic_flags
+        trace, flags = traffic_flags(traffic, flags)
+    elif trace_path is not None:
         from shardserve.launch.trace_plan import workload_flags
         from shardserve.planner.trace import read_trace
         trace = read_trace(trace_path)

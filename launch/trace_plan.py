@@ -12,6 +12,7 @@ import time
 from shardserve.planner.errors import PlanError
 from shardserve.planner.model_source import ModelInfo
 from shardserve.planner.plan_file import PercentilesSection, PlanFile, Spread, TraceSection
+from shardserve.planner.serving import Replica
 from shardserve.planner.trace import Trace, at_percentile, spread
 
 TRAFFIC_FLAGS = ("input_len", "output_len", "prefix_len", "concurrency", "request_rate")
@@ -33,8 +34,30 @@ def workload_flags(trace: Trace, flags: dict) -> dict:
     return {**flags, **traffic}
 
 
-def with_replay(record: PlanFile, model: ModelInfo, trace: Trace) -> PlanFile:
-    """The plan with its estimates from the trace, replayed on its chosen layout."""
+def traffic_flags(name: str, flags: dict) -> tuple[Trace, dict]:
+    """`plan --traffic NAME`: its trace (planner/traffic.py) and the flags with its traffic as the search's workload.
+    --request-rate R: 1,000 requests arriving at R req/s (Poisson); --concurrency N: a burst of N requests; neither:
+    a burst of 1,000. The lengths are the traffic's: a length flag given too is refused."""
+    from shardserve.planner.traffic import DEFAULT_NUM_REQUESTS, named_trace
+
+    given = [key for key in ("input_len", "output_len", "prefix_len") if flags.get(key) is not None]
+    if given:
+        raise PlanError(f"--{given[0].replace('_', '-')} with --traffic {name}: the traffic has its own lengths; "
+                        "give one of them")
+    rate, concurrency = flags.get("request_rate"), flags.get("concurrency")
+    if rate is not None and concurrency is not None:
+        raise PlanError("--request-rate with --concurrency: give one of them")
+    num = DEFAULT_NUM_REQUESTS if concurrency is None else max(1, round(concurrency))
+    trace = named_trace(name, num, rate)
+    rest = {key: value for key, value in flags.items() if key not in ("request_rate", "concurrency")}
+    searched = workload_flags(trace, rest)
+    return trace, searched if rate is None else {**searched, "request_rate": rate}
+
+
+def with_replay(record: PlanFile, model: ModelInfo, trace: Trace, replica: Replica | None = None) -> PlanFile:
+    """The plan with its estimates from the trace, replayed on its chosen layout, each step timed by `replica`
+    (default: the plan's own; bench/accuracy.py passes one that schedules as another engine does). TTFT and
+    end-to-end time include the request's way through the server (replica.request_ms), as the plan's own do."""
     from shardserve.planner.replay import replica_of
     from shardserve.runtime.core.replay import EngineShape, replay
     from shardserve.runtime.core.scheduler_config import SchedulerConfig
@@ -42,17 +65,19 @@ def with_replay(record: PlanFile, model: ModelInfo, trace: Trace) -> PlanFile:
     rt, mem, par = record.runtime, record.memory, record.parallel
     longest = max(trace.requests, key=lambda r: r.input_len + r.output_len)
     if longest.input_len + longest.output_len > rt.max_model_len:
-        raise PlanError(f"--trace {trace.source}: a request of {longest.input_len} + {longest.output_len} tokens is "
+        raise PlanError(f"the trace {trace.source}: a request of {longest.input_len} + {longest.output_len} tokens is "
                         f"longer than max_model_len {rt.max_model_len}: plan with --max-model-len "
                         f"{longest.input_len + longest.output_len} or more")
     shape = EngineShape(SchedulerConfig(rt.max_num_seqs, rt.max_num_batched_tokens), mem.num_blocks, mem.block_size,
                         rt.enable_prefix_caching is not False, rt.max_model_len, par.data_parallel_size)
     began = time.perf_counter()
-    served = replay(trace.requests, replica_of(record, model), shape)
+    replica = replica or replica_of(record, model)
+    served = replay(trace.requests, replica, shape)
     seconds = time.perf_counter() - began
     est = record.estimates
     percentile = est.workload.percentile
-    ttft = [s.ttft_s * 1000 for s in served]
+    ttft = [s.ttft_s * 1000 + replica.request_ms for s in served]
+    e2e = [s.e2e_s * 1000 + replica.request_ms for s in served]
     tpot = [s.tpot_s * 1000 for s in served if s.tpot_s is not None]
     itl = [(b - a) * 1000 for s in served for a, b in zip(s.token_times, s.token_times[1:])]
     tokens = sum(len(s.token_times) for s in served)
@@ -63,7 +88,7 @@ def with_replay(record: PlanFile, model: ModelInfo, trace: Trace) -> PlanFile:
         est, ttft_ms=_at(ttft, percentile), tpot_ms=tpot_at, output_tokens_per_s=tokens / span,
         output_tokens_per_s_per_gpu=tokens / span / num_gpus, output_tokens_per_s_per_user=1000 / tpot_at,
         percentiles=PercentilesSection(_spread(ttft), _spread(tpot) if tpot else None,
-                                       _spread(itl) if itl else None, _spread([s.e2e_s * 1000 for s in served])),
+                                       _spread(itl) if itl else None, _spread(e2e)),
         trace=TraceSection(trace.source, len(served), trace.is_offline, tokens / span, round(seconds, 3)))
     return dataclasses.replace(record, estimates=estimates, warnings=record.warnings + _misses(record, estimates))
 

@@ -23,5 +23,5 @@ def test_the_published_results_are_complete_records():
 def test_accuracy_table_is_current():
     """Regenerate with `python bench/accuracy.py` when the speed model changes."""
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "accuracy.py"), "--check"],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=300)  # (about 30 s on an idle core: the ShareGPT runs are replayed)
     assert done.returncode == 0, done.stdout + done.stderr
