@@ -155,10 +155,11 @@ def launch(
             ray_address = resolve_address(ray_address)
             os.environ["RAY_ADDRESS"] = ray_address  # the runtime's Ray executor joins it
             use_cluster_auth()
+        typed = frozenset(name for name, value in flags.items() if value is not None)
         flags.update(parse_set(set_ or []))
         flags["env"] = parse_env(env or []) or None
         plan_file, flags["model"] = launch_target(target, flags.get("model"))
-        config, plan = settle(plan_file, profile, flags, ray_address)
+        config, plan = settle(plan_file, profile, flags, ray_address, typed)
         key = api_key_from_env(api_key)
         listener = bind_port(setting(config, "host"), setting(config, "port"))  # before anything loads
         config = fetch_weights(config)  # a Hub id's weights, downloaded once the plan is settled

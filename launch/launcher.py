@@ -70,14 +70,15 @@ def check_plan_fits(plan: PlanFile, hardware: Hardware) -> None:
 
 
 def settle(plan_path: str | None, profile: str | None, flags: dict,
-           ray_address: str | None) -> tuple[DeployConfig, PlanFile]:
-    """profile < plan < flags; without a plan file, plan now on the hardware found here."""
+           ray_address: str | None, typed: frozenset[str] = frozenset()) -> tuple[DeployConfig, PlanFile]:
+    """profile < plan < flags; without a plan file, plan now on the hardware found here. `typed`: the settings
+    given as flags (an error names them as typed, --max-num-seqs; the others by their key, as --set has them)."""
     if plan_path is None and profile is None and flags.get("model") is None:
         profile = DEFAULT_PROFILE
     base = load_profile(profile).set_values() if profile else {}
     plan = read_plan_file(plan_path) if plan_path else None
     planned = plan_settings(plan) if plan else {}
-    config = validate(merge(base, planned, flags), "launch settings", flags=flags)
+    config = validate(merge(base, planned, flags), "launch settings", flags={k: flags[k] for k in typed if k in flags})
     hardware = resolve_hardware(None, ray_address)
     if hardware.is_cpu and config.hardware and not ray_address:  # a Ray cluster is the hardware
         declared = resolve_hardware(config.hardware, None)

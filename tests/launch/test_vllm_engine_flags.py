@@ -32,8 +32,8 @@ def test_the_flags_are_there():
 @pytest.mark.slow
 @pytest.mark.parametrize("args, named", [
     (["--no-enable-chunked-prefill"], "enable_chunked_prefill=False is not served: the scheduler always chunks"),
-    (["--load-format", "pt"], "load_format: input should be 'auto', 'safetensors' or 'dummy'"),
-    (["--set", "load_format=gguf"], "load_format: input should be"),
+    (["--load-format", "pt"], "--load-format: input should be 'auto', 'safetensors' or 'dummy'"),  # as typed
+    (["--set", "load_format=gguf"], "settings: load_format: input should be"),
 ])
 def test_what_the_runtime_lacks_is_one_red_line(args, named):
     done = launch("--model", "shardserve-demo", *args)
