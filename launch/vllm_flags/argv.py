@@ -138,6 +138,8 @@ class _Scan:
             self._repeat(name, [first], _origins)
         elif name in _ONE_HERE and value is None and (extra := self._run(lambda _: True, taken=1)):
             raise VllmFlagRefused(f"vLLM's {name} with {1 + len(extra)} values: {_ONE_HERE[name]}")
+        elif name == "--max-model-len" and first == "-1":  # vLLM's other spelling of auto (the longest that fits)
+            self.out.args += [name, "auto"]
         else:
             self.out.args += [name, first] if value is None else [f"{name}={value}"]
 

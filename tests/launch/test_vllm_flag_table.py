@@ -78,6 +78,11 @@ def test_flags_we_have_pass_untouched(options):
     assert rewrite(["--max_num_seqs", "8"], options["plan"]).args == ["--max-num-seqs", "8"]
 
 
+def test_max_model_len_minus_one_is_auto_as_in_vllm(options):
+    assert rewrite(["--max-model-len", "-1", "m"], options["launch"]).args == ["--max-model-len", "auto", "m"]
+    assert rewrite(["--max-model-len=-1"], options["plan"]).args == ["--max-model-len", "auto"]
+
+
 def test_lora_modules_take_several_values_as_in_vllm(options):
     launch = options["launch"]
     two = ["--lora-modules", "a=/x", "--lora-modules", "b=/y"]
