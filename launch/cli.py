@@ -17,7 +17,6 @@ from shardserve.launch.cluster.cli import cluster_app
 from shardserve.launch.deploy.cli import deploy
 from shardserve.launch.cli_models import models
 from shardserve.launch.cli_support import Format, err, print_data, refusal_as_data, user_errors
-from shardserve.planner.errors import PlanError
 
 # NOTE: click's plain help, not typer's rich panels: those cut option names at 80 columns
 app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,  # (--install-completion: bash, zsh, fish)
@@ -83,22 +82,22 @@ def plan(
 ) -> None:
     """Choose tensor/pipeline/replica sizes, predict memory, KV cache and speed, and say why."""
     with user_errors(), refusal_as_data(format.value if format in (PlanFormat.json, PlanFormat.yaml) else None):
-        from shardserve.launch.plan_view import make_plan_from, render_plan, write_plan
+        from shardserve.launch.plan_view import make_plan_from, one_model, write_plan
         if ray_address:
             from shardserve.launch.cluster.ray_cluster import resolve_address, use_cluster_auth
             ray_address = resolve_address(ray_address)
             use_cluster_auth()
-        if target is not None:
-            if settings.get("model") not in (None, target):
-                raise PlanError(f"two models: {target} (the argument) and --model {settings['model']}: give one "
-                                "of them")
-            settings["model"] = target
+        settings["model"] = one_model(target, settings.get("model"))
         record = make_plan_from(settings, profile, ray_address, recommend, trace, traffic)
         if output is not None:
             write_plan(record, output)
         if plot is not None:
             from shardserve.launch.plan_plot import write_plot
             write_plot(record, plot)
+    _print_plan(record, format, output)
+
+
+def _print_plan(record, format: PlanFormat, output: Path | None) -> None:
     if format is PlanFormat.json:
         print(json.dumps(record.to_dict(), indent=2))
     elif format is PlanFormat.yaml:
@@ -108,6 +107,7 @@ def plan(
         from shardserve.launch.engine_export import export_plan
         print(export_plan(record, format.value).render())
     else:
+        from shardserve.launch.plan_view import render_plan
         render_plan(record, Console())
         if output is not None:
             Console().print(f"plan written to [bold]{output}[/]")

@@ -47,38 +47,36 @@ def models(
         return
     most = f">{NODE_SIZES[-1]}"
     if not Console().is_terminal:  # piped: whole ids, one row a line, for grep and cut
-        _print_plain(rows, most)
+        _print_plain([_cells(r, most, lambda text: text) for r in rows])
         return
     from rich.table import Table
     table = Table(title=f"Fewest {gpu} on one node ({most}: more; fp8: with --quantization fp8)")
     table.add_column("id (* cached)", overflow="fold")
-    for name in ("architecture", "params", "context", "quant", "GPUs", "fp8"):
+    for name in COLUMNS[1:]:
         table.add_column(name, no_wrap=name != "architecture", overflow="fold",
                          max_width=16 if name == "architecture" else None)
     for r in rows:
-        marked = r.id + (" *" if r.source == "hf-cache" else "")
-        if r.architecture is None or r.max_context_len is None:
-            table.add_row(marked, f"[red]unreadable:[/] {r.problem}", *[""] * 5)
-            continue
-        fits = [f"[red]{r.problem}[/]", ""] if r.problem else [
-            _count(r.gpus, most), _count(r.gpus_fp8, most) if r.can_quantize_fp8 else "-"]
-        table.add_row(marked, r.architecture.removesuffix("ForCausalLM"), _params(r.num_params),
-                      _tokens(r.max_context_len), r.quantization or "", *fits)
+        table.add_row(*_cells(r, most, lambda text: f"[red]{text}[/]"))
     Console().print(table)
 
 
-def _print_plain(rows, most: str) -> None:
+COLUMNS = ("id", "architecture", "params", "context", "quant", "GPUs", "fp8")
+
+
+def _cells(r, most: str, red) -> tuple[str, ...]:
+    """A model's row; `red` marks a problem (rich markup in the table, nothing when piped)."""
+    marked = r.id + (" *" if r.source == "hf-cache" else "")
+    if r.architecture is None or r.max_context_len is None:
+        return (marked, red("unreadable:") + f" {r.problem}", "", "", "", "", "")
+    fits = (red(r.problem), "") if r.problem else (
+        _count(r.gpus, most), _count(r.gpus_fp8, most) if r.can_quantize_fp8 else "-")
+    return (marked, r.architecture.removesuffix("ForCausalLM"), _params(r.num_params), _tokens(r.max_context_len),
+            r.quantization or "", *fits)
+
+
+def _print_plain(lines: list[tuple[str, ...]]) -> None:
     """The table as plain columns, nothing cut or folded (rich fits a table to 80 columns when piped)."""
-    lines = [("id", "architecture", "params", "context", "quant", "GPUs", "fp8")]
-    for r in rows:
-        marked = r.id + (" *" if r.source == "hf-cache" else "")
-        if r.architecture is None or r.max_context_len is None:
-            lines.append((marked, f"unreadable: {r.problem}", "", "", "", "", ""))
-            continue
-        fits = [r.problem, ""] if r.problem else [
-            _count(r.gpus, most), _count(r.gpus_fp8, most) if r.can_quantize_fp8 else "-"]
-        lines.append((marked, r.architecture.removesuffix("ForCausalLM"), _params(r.num_params),
-                      _tokens(r.max_context_len), r.quantization or "", *fits))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]) - 1)]
+    lines = [COLUMNS, *lines]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(COLUMNS) - 1)]
     for line in lines:
         print("  ".join([cell.ljust(width) for cell, width in zip(line, widths)] + [line[-1]]).rstrip())

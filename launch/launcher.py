@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from shardserve.launch.deploy_config import DeployConfig, merge, validate
-from shardserve.launch.plan_view import build_plan, resolve_hardware
+from shardserve.launch.plan_view import build_plan, one_model, resolve_hardware
 from shardserve.launch.profiles import load_profile
 from shardserve.planner import PlanError, load_model
 from shardserve.planner.model_source import local_weights, model_path, no_weights_problem
@@ -117,9 +117,7 @@ def launch_target(argument: str | None, model: str | None) -> tuple[str | None, 
         if not path.is_file():
             raise PlanError(f"plan {argument} does not exist: make it with `shardserve plan -o {argument}`")
         return argument, model
-    if model is not None:
-        raise PlanError(f"two models: {argument} (the argument) and --model {model}: give one of them")
-    return None, argument
+    return None, one_model(argument, model)
 
 
 def fetch_weights(config: DeployConfig) -> DeployConfig:

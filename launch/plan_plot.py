@@ -9,6 +9,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from shardserve.launch.plan_view import plan_row
 from shardserve.planner.errors import PlanError
 from shardserve.planner.plan_file import PlanFile
 
@@ -55,7 +56,7 @@ def _layout(row: dict) -> str:
 
 
 def _pareto(ax, plan: PlanFile) -> None:
-    est, par = plan.estimates, plan.parallel
+    est = plan.estimates
     others = [a for a in plan.alternatives if a["output_tokens_per_s_per_user"] and a["output_tokens_per_s_per_gpu"]]
     ax.scatter([a["output_tokens_per_s_per_user"] for a in others], [a["output_tokens_per_s_per_gpu"] for a in others],
                color="0.6", label="other layouts")
@@ -65,9 +66,7 @@ def _pareto(ax, plan: PlanFile) -> None:
                 color="tab:blue", marker="o", label="Pareto front")
     x, y = est.output_tokens_per_s_per_user, est.output_tokens_per_s_per_gpu
     ax.scatter([x], [y], marker="*", s=300, color="tab:red", zorder=5, label="the plan")
-    ax.annotate(_layout({"tensor_parallel_size": par.tensor_parallel_size, "pipeline_parallel_size":
-                         par.pipeline_parallel_size, "data_parallel_size": par.data_parallel_size}),
-                (x, y), textcoords="offset points", xytext=(8, 8))
+    ax.annotate(_layout(plan_row(plan)), (x, y), textcoords="offset points", xytext=(8, 8))
     if plan.service.tpot_ms:
         ax.axvline(1000 / plan.service.tpot_ms, color="tab:green", linestyle="--",
                    label=f"TPOT target {plan.service.tpot_ms:g} ms")

@@ -39,6 +39,15 @@ def build_plan(config, hardware: Hardware, info=None, recommend: bool = False):
     return make_plan(model, hardware, options, recommend)
 
 
+def one_model(argument: str | None, model: str | None) -> str | None:
+    """The model `plan X` or `launch X` names (as `vllm serve X`), which --model may not name a second time."""
+    if argument is None:
+        return model
+    if model not in (None, argument):
+        raise PlanError(f"two models: {argument} (the argument) and --model {model}: give one of them")
+    return argument
+
+
 def make_plan_from(flags: dict, profile: str | None, ray_address: str | None, recommend: bool = False,
                    trace_path: Path | None = None, traffic: str | None = None) -> PlanFile:
     """Plan from a profile overridden by flags (None means 'not given'); with a trace (a file, or the named
@@ -175,22 +184,26 @@ def _alternatives_table(plan: PlanFile) -> Table:
     for col in (*shape, "tok/s", "/rank" if plan.hardware.gpu.is_cpu else "/GPU", "/user", "TTFT", "TPOT"):
         alt.add_column(col, no_wrap=True)
     alt.add_column("why not")
-    par, est = plan.parallel, plan.estimates
-    chosen = [str(par.tensor_parallel_size), str(par.pipeline_parallel_size), str(par.data_parallel_size)]
-    alt.add_row(*chosen, *(["yes" if par.enable_expert_parallel else "no"] if with_ep else []),
-                *(_cell(v, f) for v, f in ((est.output_tokens_per_s, ",.0f"), (est.output_tokens_per_s_per_gpu, ",.0f"),
-                                           (est.output_tokens_per_s_per_user, ",.1f"), (est.ttft_ms, ",.0f"),
-                                           (est.tpot_ms, ",.1f"))), "[bold]the plan[/]")
-    for a in plan.alternatives:
-        numbers = [_cell(a[k], f) for k, f in (("output_tokens_per_s", ",.0f"), (
-            "output_tokens_per_s_per_gpu", ",.0f"), ("output_tokens_per_s_per_user", ",.1f"), (
-            "ttft_ms", ",.0f"), ("tpot_ms", ",.1f"))]
+    for a in (plan_row(plan), *plan.alternatives):
+        numbers = [_cell(a[k], f) for k, f in zip(_SPEED_KEYS, (",.0f", ",.0f", ",.1f", ",.0f", ",.1f"))]
         cells = [str(a["tensor_parallel_size"]), str(a["pipeline_parallel_size"]),
                  str(a["data_parallel_size"]) + ("*" if a["on_pareto_front"] else "")]
         if with_ep:
             cells.append("yes" if a["enable_expert_parallel"] else "no")
         alt.add_row(*cells, *numbers, a["why_not"])
     return alt
+
+
+_SPEED_KEYS = ("output_tokens_per_s", "output_tokens_per_s_per_gpu", "output_tokens_per_s_per_user", "ttft_ms",
+               "tpot_ms")
+
+
+def plan_row(plan: PlanFile) -> dict:
+    """The plan's own layout and speed, keyed as its alternatives are."""
+    par, est = plan.parallel, plan.estimates
+    return {"tensor_parallel_size": par.tensor_parallel_size, "pipeline_parallel_size": par.pipeline_parallel_size,
+            "data_parallel_size": par.data_parallel_size, "enable_expert_parallel": par.enable_expert_parallel,
+            **{key: getattr(est, key) for key in _SPEED_KEYS}, "on_pareto_front": False, "why_not": "[bold]the plan[/]"}
 
 
 def _cell(value: float | None, spec: str) -> str:

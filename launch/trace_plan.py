@@ -14,6 +14,7 @@ from shardserve.planner.model_source import ModelInfo
 from shardserve.planner.plan_file import PercentilesSection, PlanFile, Spread, TraceSection
 from shardserve.planner.serving import Replica
 from shardserve.planner.trace import Trace, at_percentile, spread
+from shardserve.planner.workload import Targets
 
 TRAFFIC_FLAGS = ("input_len", "output_len", "prefix_len", "concurrency", "request_rate")
 
@@ -103,10 +104,6 @@ def _at(values: list[float], percentile: int) -> float:
 
 def _misses(record: PlanFile, est) -> tuple[str, ...]:
     """The service targets the replayed trace misses at their percentile (the search met them on its means)."""
-    svc, p = record.service, est.workload.percentile
-    out = []
-    if svc.ttft_ms is not None and est.ttft_ms > svc.ttft_ms:
-        out.append(f"the trace replayed: TTFT p{p} {est.ttft_ms:,.0f} ms misses the target {svc.ttft_ms:g} ms")
-    if svc.tpot_ms is not None and est.tpot_ms > svc.tpot_ms:
-        out.append(f"the trace replayed: TPOT p{p} {est.tpot_ms:,.1f} ms misses the target {svc.tpot_ms:g} ms")
-    return tuple(out)
+    targets = Targets(record.service.ttft_ms, record.service.tpot_ms)
+    p = est.workload.percentile
+    return tuple(f"the trace replayed at p{p}: {miss}" for miss in targets.misses(est.ttft_ms, est.tpot_ms))

@@ -80,13 +80,18 @@ def deploy(
                                 namespace, parse_model_cache(model_cache), api_key_secret, load_rate_gbps,
                                 socket_ifname, tuple(parse_env(env or []).items()))
         files = render(plan, options)
-        if str(output) == "-":  # for `kubectl apply -f -`: the files on stdout, what to do next on stderr
-            if len(files) > 1:
-                raise _error(f"-o -: the {target.value} target writes {len(files)} files; give a folder")
-            print(next(iter(files.values())), end="")
-            return _warnings(plan, options)
+        if str(output) == "-":
+            return _to_stdout(plan, options, files)
         write_folder(output, files, force)
     _report(plan, options, output, files)
+
+
+def _to_stdout(plan, options, files: dict[str, str]) -> None:
+    """For `kubectl apply -f -`: the one file on stdout, what to watch for on stderr."""
+    if len(files) > 1:
+        raise _error(f"-o -: the {options.target} target writes {len(files)} files; give a folder")
+    print(next(iter(files.values())), end="")
+    _warnings(plan, options)
 
 
 def _error(message: str):
