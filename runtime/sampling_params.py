@@ -44,6 +44,7 @@ class SamplingParams:
     kept_special_token_ids: tuple[int, ...] = ()
     # token id -> added to its logit, clamped to [-100, 100]; kept as sorted (id, bias) pairs
     logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: sample only among these ids (None: all)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # normalise inputs once; the record stays frozen afterwards
@@ -52,6 +53,8 @@ class SamplingParams:
         set_(self, "stop", tuple(self.stop or ()))
         set_(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         set_(self, "kept_special_token_ids", tuple(self.kept_special_token_ids or ()))
+        if self.allowed_token_ids is not None:
+            set_(self, "allowed_token_ids", tuple(sorted(set(self.allowed_token_ids))))
         if self.top_k in (-1, 0):
             set_(self, "top_k", None)
         bias: Any = self.logit_bias
@@ -86,6 +89,10 @@ class SamplingParams:
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "stop_token_ids must be >= 0"),
             (all(t >= 0 for t, _ in self.logit_bias), "logit_bias", "logit_bias token ids must be >= 0"),
             (not any(math.isnan(b) for _, b in self.logit_bias), "logit_bias", "logit_bias values must not be NaN"),
+            (self.allowed_token_ids is None or len(self.allowed_token_ids) > 0, "allowed_token_ids",
+             "allowed_token_ids is not allowed to be empty"),
+            (all(t >= 0 for t in self.allowed_token_ids or ()), "allowed_token_ids",
+             "allowed_token_ids must be >= 0"),
         ]
         for ok, field, message in checks:
             if not ok:

@@ -8,6 +8,7 @@
     a final assistant message                 continued, not answered (Anthropic's prefill)
     max_tokens, temperature, top_p, top_k     the same
     stop_sequences                            chat's stop
+    output_config.format {json_schema}        chat's response_format json_schema (the output follows it)
     tools {name, description, input_schema}   chat's {type: function, function: {name, ..., parameters}}
     tool_choice auto | any | tool | none      auto | required | a named function | none;
                                               disable_parallel_tool_use: parallel_tool_calls false
@@ -17,7 +18,7 @@ no other place to say it. thinking and redacted_thinking blocks in earlier assis
 and not shown to the model, as reasoning templates drop earlier turns' reasoning too (passed on as chat's
 reasoning_content, they would make every template that reads none refuse the request). cache_control is accepted wherever Anthropic takes it: the prefix cache keeps every
 prompt's blocks without being asked. Anything else the server cannot honour (images, documents, hosted
-tools, extended thinking settings, output_config) is a 400 that names the field.
+tools, extended thinking settings, output_config.effort) is a 400 that names the field.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class MessagesRequest(UnicodeBody):
     tool_choice: Optional[dict[str, Any]] = None
     metadata: Optional[dict[str, Any]] = None  # {user_id}: asks for nothing that changes the reply
     chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM's extra, passed on to the chat template
+    output_config: Optional[dict[str, Any]] = None  # {format: {type: json_schema, schema}}; effort is refused
 
     def chat_request(self) -> ChatCompletionRequest:
         """The same request as chat completions takes it; a field chat cannot honour is refused first."""
@@ -65,6 +67,7 @@ class MessagesRequest(UnicodeBody):
                   "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                   "stop": self.stop_sequences, "stream": self.stream, "tools": tools, "tool_choice": choice,
                   "parallel_tool_calls": parallel, "chat_template_kwargs": self.chat_template_kwargs,
+                  "response_format": output_format(self.output_config),
                   "add_generation_prompt": not is_prefill, "continue_final_message": is_prefill}
         try:
             return ChatCompletionRequest.model_validate(fields)
@@ -76,7 +79,6 @@ class MessagesRequest(UnicodeBody):
 
 _WHY = {"thinking": "this server sets no thinking budget; with --reasoning-parser a model's reasoning comes back "
                     "as a thinking block",
-        "output_config": "ask for the format in the messages, or use /v1/chat/completions with response_format",
         "container": "this server runs no tools of its own", "mcp_servers": "this server runs no tools of its own"}
 
 
@@ -225,3 +227,27 @@ def chat_tool_choice(choice: dict[str, Any] | None, tools: list[dict] | None) ->
                            "tool_choice")
         return None, None  # auto or none among no tools: nothing to choose
     return chat_choice, (False if choice.get("disable_parallel_tool_use") else None)
+
+
+def output_format(config: dict[str, Any] | None) -> dict | None:
+    """Anthropic's output_config as chat's response_format: its format (a JSON schema) constrains the output,
+    as vLLM's Messages route does. effort is refused: this server sets no reasoning effort (a chat template
+    that does not read one would drop it in silence)."""
+    if not config:
+        return None
+    _check_keys(config, ("format", "effort"), "output_config")
+    if config.get("effort") is not None:
+        raise APIError(400, "output_config.effort is not supported: this server sets no reasoning effort; leave "
+                       "it out (the model reasons as its chat template has it)", "output_config.effort")
+    fmt = config.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type", "json_schema") != "json_schema":
+        raise APIError(400, "output_config.format: only {\"type\": \"json_schema\", \"schema\": {...}} is supported",
+                       "output_config.format")
+    _check_keys(fmt, ("type", "schema"), "output_config.format")
+    schema = fmt.get("schema")
+    if not isinstance(schema, dict):
+        raise APIError(400, "output_config.format.schema: a JSON schema (an object) is required",
+                       "output_config.format.schema")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}

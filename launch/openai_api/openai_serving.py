@@ -52,11 +52,14 @@ class OpenAIServing:
         return lora
 
     def _response_options(self, body: _SamplingFields) -> ResponseOptions:
-        include_usage = body.stream and (body.include_usage or self.options.enable_force_include_usage)
+        # vLLM's --enable-force-include-usage: usage on every chunk of every stream, as continuous_usage_stats
+        forced = self.options.enable_force_include_usage
+        include_usage = body.stream and (body.include_usage or forced)
         as_ids = body.return_tokens_as_token_ids
         return ResponseOptions(return_token_ids=bool(body.return_token_ids),
                                tokens_as_ids=self.options.return_tokens_as_token_ids if as_ids is None else as_ids,
-                               include_usage=include_usage, continuous_usage=include_usage and body.continuous_usage_stats,
+                               include_usage=include_usage,
+                               continuous_usage=include_usage and (forced or body.continuous_usage_stats),
                                prompt_tokens_details=self.options.enable_prompt_tokens_details)
 
     def _num_logprobs(self, asked: int | None, field: str) -> int | None:
@@ -77,7 +80,8 @@ class OpenAIServing:
         with as_api_error("prompt", body.structured_field):
             wanted = max(prompt_logprobs or 0, logprobs or 0) if scored else prompt_logprobs
             params = body.sampling_params(body.max_tokens, logprobs, self.replicas.sampling_defaults, wanted)
-            prompts = [processor.process(_truncated(processor, p, body), params) for p in body.prompts()]
+            prompts = [processor.process(_truncated(processor, _in_vocabulary(processor, p), body), params)
+                       for p in body.prompts()]
         echo_texts = first_texts = None
         if body.echo:
             echo_texts = [p.prompt if p.prompt is not None else processor.decode(p.prompt_token_ids)
@@ -224,6 +228,16 @@ def _truncated(processor: InputProcessor, prompt: str | list[int], body: _Sampli
                        f"{limit} (or -1)", "truncate_prompt_tokens")
     ids = processor.tokenize(prompt, add_special_tokens=True) if isinstance(prompt, str) else prompt
     return ids[:keep] if body.truncation_side == "right" else ids[max(0, len(ids) - keep):]
+
+
+def _in_vocabulary(processor: InputProcessor, prompt: str | list[int]) -> str | list[int]:
+    """A prompt of token ids whose every id the model has; else a 400 in vLLM's words (out of vocabulary)."""
+    if isinstance(prompt, list):
+        outside = next((t for t in prompt if not 0 <= t < processor.vocab_size), None)
+        if outside is not None:
+            raise APIError(400, f"prompt: token id {outside} is out of vocabulary (the model's ids are 0 to "
+                           f"{processor.vocab_size - 1})", "prompt")
+    return prompt
 
 
 def _engine_error(error: BaseException) -> BaseException:

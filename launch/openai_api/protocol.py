@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal, Optional, Union, cast
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
@@ -18,6 +19,7 @@ FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]  # the engine checks it against the vocabulary
 NumLogprobs = Optional[Annotated[int, Field(ge=-1)]]  # -1: the whole vocabulary (within --max-logprobs)
 _UnicodeBody, _is_neutral, _refuse_unknown = UnicodeBody, is_neutral, refuse_unknown  # their earlier names
+logger = logging.getLogger("shardserve.launch.serving")
 
 
 class StreamOptions(BaseModel):
@@ -74,6 +76,7 @@ class _SamplingFields(UnicodeBody):
     truncation_side: Optional[Literal["left", "right"]] = None
     use_beam_search: bool = False  # only false: there is no beam search here
     logprob_token_ids: Optional[Items[TokenId]] = None  # vLLM's: logprobs of chosen tokens; refused when given
+    allowed_token_ids: Optional[Items[TokenId]] = None  # vLLM's: sample only among these token ids
     return_token_ids: Optional[bool] = None  # the choices carry token_ids, the response prompt_token_ids
     return_tokens_as_token_ids: Optional[bool] = None  # logprob tokens as "token_id:N" (None: the server's)
 
@@ -106,6 +109,7 @@ class _SamplingFields(UnicodeBody):
                               min_tokens=self.min_tokens, logprobs=logprobs,
                               skip_special_tokens=self.skip_special_tokens,
                               logit_bias=tuple((self.logit_bias or {}).items()),
+                              allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
                               prompt_logprobs=prompt_logprobs, structured_outputs=self.structured_outputs_asked())
 
     @property
@@ -123,25 +127,37 @@ class _SamplingFields(UnicodeBody):
 
     def check_fields(self) -> None:
         """Extra fields, and the combinations vLLM refuses."""
+        self._check_token_id_lists()
         self.check_extra_fields()
         if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
             raise APIError(400, "stream_options needs stream: true", "stream_options")
         if self.use_beam_search:
             raise APIError(400, "use_beam_search is not supported: this server samples (leave it false)",
                            "use_beam_search")
-        if self.logprob_token_ids is not None:
-            raise APIError(400, "logprob_token_ids is not supported: ask for top logprobs, or -1 for the whole "
-                           "vocabulary (within --max-logprobs), and read the tokens' entries", "logprob_token_ids")
         if self.stream and self.prompt_logprobs not in (None, 0):
             raise APIError(400, "prompt_logprobs is not supported with stream (0 is: it asks for nothing "
                            "to be shown)", "prompt_logprobs")
+
+    def _check_token_id_lists(self) -> None:
+        """vLLM's logprob_token_ids: checked as vLLM checks it, then refused, saying why (the sampler's logprobs
+        are the top k, not chosen ids)."""
+        ids = self.logprob_token_ids
+        if ids is None:
+            return
+        if not ids:
+            raise APIError(400, "`logprob_token_ids` must not be an empty list.", "logprob_token_ids")
+        if getattr(self, "logprobs", None) in (None, False):
+            raise APIError(400, "when using `logprob_token_ids`, `logprobs` must be set.", "logprob_token_ids")
+        raise APIError(400, "logprob_token_ids is not supported: the sampler returns the top k log-probabilities, "
+                       "not those of chosen ids; ask for top logprobs, or -1 for the whole vocabulary (within "
+                       "--max-logprobs), and read the tokens' entries", "logprob_token_ids")
 
 
 PromptInput = Union[str, Items[str], Items[int], Items[Items[int]]]
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: PromptInput
+    prompt: Optional[PromptInput] = None  # required: None and "" are refused in vLLM's words (prompts())
     max_tokens: Optional[int] = Field(16, ge=0)  # 0: the prompt alone (echo, prompt logprobs)
     logprobs: NumLogprobs = None
     echo: bool = False
@@ -151,6 +167,9 @@ class CompletionRequest(_SamplingFields):
     def prompts(self) -> list[str | list[int]]:
         """Each prompt: a string or a list of token ids."""
         p = self.prompt
+        if p is None or p == "":
+            raise APIError(400, "Either prompt or prompt_embeds must be provided and non-empty. (This server "
+                           "takes prompt: text or token ids; prompt_embeds is not supported.)", "prompt")
         if isinstance(p, str):
             return [p]
         if not p:
@@ -212,7 +231,7 @@ class ChatMessage(BaseModel):
 
     def template_message(self, index: int) -> dict:
         """The message as the chat template reads it: text content, tool calls and tool results as mappings."""
-        refuse_unknown(self, f"messages.{index}.")
+        self._log_extra_fields(index)
         message: dict[str, Any] = {"role": self.role, "content": self.text(index)}
         if self.tool_calls:
             message["tool_calls"] = [call.model_dump(exclude_unset=True) for call in self.tool_calls]
@@ -220,6 +239,13 @@ class ChatMessage(BaseModel):
         if reasoning is not None:
             message["reasoning_content"] = reasoning
         return message | {k: v for k in ("tool_call_id", "name") if (v := getattr(self, k)) is not None}
+
+    def _log_extra_fields(self, index: int) -> None:
+        """NOTE: a message's fields beyond OpenAI's are accepted, as vLLM accepts them (clients put their own
+        bookkeeping there), and named in the server's log: they reach neither the chat template nor the model."""
+        extra = sorted(name for name, value in (self.model_extra or {}).items() if not is_neutral(name, value))
+        if extra:
+            logger.warning("messages.%d: ignored the fields %s (not part of a chat message)", index, ", ".join(extra))
 
     def _reasoning(self, index: int) -> str | None:
         """reasoning_content, or reasoning (the same text under either name); only an assistant turn has one."""

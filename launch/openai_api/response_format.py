@@ -54,7 +54,8 @@ def completion_logprobs(token_ids, logprobs, k: int, text_offset: int, first_tex
                         as_ids: bool = False) -> tuple[dict, int]:
     """The legacy completions shape: parallel lists, top_logprobs as {token: logprob}; and the text offset
     after the last token. An entry of None (an echoed prompt's first token, which nothing scores) has null
-    logprobs and first_text. k 0: top_logprobs holds the sampled token alone, as vLLM. NOTE: offsets count
+    logprobs and first_text. Each top_logprobs starts with the position's own token (the sampled one, or the
+    echoed prompt's), then its k most likely, as vLLM (k 0: the token alone). NOTE: offsets count
     the tokens' text even where as_ids writes them "token_id:N", so they stay offsets into the text."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     offset = text_offset
@@ -66,8 +67,8 @@ def completion_logprobs(token_ids, logprobs, k: int, text_offset: int, first_tex
         out["token_logprobs"].append(None if entries is None else entries[token_id].logprob)
         if entries is None:
             out["top_logprobs"].append(None)
-        else:
-            out["top_logprobs"].append(dict(_top(entries, k, as_ids)) if k else {shown: entries[token_id].logprob})
+        else:  # vLLM's order: the token itself first, then the k most likely (up to k + 1 entries)
+            out["top_logprobs"].append({shown: entries[token_id].logprob, **dict(_top(entries, k, as_ids))})
         out["text_offset"].append(offset)
         offset += len(text)
     return out, offset

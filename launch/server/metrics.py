@@ -115,6 +115,7 @@ class ServerMetrics:
             ("e2e", "e2e_request_latency_seconds", "e2e request latency"),
             ("queue", "request_queue_time_seconds", "time a sample waited before its first step"),
             ("prefill", "request_prefill_time_seconds", "time from a sample's first step to its first token"),
+            ("inference", "request_inference_time_seconds", "time from a sample's first step to its last token"),
             ("decode", "request_decode_time_seconds", "time from a request's first token to its last"))}
         self.routed = Counter("shardserve_routed_prompts", "Prompts given to each replica, by why it was chosen: "
                               "prefix (it held the longest cached prefix), session (the conversation's replica) "
@@ -148,6 +149,7 @@ class PromptTimer:
         self.num_prompt_tokens, self.n = num_prompt_tokens, params.n
         self.start = self.last = self.first = time.monotonic()
         self.num_tokens = 0
+        self.prefill_s: float | None = None  # the first sample's, once its first token is out
         self.finish_reasons: list[str] = []
         metrics.n.labels(*labels).observe(params.n)
         if params.max_tokens is not None:
@@ -159,6 +161,7 @@ class PromptTimer:
             if sample.times is not None:
                 m.phases["queue"].labels(*labels).observe(sample.times.queue_s)
                 m.phases["prefill"].labels(*labels).observe(sample.times.prefill_s)
+                self.prefill_s = sample.times.prefill_s if self.prefill_s is None else self.prefill_s
             if sample.finish_reason is not None:
                 self.finish_reasons.append(sample.finish_reason)
         num_new = sum(len(sample.new_token_ids) for sample in delta.samples)
@@ -183,9 +186,23 @@ class PromptTimer:
         m.request_generation_tokens.labels(*labels).observe(per_sample)
         m.phases["e2e"].labels(*labels).observe(e2e)
         m.phases["decode"].labels(*labels).observe(self.last - self.first)
+        if self.prefill_s is not None:
+            m.phases["inference"].labels(*labels).observe(self.prefill_s + self.last - self.first)
         for reason in self.finish_reasons:
             m.success.labels(*labels, reason).inc()
         tpot = (e2e - ttft) / (per_sample - 1) if per_sample >= 2 else None
         if tpot is not None:
             m.tpot.labels(*labels).observe(tpot)
         return ttft, tpot, e2e, per_sample
+
+    def aborted(self) -> None:
+        """The prompt was aborted (its client left): its prompt tokens count once its prefill ran, and its
+        unfinished samples as vLLM's request_success{finished_reason="abort"}."""
+        m, labels = self.metrics, self.labels
+        if self.num_tokens:
+            m.prompt_tokens.labels(*labels).inc(self.num_prompt_tokens)
+        num_unfinished = self.n - len(self.finish_reasons)
+        for reason in self.finish_reasons:
+            m.success.labels(*labels, reason).inc()
+        if num_unfinished > 0:
+            m.success.labels(*labels, "abort").inc(num_unfinished)

@@ -206,10 +206,11 @@ class ReplicaSet:
         self.prompts[prompt_id] = replica
         timer = self.metrics.prompt_timer(replica.index, prompt.num_prompt_tokens, params) if self.metrics else None
         arrival = self.recorder.arrived() if self.recorder else 0.0
-        is_finished, num_cached = False, None
+        is_finished, is_opened, num_cached = False, False, None
         output: list[int] = []  # the first sample's tokens: cached after the prompt's
         try:
             deltas = await replica.engine.open(prompt, params, prompt_id, lora, compile_timeout)
+            is_opened = True
             yield OPENED
             try:
                 async for delta in deltas:
@@ -232,6 +233,8 @@ class ReplicaSet:
             if self.recorder is not None and is_finished:
                 self.recorder.served(arrival, prompt.prompt_token_ids, len(output), num_cached)
         finally:
+            if timer is not None and is_opened and not is_finished:  # aborted: its client left, or a drain
+                timer.aborted()
             self.prompts.pop(prompt_id, None)
             replica.num_active -= 1
             replica.num_seqs -= params.n

@@ -28,7 +28,10 @@ _BARE_HF_TOKEN = ("vLLM's bare --hf-token means the token `hf auth login` saved;
 
 
 class VllmFlagRefused(ValueError):
-    """A vLLM flag this command cannot honour; the message says what it is here and what to use."""
+    """A vLLM flag this command cannot honour; the message says what it is here and what to use. `notices`:
+    what the flags before it were told, printed before the refusal."""
+
+    notices: list[str] = []
 
 
 @dataclass
@@ -64,6 +67,8 @@ def answer_vllm_flags(app, argv: list[str]) -> list[str]:
     try:
         rewritten = rewrite(argv[at + 1:], command_options(commands[command]))
     except VllmFlagRefused as e:
+        for line in e.notices:
+            err.print(f"[yellow]note:[/] {escape(line)}", highlight=False)
         err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
         raise SystemExit(1) from None
     for line in rewritten.notices:
@@ -83,7 +88,12 @@ def command_options(command) -> dict[str, bool]:
 def rewrite(args: list[str], options: Mapping[str, bool]) -> Rewritten:
     """`args`: what follows the command's name; `options`: the command's option strings, each to whether it
     takes a value. Raises VllmFlagRefused for a flag refused here."""
-    return _Scan(args, options).run()
+    scan = _Scan(args, options)
+    try:
+        return scan.run()
+    except VllmFlagRefused as e:
+        e.notices = scan.out.notices
+        raise
 
 
 class _Scan:
@@ -93,6 +103,7 @@ class _Scan:
         self.noticed: set[str] = set()  # one line per flag, however often it is given
         self.i = 0
         self.has_target = any(a in ("--model", "-m") or a.startswith("--model=") for a in args)
+        self.tokenizer: list[str] | None = None  # vLLM's --tokenizer, answered once the model is known
 
     def run(self) -> Rewritten:
         while self.i < len(self.args):
@@ -106,7 +117,19 @@ class _Scan:
                 self.has_target = True
             else:
                 self._option(token)
+        if self.tokenizer is not None:
+            self._answer_tokenizer(self.tokenizer)
         return self.out
+
+    def _answer_tokenizer(self, values: list[str]) -> None:
+        """vLLM's --tokenizer naming the model itself changes nothing (its folder's tokenizer is read)."""
+        model = next((self.out.args[i + 1] for i, a in enumerate(self.out.args[:-1]) if a in ("--model", "-m")),
+                     next((a for a in self.out.args if not is_option(a)), None))
+        if values and values == [model]:
+            self._notice("--tokenizer", f"vLLM's --tokenizer {model} is the model's own: here the model folder's "
+                                        "tokenizer is read, as it names")
+        else:
+            self._answer(FLAGS["--tokenizer"], "--tokenizer", "--tokenizer", values, final=True)
 
     def _option(self, token: str) -> None:
         name, eq, inline = token.partition("=") if token.startswith("--") else (token, "", "")
@@ -178,7 +201,10 @@ class _Scan:
         values, self.i = self.args[self.i:end], end
         return values
 
-    def _answer(self, flag: VllmFlag, name: str, token: str, values: list[str]) -> None:
+    def _answer(self, flag: VllmFlag, name: str, token: str, values: list[str], final: bool = False) -> None:
+        if flag.name == "--tokenizer" and not final:
+            self.tokenizer = values  # answered at the end: it may name the model given after it
+            return
         shown = name if name == flag.name else f"{name} ({flag.name})"
         if flag.accepted:
             shown = " ".join([shown, *values])

@@ -43,6 +43,7 @@ def sample_on_device(logits: torch.Tensor, states: list[RequestState], token_bit
         logits = logits.clone()
         _apply_penalties(logits, states)
         _apply_logit_bias(logits, states)
+        _keep_allowed_tokens(logits, states)
         _mask_stop_tokens_before_min(logits, states)
         if token_bitmask is not None:
             import xgrammar as xgr
@@ -87,6 +88,17 @@ def _apply_logit_bias(logits: torch.Tensor, states: list[RequestState]) -> None:
     if rows:
         packed = host_to_device(np.array([rows, tokens, biases], dtype=np.float64), logits.device)
         logits.index_put_((packed[0].long(), packed[1].long()), packed[2].to(logits.dtype), accumulate=True)
+
+
+def _keep_allowed_tokens(logits: torch.Tensor, states: list[RequestState]) -> None:
+    """vLLM's allowed_token_ids: every other token of the row masked out."""
+    for row, state in enumerate(states):
+        allowed = state.sampling_params.allowed_token_ids
+        if allowed:
+            keep = torch.tensor(allowed, device=logits.device)
+            kept = logits[row, keep]
+            logits[row] = _MASK
+            logits[row, keep] = kept
 
 
 def _mask_stop_tokens_before_min(logits: torch.Tensor, states: list[RequestState]) -> None:

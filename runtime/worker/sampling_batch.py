@@ -59,7 +59,7 @@ class BatchSampling:
         params = [s.sampling_params for s in states]
         greedy = np.array([p.is_greedy for p in params], dtype=bool)
         self.is_all_greedy = bool(greedy.all())
-        self.has_static_edits = any(p.has_penalties or p.logit_bias for p in params)  # every step
+        self.has_static_edits = any(p.has_penalties or p.logit_bias or p.allowed_token_ids for p in params)
         self.has_min_tokens = any(p.min_tokens > 0 and s.stop_token_ids for p, s in zip(params, states))
         self.logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         self.packed = np.empty((6, len(states)), dtype=np.float64)  # one copy to the device for all six

@@ -309,7 +309,8 @@ def test_metrics_carry_vllms_names_types_labels_and_buckets(server, client):
 
 
 def test_metrics_count_the_tokens_of_every_engine_step(server, client):
-    """vllm:iteration_tokens_total: one observation per step, its tokens summed (prompt, then one a step)."""
+    """vllm:iteration_tokens_total, as vLLM counts it: one observation per step, of the tokens it sampled and
+    the whole prompt of each request it sampled a first token for."""
     names = ("vllm:iteration_tokens_total_count", "vllm:iteration_tokens_total_sum")
 
     def settled() -> list[float]:  # the replica's stats arrive twice a second: read until two reads agree
@@ -324,7 +325,7 @@ def test_metrics_count_the_tokens_of_every_engine_step(server, client):
     before = settled()
     prompt = client.completions.create(model=MODEL, prompt="Steps counted", max_tokens=5, temperature=0,
                                        extra_body={"ignore_eos": True}).usage.prompt_tokens
-    assert [a - b for a, b in zip(settled(), before)] == [5, prompt + 4]  # a prefill, then 4 decode steps
+    assert [a - b for a, b in zip(settled(), before)] == [5, prompt + 5]  # a prefill and its token, then 4 decodes
     text = http(f"{server}/metrics")[1]
     edges = re.findall(r'^vllm:iteration_tokens_total_bucket\{engine="0",le="([^"]+)"', text, re.M)
     assert edges == ["1.0", "8.0", "16.0", "32.0", "64.0", "128.0", "256.0", "512.0", "1024.0", "2048.0",

@@ -63,6 +63,19 @@ def test_tokenizer_is_refused_by_main_saying_what_to_do(monkeypatch, capsys):
     assert "error: vLLM's --tokenizer is not taken here" in err and "the model folder's own" in err
 
 
+def test_tokenizer_naming_the_model_itself_is_a_note_and_notes_come_before_a_refusal(options, monkeypatch, capsys):
+    for args in (["--tokenizer", "org/m", "org/m"], ["--model", "org/m", "--tokenizer", "org/m"]):
+        done = rewrite(args, options["launch"])
+        assert "--tokenizer" not in done.args and "is the model's own" in done.notices[0]
+    with pytest.raises(VllmFlagRefused, match="--tokenizer is not taken here"):
+        rewrite(["org/m", "--tokenizer", "org/other"], options["launch"])
+    monkeypatch.setattr(sys, "argv", ["shardserve", "launch", "MODEL", "--trust-remote-code", "--tokenizer", "/x"])
+    with pytest.raises(SystemExit):
+        cli.main()
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.index("note: vLLM's --trust-remote-code") < err.index("error: vLLM's --tokenizer")
+
+
 def test_a_flag_neither_has_keeps_clicks_error(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["shardserve", "plan", "--trust-remote-code", "--no-such-flag"])
     with pytest.raises(SystemExit) as exit_:
