@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import yaml
@@ -51,11 +52,11 @@ def one_model(argument: str | None, model: str | None) -> str | None:
 def make_plan_from(flags: dict, profile: str | None, ray_address: str | None, recommend: bool = False,
                    trace_path: Path | None = None, traffic: str | None = None) -> PlanFile:
     """Plan from a profile overridden by flags (None means 'not given'); with a trace (a file, or the named
-    `traffic`'s), for its traffic, the estimates replayed from it (launch/trace_plan.py)."""
+    `traffic`'s), for its traffic, the layout and estimates replayed from it (launch/trace_plan.py)."""
     from shardserve.launch.deploy_config import merge, validate
     from shardserve.launch.profiles import load_profile
 
-    trace = None
+    began, trace = time.perf_counter(), None
     if trace_path is not None and traffic is not None:
         raise PlanError(f"--trace with --traffic {traffic}: the trace is the traffic; give one of them")
     if traffic is not None:
@@ -71,11 +72,11 @@ def make_plan_from(flags: dict, profile: str | None, ray_address: str | None, re
     hardware = resolve_hardware(config.hardware, ray_address)
     if trace is None:
         return build_plan(config, hardware, recommend=recommend).record()
-    from shardserve.launch.trace_plan import with_replay
+    from shardserve.launch.trace_plan import replayed_plan
     from shardserve.planner import load_model
     from shardserve.planner.hub import HubOptions
     model = load_model(config.model, config.quantization, HubOptions.of(config))
-    return with_replay(build_plan(config, hardware, model, recommend).record(), model, trace)
+    return replayed_plan(build_plan(config, hardware, model, recommend), model, trace, began)
 
 
 def write_plan(plan: PlanFile, path: Path) -> None:
@@ -134,16 +135,23 @@ def render_plan(plan: PlanFile, console: Console) -> None:
     of_gpu = ("" if rt.device == "cpu" else f": {_gib(mem.per_stage[0].total_bytes)}, used up to "
               f"gpu_memory_utilization {rt.gpu_memory_utilization}")
     memory = Table(title=f"Memory per {'CPU rank' if rt.device == 'cpu' else 'GPU'}{of_gpu}", title_justify="left")
-    for col in ("stage", "used", "weights", "activations", "overhead", "KV cache"):
+    has_state = any(stage.recurrent_state_bytes for stage in mem.per_stage)  # linear-attention layers'
+    for col in ("stage", "used", "weights", "activations", "overhead", "KV cache") + ("state",) * has_state:
         memory.add_column(col, justify="right")
     for i, stage in enumerate(mem.per_stage):
-        parts = (stage.weights_bytes, stage.activation_bytes, stage.overhead_bytes, stage.kv_cache_bytes)
+        parts: tuple[int, ...] = (stage.weights_bytes, stage.activation_bytes, stage.overhead_bytes,
+                                  stage.kv_cache_bytes)
+        parts += (stage.recurrent_state_bytes or 0,) * has_state
         memory.add_row(str(i), _gib(sum(parts) + (stage.lora_bytes or 0)), *(_gib(b) for b in parts))
     console.print(memory)
     console.print(f"KV cache: [bold]{mem.kv_cache_tokens:,}[/] tokens per replica "
                   f"({mem.num_blocks:,} blocks of {mem.block_size}); maximum concurrency "
                   f"for {rt.max_model_len:,} tokens per request: "
                   f"[bold]{mem.max_concurrency:.2f}x[/]", highlight=False)
+    if has_state:
+        console.print(f"Recurrent state of the linear-attention layers: {_gib(mem.per_gpu.recurrent_state_bytes or 0)} "
+                      f"per GPU, a row for each of max_num_seqs {rt.max_num_seqs} requests and a scratch row",
+                      highlight=False)
     if mem.offload_tokens:
         console.print(f"CPU tier of the KV cache: [bold]{mem.offload_tokens:,}[/] tokens per replica in "
                       f"{_gib(mem.offload_bytes or 0)} of host memory", highlight=False)

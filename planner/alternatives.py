@@ -51,7 +51,7 @@ def alternatives(chosen: Candidate, candidates: list[Candidate], hardware: Hardw
             "data_parallel_size": c.layout.data_parallel_size,
             "enable_expert_parallel": c.expert_parallel,
             **speed,
-            "kv_cache_tokens": c.memory.kv_cache_tokens if c.memory else 0,
+            "kv_cache_tokens": c.memory.kv_tokens(c.settings.max_model_len) if c.memory and c.settings else 0,
             "on_pareto_front": id(c) in front,
             "why_not": why_not(c, chosen, hardware, targets),
         })

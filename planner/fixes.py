@@ -143,6 +143,22 @@ def _variant_fixes(search: Search, verb: str) -> list[str]:
     return out
 
 
+def _fewer_state_slots(search: Search, memory) -> str | None:
+    """A model with recurrent layers keeps a state row per request it may run (max_num_seqs + 1): the most
+    max_num_seqs whose rows leave the KV cache room for the requests asked for, checked by planning with it."""
+    stage = memory.tightest
+    if not stage.recurrent_state_bytes:
+        return None
+    per_row = stage.recurrent_state_bytes // (search.settings.max_num_seqs + 1)
+    kv_needed = memory.blocks_per_request(search.settings.max_model_len) * search.options.target_concurrency * \
+        memory.block_size * stage.kv_bytes_per_token
+    rows = (stage.kv_budget_bytes + stage.recurrent_state_bytes - kv_needed) // max(1, per_row)
+    for num in sorted({n for n in (rows - 1, (rows - 1) // 2 * 2, 8 * ((rows - 1) // 8)) if n >= 1}, reverse=True):
+        if _works(search, replace(search.options, max_num_seqs=int(num)), search.model):
+            return f"--max-num-seqs {num} would fit (a recurrent state row per request: {per_row / 2**20:.0f} MiB each)."
+    return None
+
+
 def _works(search: Search, options, model) -> bool:
     settings = resolve_settings(options, model.spec, search.hardware.gpu)
     variant = replace(search, model=model, options=options, settings=settings)
@@ -163,7 +179,7 @@ def cannot_fit(search: Search, candidates: list[Candidate]) -> str:
         lines.append(f"--max-model-len {fitting_len} would fit ({best.layout}; --max-model-len auto picks it).")
     no_targets = replace(search, targets=replace(search.targets, ttft_ms=None, tpot_ms=None))
     lines += [f for f in _variant_fixes(no_targets, "would fit") if f.startswith("--kv")]
-    lines += [fix for fix in [quantized_fix(search)] if fix]
+    lines += [fix for fix in [_fewer_state_slots(no_targets, memory), quantized_fix(search)] if fix]
     if not hardware.is_cpu:
         lines.append(_gpus_needed(no_targets))
     return " ".join(lines)

@@ -99,6 +99,19 @@ TEXT_CONFIG_DEFAULTS: dict[str, dict] = {
                     "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131072,
                     "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6,
                     "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "tie_word_embeddings": True},
+    "qwen3_5_text": {"model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 4096,
+                     "intermediate_size": 12288, "num_hidden_layers": 32, "num_attention_heads": 16,
+                     "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 32768,
+                     "tie_word_embeddings": False, "rope_theta": 10_000.0, "partial_rotary_factor": 0.25,
+                     "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                     "linear_num_key_heads": 16, "linear_num_value_heads": 32},
+    "qwen3_5_moe_text": {"model_type": "qwen3_5_moe_text", "vocab_size": 248320, "hidden_size": 2048,
+                         "num_hidden_layers": 40, "num_attention_heads": 16, "num_key_value_heads": 2,
+                         "head_dim": 256, "max_position_embeddings": 32768, "tie_word_embeddings": False,
+                         "rope_theta": 10_000.0, "partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4,
+                         "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
+                         "linear_num_value_heads": 32, "num_experts": 256, "num_experts_per_tok": 8,
+                         "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512},
 }
 CHECKPOINT_WIDE_KEYS = ("architectures", "dtype", "torch_dtype", "quantization_config")
 
@@ -114,26 +127,48 @@ def language_model_config(config: dict, model_id: str = "model") -> dict:
     return {**defaults, **{k: v for k, v in text.items() if v is not None}, **wide}
 
 
+# NOTE: the kind of recurrent layer each linear-attention family has; their state is one per request
+RECURRENT_KINDS = {"qwen3_next": "Gated DeltaNet", "qwen3_5_text": "Gated DeltaNet", "qwen3_5_moe_text": "Gated DeltaNet"}
+
+
+def recurrent_layer_kind(config: dict) -> str | None:
+    """The kind of this (text) config's recurrent layers ("Gated DeltaNet"), None if it has none."""
+    types = config.get("layer_types") or ()
+    if "linear_attention" in types or config.get("full_attention_interval"):
+        return RECURRENT_KINDS.get(config.get("model_type") or "", "linear attention")
+    return None
+
+
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # NOTE: configs saved before `layer_types` existed give the local/global alternation as a period
 # (Gemma 3's `sliding_window_pattern`: every 6th layer global) or not at all (Gemma 2: every 2nd
 # layer global); transformers fills in layer_types from the same rule.
 DEFAULT_SLIDING_PATTERN = {"gemma2": 2, "gemma3_text": 6}
+# linear-attention hybrids (Qwen3-Next, Qwen3.5): "linear_attention" layers but every full_attention_interval-th
+SAVED_LAYER_TYPES = (*LAYER_TYPES, "linear_attention")
+DEFAULT_FULL_ATTENTION_INTERVAL = {"qwen3_next": 4, "qwen3_5_text": 4, "qwen3_5_moe_text": 4}
 
 
 def layer_types(config: dict, model_id: str = "model", family: str | None = None) -> tuple[str, ...] | None:
-    """Each layer's attention, "full_attention" or "sliding_attention", under every spelling
-    (`layer_types`, Gemma 3's `sliding_window_pattern`, Gemma 2's implicit alternation); None: the
+    """Each layer's attention, "full_attention", "sliding_attention" or "linear_attention", under every
+    spelling (`layer_types`, Qwen3-Next's `full_attention_interval`, Gemma 3's `sliding_window_pattern`,
+    Gemma 2's implicit alternation); None: the
     config does not say (every layer alike). `family`: the model_type when config.json lacks it."""
     num_layers = config.get("num_hidden_layers")
     saved = config.get("layer_types")
     if saved is not None:
         is_list = isinstance(saved, list)
         is_miscounted = is_list and isinstance(num_layers, int) and len(saved) != num_layers
-        if not is_list or is_miscounted or any(t not in LAYER_TYPES for t in saved):
+        if not is_list or is_miscounted or any(t not in SAVED_LAYER_TYPES for t in saved):
             raise PlanError(f"{model_id}: config.json layer_types is {saved!r}; expected "
-                            f"{num_layers or 'one per layer'} entries of {' or '.join(LAYER_TYPES)}")
+                            f"{num_layers or 'one per layer'} entries of {' or '.join(SAVED_LAYER_TYPES)}")
         return tuple(saved)
+    interval = config.get("full_attention_interval") or DEFAULT_FULL_ATTENTION_INTERVAL.get(
+        config.get("model_type") or family or "")
+    if interval is not None and isinstance(num_layers, int):
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise PlanError(f"{model_id}: config.json full_attention_interval is {interval!r}; expected a positive integer")
+        return tuple("linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers))
     pattern = config.get("sliding_window_pattern")
     if pattern is None:
         pattern = DEFAULT_SLIDING_PATTERN.get(config.get("model_type") or family or "")
@@ -219,23 +254,6 @@ WINDOW_RULES = {
     "Qwen3MoeForCausalLM": "qwen", "Gemma2ForCausalLM": "interleaved", "Gemma3ForCausalLM": "interleaved",
     "Gemma3ForConditionalGeneration": "interleaved", "GptOssForCausalLM": "interleaved",
 }
-
-
-def uniform_sliding_window(config: dict) -> int | None:
-    """The attention window that every layer applies, or None when some layer sees the whole context.
-    Only then can KV blocks behind the window be freed: one full-attention layer still reads them all."""
-    window = config.get("sliding_window")
-    rule = next((WINDOW_RULES[a] for a in config.get("architectures") or () if a in WINDOW_RULES), None)
-    if not window or rule is None:
-        return None
-    if rule == "qwen" and not config.get("use_sliding_window", False):
-        return None
-    types = layer_types(config)  # any spelling: Gemma 3's sliding_window_pattern too
-    if types is not None:
-        return window if all(t == "sliding_attention" for t in types) else None
-    if rule == "qwen":
-        return window if config.get("max_window_layers", 28) <= 0 else None
-    return window if rule == "every" else None
 
 
 def read_config_json(path: Path, name: str) -> dict[str, Any]:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from shardserve.planner.graph_memory import GraphShape, cuda_graph_bytes
 from shardserve.planner.hardware import GIB, GpuSpec
+from shardserve.planner.linear_attention import recurrent_state_bytes, recurrent_state_slots
+from shardserve.planner.kv_groups import kv_tokens, longest_fitting_len, max_pages_per_request, pages_without_kv
 from shardserve.planner.lora import slot_bytes
 from shardserve.planner.model_spec import ModelSpec, kv_heads_per_rank
 from shardserve.planner.options import RuntimeSettings
@@ -19,6 +21,9 @@ NCCL_BASE_BYTES = GIB // 8       # communicator setup, once a process joins a gr
 NCCL_PEER_BYTES = 64 * 2**20     # channel buffers per tensor-parallel peer
 NCCL_PP_BYTES = GIB // 8
 CPU_PROCESS_BYTES = GIB // 4
+# NOTE: a stage whose layers are all linear attention caches no KV: it bounds no block count (the other
+# stages do); a block count this large is never reached
+UNBOUNDED_BLOCKS = 2**40
 
 
 @dataclass(frozen=True)
@@ -30,55 +35,15 @@ class StageMemory:
     activation_bytes: int
     overhead_bytes: int
     kv_budget_bytes: int       # what is left for the KV cache; negative when over budget
-    kv_bytes_per_token: int    # this GPU's layers and KV heads
+    kv_bytes_per_token: int    # this GPU's layers and KV heads (linear-attention layers cache none)
     num_layers: int
     lora_bytes: int = 0        # the LoRA adapter slots (enable_lora)
+    recurrent_state_bytes: int = 0  # linear-attention layers' state, max_num_seqs + 1 rows (before the KV)
 
     def num_blocks_fit(self, block_size: int) -> int:
+        if not self.kv_bytes_per_token:
+            return UNBOUNDED_BLOCKS if self.kv_budget_bytes >= 0 else 0
         return max(0, self.kv_budget_bytes) // (self.kv_bytes_per_token * block_size)
-
-
-def max_blocks_per_request(num_tokens: int, block_size: int, window: int | None, max_chunk: int) -> int:
-    """The most KV blocks one request computing `num_tokens` tokens in chunks of at most `max_chunk`
-    holds at once, as runtime/core/block_manager.py allocates them (planner and runtime share this rule).
-    Without a window: every block. With one, a step computing tokens [c, c + n) holds blocks
-    floor((c - window + 1) / block_size) .. ceil((c + n) / block_size) - 1:
-
-        positions:  0 .. c-w | c-w+1 ........ c-1 | c ..... c+n-1
-                    freed    | seen by query c    | this step's chunk
-                    (whole blocks only: a block straddling c-w+1 stays)
-
-    The largest count over every c: a chunk starting where freeing has not begun (c < window - 1),
-    one whose oldest seen token is the last of its block, or the request's last chunk."""
-    full = -(-num_tokens // block_size)
-    if window is None or window >= num_tokens:
-        return full
-    chunk = min(max_chunk, num_tokens)
-    unfreed = min(window - 2, num_tokens - chunk)  # the largest full-size chunk's c before freeing starts
-    best = -(-(unfreed + chunk) // block_size) if unfreed >= 0 else 0
-    last = num_tokens - chunk - window + 1  # the largest c - window + 1 among full-size chunks
-    if last >= 0:
-        best = max(best, -(-(min(last, block_size - 1) + window - 1 + chunk) // block_size))
-    first_short = max(0, num_tokens - chunk + 1)  # chunks from here on are cut short by num_tokens
-    if first_short <= num_tokens - 1:
-        best = max(best, full - max(0, first_short - window + 1) // block_size)
-    return best
-
-
-def longest_fitting_len(num_blocks: int, block_size: int, window: int | None, max_chunk: int, limit: int,
-                        num_requests: int = 1) -> int | None:
-    """`--max-model-len auto`: the longest max_model_len, at most `limit` (the model's), for which
-    `num_requests` requests fit in `num_blocks` at once; None when not even one token does."""
-    def fits(length: int) -> bool:
-        return num_requests * max_blocks_per_request(length, block_size, window, max_chunk) <= num_blocks
-
-    if not fits(1):
-        return None
-    low, high = 1, limit  # fits(low); the count grows with the length, so bisect
-    while low < high:
-        middle = (low + high + 1) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle - 1)
-    return low
 
 
 @dataclass(frozen=True)
@@ -86,28 +51,38 @@ class MemoryPlan:
     stages: tuple[StageMemory, ...]
     num_blocks: int
     block_size: int
-    window: int | None = None  # the window every layer applies (KV behind it is freed); None: none
+    # each KV group's window (planner/kv_groups.py): a page holds a block of a group's layers
+    windows: tuple[int | None, ...] = (None,)
     max_chunk: int = 1  # the most tokens a request computes in one step (max_num_batched_tokens)
     num_offload_blocks: int = 0  # the CPU tier's blocks (kv_offloading_size), per replica
     offload_bytes: int = 0  # the host memory they take, per replica
 
     @property
     def kv_cache_tokens(self) -> int:
+        """The pool's pages times block_size: every group's blocks counted as tokens (the serving model's)."""
         return self.num_blocks * self.block_size
+
+    def kv_tokens(self, max_model_len: int) -> int:
+        """Tokens the pool holds as requests of max_model_len (kv_groups.kv_tokens)."""
+        return kv_tokens(self.num_blocks, self.block_size, self.windows, self.max_chunk, max_model_len)
 
     @property
     def offload_tokens(self) -> int:
         return self.num_offload_blocks * self.block_size
 
+    @property
+    def has_windows(self) -> bool:
+        return any(w is not None for w in self.windows)
+
     def blocks_per_request(self, max_model_len: int) -> int:
-        return max_blocks_per_request(max_model_len, self.block_size, self.window, self.max_chunk)
+        return max_pages_per_request(self.windows, max_model_len, self.block_size, self.max_chunk)
 
     def max_concurrency(self, max_model_len: int) -> float:
         """Requests of max_model_len tokens the pool holds at once (as the block manager counts)."""
         return self.num_blocks / self.blocks_per_request(max_model_len)
 
     def longest_fitting_len(self, limit: int, num_requests: int) -> int | None:
-        return longest_fitting_len(self.num_blocks, self.block_size, self.window, self.max_chunk, limit,
+        return longest_fitting_len(self.num_blocks, self.block_size, self.windows, self.max_chunk, limit,
                                    num_requests)
 
     @property
@@ -127,7 +102,11 @@ def attention_width_per_token(spec: ModelSpec, tp: int) -> int:
         m = spec.mla
         return spec.num_attention_heads // tp * (m.qk_nope_head_dim + m.qk_rope_head_dim + 2 * m.cache_width) \
             + m.cache_width
-    return (spec.num_attention_heads // tp + 2 * kv_heads_per_rank(spec, tp)) * spec.head_dim
+    gate = spec.num_attention_heads // tp if spec.has_attention_output_gate else 0  # q_proj's output gate
+    width = (spec.num_attention_heads // tp + gate + 2 * kv_heads_per_rank(spec, tp)) * spec.head_dim
+    if spec.linear_attention:  # the widest of the two kinds of layer (Gated DeltaNet: q, k, v, z, b, a)
+        width = max(width, spec.linear_attention.projection_width(tp))
+    return width
 
 
 def activation_bytes_per_token(spec: ModelSpec, tp: int, dtype_bytes: int, expert_parallel: bool = False) -> int:
@@ -176,21 +155,29 @@ def plan_memory(spec: ModelSpec, stage_weights: list[float], split: list[int], t
     pp = len(split)
     stages = []
     usable = int(gpu.memory_bytes * settings.gpu_memory_utilization)
+    starts = [sum(split[:s]) for s in range(pp)]
     for s, (weights, layers) in enumerate(zip(stage_weights, split)):
+        owned = range(starts[s], starts[s] + layers)
+        state = recurrent_state_bytes(spec, tp, owned, recurrent_state_slots(settings.max_num_seqs),
+                                      settings.dtype_bytes)
         act = activation_bytes(spec, tp, settings, is_last=s == pp - 1, expert_parallel=expert_parallel)
         over = overhead_bytes(gpu, tp, pp)
         if not gpu.is_cpu and settings.graphs_captured:
             over += cuda_graph_bytes(graph_shape(spec, tp, settings, layers, s == 0, expert_parallel))
         lora = settings.max_loras * slot_bytes(spec, tp, layers, settings.max_lora_rank, settings.dtype_bytes) \
             if settings.enable_lora else 0
-        budget = usable - int(weights) - act - over - lora
-        if settings.kv_cache_memory_bytes is not None:
-            budget = min(budget, settings.kv_cache_memory_bytes)
-        per_token = layers * spec.kv_values_per_layer(tp) * settings.kv_dtype_bytes
+        budget = usable - int(weights) - act - over - lora - state
+        if settings.kv_cache_memory_bytes is not None:  # (the cache as vLLM counts it: the state too)
+            budget = min(budget, settings.kv_cache_memory_bytes - state)
+        # a page spans the KV tensors of the stage's attention layers (one per layer, or a group's slots)
+        per_token = spec.kv_groups.tensors_on(owned) * spec.kv_values_per_layer(tp) * settings.kv_dtype_bytes
         stages.append(StageMemory(gpu.memory_bytes, int(weights), act, over, budget,
-                                  per_token, layers, lora))
+                                  per_token, layers, lora, state))
     num_blocks = min(s.num_blocks_fit(settings.block_size) for s in stages)
+    if num_blocks == UNBOUNDED_BLOCKS:  # no layer keeps KV: pages cost nothing (as the runtime sizes them)
+        num_blocks = pages_without_kv(settings.max_num_seqs, spec.kv_groups.windows, settings.max_model_len,
+                                      settings.block_size, settings.max_num_batched_tokens)
     rank_block = max(s.kv_bytes_per_token for s in stages) * settings.block_size
-    offloaded = offload_blocks(settings.kv_offloading_size, rank_block, tp * pp)
-    return MemoryPlan(tuple(stages), num_blocks, settings.block_size, spec.uniform_sliding_window,
+    offloaded = offload_blocks(settings.kv_offloading_size, rank_block, tp * pp) if rank_block else 0
+    return MemoryPlan(tuple(stages), num_blocks, settings.block_size, spec.kv_groups.windows,
                       settings.max_num_batched_tokens, offloaded, offloaded * rank_block * tp * pp)

@@ -7,9 +7,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from shardserve.planner.errors import PlanError
-from shardserve.planner.hf_config import (REQUIRED, ConfigReader, language_model_config, layer_types,
-                                          max_context_length, uniform_sliding_window)
-from shardserve.planner.served import ARCHITECTURES, QUANTIZATION_FORMATS
+from shardserve.planner.hf_config import (RECURRENT_KINDS, REQUIRED, ConfigReader, language_model_config,
+                                          layer_types, max_context_length, recurrent_layer_kind)
+from shardserve.planner.kv_groups import KVGroups, model_kv_groups
+from shardserve.planner.linear_attention import LinearAttentionSpec, hybrid_fields
+from shardserve.planner.served import (ARCHITECTURES, LINEAR_ATTENTION_FAMILIES, QUANTIZATION_FORMATS,
+                                      unserved_layers_problem)
 from shardserve.planner.settings import SettingError
 
 # architectures entry in config.json -> family name used across shardserve: what the runtime serves.
@@ -159,10 +162,32 @@ class ModelSpec:
     moe_layers: tuple[int, ...] = ()
     rope_type: str | None = None  # None: no rotary embedding (learned positions)
     sliding_window: int | None = None  # tokens each query attends back; None: the whole context
-    uniform_sliding_window: int | None = None  # the window of every layer (KV behind it is freed); None: none
+    # how its attention layers share the KV pool: a block table per kind (planner/kv_groups.py)
+    kv_groups: KVGroups = KVGroups((None,), (), 1)
     # per layer "sliding_attention" (config.json's sliding_window) or "full_attention"; None: all alike
     layer_types: tuple[str, ...] | None = None
     mla: MLASpec | None = None  # multi-head latent attention (then num_kv_heads and head_dim do not apply)
+    recurrent_kind: str | None = None  # its recurrent layers' kind ("Gated DeltaNet"); None: it has none
+    # the "linear_attention" layers' widths (Gated DeltaNet: Qwen3-Next, Qwen3.5); None: no such layers
+    linear_attention: LinearAttentionSpec | None = None
+    has_attention_output_gate: bool = False  # q_proj also gives a sigmoid gate on the attention output
+    partial_rotary_factor: float = 1.0  # the share of head_dim rotated
+
+    @property
+    def has_recurrent_layers(self) -> bool:
+        """Layers keeping one state per request (linear attention) rather than KV per token."""
+        return self.recurrent_kind is not None or self.linear_attention is not None
+
+    def is_linear_layer(self, index: int) -> bool:
+        return self.layer_types is not None and self.layer_types[index] == "linear_attention"
+
+    def num_linear_layers(self, layers: Iterable[int]) -> int:
+        """How many of `layers` are linear attention (a state per request, no KV)."""
+        return sum(1 for i in layers if self.is_linear_layer(i))
+
+    def num_kv_layers(self, layers: Iterable[int]) -> int:
+        """How many of `layers` cache KV per token (every layer but linear attention)."""
+        return sum(1 for i in layers if not self.is_linear_layer(i))
 
     @property
     def is_moe(self) -> bool:
@@ -180,8 +205,8 @@ class ModelSpec:
         return 2 * kv_heads_per_rank(self, tp) * self.head_dim
 
     def kv_bytes_per_token(self, kv_dtype_bytes: int) -> int:
-        """KV bytes per token for the whole unsharded model."""
-        return self.num_layers * self.kv_values_per_layer() * kv_dtype_bytes
+        """KV bytes per token for the whole unsharded model (linear-attention layers cache none)."""
+        return self.num_kv_layers(range(self.num_layers)) * self.kv_values_per_layer() * kv_dtype_bytes
 
     @staticmethod
     def from_config(model_id: str, config: dict, quantization: str | None = None) -> "ModelSpec":
@@ -196,13 +221,14 @@ class ModelSpec:
         heads = read.count(*names.get("num_attention_heads", ("num_attention_heads",)))
         num_layers = read.count(*names.get("num_hidden_layers", ("num_hidden_layers",)))
         inter = read.count(*names.get("intermediate_size", ("intermediate_size",)),
-                           default=4 * hidden if family == "gpt2" else REQUIRED)
+                           default=_default_intermediate_size(family, read, hidden))
         quant = read.get("quantization_config", default=None)
         if quant is not None and not isinstance(quant, dict):
             raise read.bad("quantization_config", quant, "a mapping")
         max_positions = read.count(*names.get("max_position_embeddings", ("max_position_embeddings",)))
         rope = read.rope_parameters() if family not in ("gpt2", "opt") else None
         mla = MLASpec.from_config(read) if family in MLA_FAMILIES else None
+        types = _layer_types(config, model_id, family)
         return ModelSpec(
             id=model_id, architecture=arch, family=family, num_layers=num_layers,
             hidden_size=hidden, num_attention_heads=heads,
@@ -217,9 +243,10 @@ class ModelSpec:
             quantization=QuantSpec.from_config(quant or {}, quantization) if quant or quantization else None,
             rope_type=rope["rope_type"] if rope else None,
             sliding_window=_sliding_window(read),
-            uniform_sliding_window=uniform_sliding_window({**config, "architectures": [arch]}),
-            layer_types=layer_types(config, model_id, family), **_moe_fields(family, read, num_layers),
-            mla=mla)
+            kv_groups=model_kv_groups({**config, "architectures": [arch]}, num_layers, types),
+            layer_types=types, **_moe_fields(family, read, num_layers),
+            mla=mla, recurrent_kind=recurrent_layer_kind(config) or RECURRENT_KINDS.get(family),
+            **hybrid_fields(family, read, rope))
 
 
 def kv_heads_per_rank(spec: ModelSpec, tp: int) -> int:
@@ -258,6 +285,9 @@ def _architecture(model_id: str, config: dict) -> str:
         archs = [a for a, f in SUPPORTED_ARCHITECTURES.items() if f == config["model_type"]]
         archs = archs or [f"model_type {config['model_type']}"]
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    unserved = unserved_layers_problem(archs) if arch is None else None
+    if unserved:
+        raise PlanError(f"{model_id}: {unserved}")
     if arch is None:
         named = ", ".join(map(str, archs)) if archs else "no 'architectures' entry"
         raise PlanError(f"{model_id}: architecture {named} is not supported; supported: "
@@ -286,13 +316,35 @@ def _sliding_window(read: ConfigReader) -> int | None:
     return window
 
 
+def _default_intermediate_size(family: str, read: ConfigReader, hidden: int):
+    """intermediate_size where config.json may leave it out: GPT-2's 4 x hidden; Qwen3.5-MoE has no dense MLP
+    (its text config has no intermediate_size), so the experts' width stands for it."""
+    if family == "gpt2":
+        return 4 * hidden
+    return read.count("moe_intermediate_size") if family == "qwen3_5_moe_text" else REQUIRED
+
+
+def _layer_types(config: dict, model_id: str, family: str) -> tuple[str, ...] | None:
+    """layer_types, refusing linear_attention layers in a family that has none."""
+    types = layer_types(config, model_id, family)
+    if types and "linear_attention" in types and family not in LINEAR_ATTENTION_FAMILIES:
+        raise PlanError(f"{model_id}: config.json layer_types has linear_attention layers, which {family} "
+                        "models do not have")
+    return types
+
+
 def _moe_fields(family: str, read: ConfigReader, num_layers: int) -> dict:
+    if family == "qwen3_5_moe_text":  # every layer routes (no decoder_sparse_step, no mlp_only_layers)
+        return {"num_experts": read.count("num_experts"), "num_experts_per_tok": read.count("num_experts_per_tok"),
+                "moe_intermediate_size": read.count("moe_intermediate_size"),
+                "shared_expert_intermediate_size": read.int("shared_expert_intermediate_size", default=0) or None,
+                "moe_layers": tuple(range(num_layers))}
     if family in ("mixtral", "gpt_oss"):
         return {"num_experts": read.count("num_experts"),
                 "num_experts_per_tok": read.count("num_experts_per_tok"),
                 "moe_intermediate_size": read.count("intermediate_size"),
                 "moe_layers": tuple(range(num_layers))}
-    if family in ("qwen2_moe", "qwen3_moe"):
+    if family in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
         step = read.int("decoder_sparse_step", default=1)
         if step < 1:
             raise read.bad("decoder_sparse_step", step, "a positive integer")

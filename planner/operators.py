@@ -10,6 +10,8 @@ context they attend over). Per decoder layer (Megatron tensor parallel, shapes p
     norms, rotary + KV write, activation: memory-bound element-wise kernels
     (MLA: the q and kv down/up projections, the absorbed per-head products, and attention over the
     cached latent of kv_lora_rank + qk_rope_head_dim values per token, whole on every rank)
+    (Gated DeltaNet linear attention: its projections, the short convolution, and the delta rule over a
+    state per request instead of attention over the context: _linear_attention_ms)
 
 then embedding (first stage), final norm, LM head, logits gather and sampling (last stage).
 Each operator is looked up in the GPU's measured tables (perf_tables) and falls back to a
@@ -47,6 +49,7 @@ class StageShape:
     kv_dtype: str        # attention tables: bfloat16 | fp8 | float32
     kv_bytes: int
     expert_bits: int     # the routed experts' weight bits: weight_bits, or 4 for MXFP4 (gpt-oss's experts only)
+    num_linear_layers: int = 0  # Gated DeltaNet layers (no attention over the context, no KV)
 
 
 @dataclass(frozen=True)
@@ -141,8 +144,11 @@ def stage_step_ms(ops: Operators, shape: StageShape, num_decode: int, decode_con
     if tokens == 0:
         return 0.0
     # every layer: projections and element-wise work; then each layer's attention and MLP by kind
-    total = _layer_ms(ops, shape, tokens) * shape.num_layers
-    num_full = shape.num_layers - shape.num_window_layers
+    num_linear = shape.num_linear_layers
+    total = _layer_ms(ops, shape, tokens) * (shape.num_layers - num_linear)
+    if num_linear:
+        total += _linear_attention_ms(ops, shape, tokens, num_decode, len(chunks)) * num_linear
+    num_full = shape.num_layers - shape.num_window_layers - num_linear
     if num_full:
         total += _attention_ms(ops, shape, num_decode, decode_context, chunks, False) * num_full
     if shape.num_window_layers:
@@ -172,7 +178,8 @@ def _layer_ms(ops: Operators, shape: StageShape, tokens: int) -> float:
     q_width = spec.num_attention_heads * spec.head_dim // tp
     kv_width = kv_heads_per_rank(spec, tp) * spec.head_dim
     hidden, g, bits = spec.hidden_size, shape.gemm_dtype, shape.weight_bits
-    t = ops.gemm(tokens, q_width + 2 * kv_width, hidden, g, bits)
+    gate = q_width if spec.has_attention_output_gate else 0  # q_proj also gives the output's gate
+    t = ops.gemm(tokens, q_width + gate + 2 * kv_width, hidden, g, bits)
     t += ops.gemm(tokens, hidden, q_width, g, bits)
     t += 2 * ops.allreduce(tokens * hidden * shape.act_bytes, tp)
     act = shape.act_bytes
@@ -202,6 +209,26 @@ def _mla_layer_ms(ops: Operators, shape: StageShape, tokens: int) -> float:
     act = shape.act_bytes
     t += ops.elementwise(8 * tokens * hidden * act)  # input and post-attention norms
     return t + ops.elementwise(tokens * (heads * qk + 2 * m.cache_width) * act * 2)  # latent norm, rotary, write
+
+
+def _linear_attention_ms(ops: Operators, shape: StageShape, tokens: int, num_decode: int, num_chunks: int) -> float:
+    """A Gated DeltaNet layer without its MLP: input projections (q, k, v, z, b, a) and out_proj as GEMMs,
+    two all-reduces, norms, the short convolution and gated norm, and the delta rule.
+    NOTE: the delta rule is taken as ~4 products with each value head's [dk, dv] state per token (decay,
+    k^T S, the rank-1 update, q^T S: 8 dk dv flops) at the GEMM's compute efficiency, plus reading and
+    writing each request's state (float32, and the conv window) once per step: per decode request, and
+    once per prefill chunk (the chunked form carries the state across the chunk). No measured table has
+    this kernel; the chunked prefill's intra-chunk products are left out."""
+    spec, tp, la = shape.spec, shape.tp, shape.spec.linear_attention
+    assert la is not None  # a linear-attention model
+    hidden, g, bits, act = spec.hidden_size, shape.gemm_dtype, shape.weight_bits, shape.act_bytes
+    t = ops.gemm(tokens, la.projection_width(tp), hidden, g, bits) + ops.gemm(tokens, hidden, la.value_dim // tp, g, bits)
+    t += 2 * ops.allreduce(tokens * hidden * act, tp)
+    t += ops.elementwise(8 * tokens * hidden * act)  # input and post-attention norms
+    t += ops.elementwise(2 * tokens * (la.conv_dim(tp) + 2 * la.value_dim // tp) * act)  # conv; gated norm
+    t += ops.elementwise(2 * (num_decode + num_chunks) * la.state_bytes_per_layer(tp, act))
+    flops = 8 * tokens * la.num_value_heads // tp * la.key_head_dim * la.value_head_dim
+    return t + flops / (ops.flops * ops.fit["gemm_compute"]) * 1e3
 
 
 def _mlp_ms(ops: Operators, shape: StageShape, tokens: int, inter: int) -> float:

@@ -9,7 +9,9 @@ from shardserve.planner.errors import PlanError
 from shardserve.planner.hardware import GpuSpec
 from shardserve.planner.lora import lora_problem
 from shardserve.planner.model_spec import DTYPE_BYTES, ModelSpec, canonical_dtype
-from shardserve.planner.rules import fp8_kv_problem, offload_problem, offload_size_problem
+from shardserve.planner.rules import (fp8_kv_problem, offload_groups_problem, offload_problem, offload_size_problem,
+                                     prefix_caching_problem,
+                                     resolved_prefix_caching)
 from shardserve.planner.workload import Targets, Workload
 from shardserve.planner.settings import (DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN,
                                          SettingError, check_fields, default, resolved_max_num_batched_tokens)
@@ -35,7 +37,7 @@ class PlanOptions:
     block_size: int = default("block_size")
     max_num_seqs: int = default("max_num_seqs")
     max_num_batched_tokens: int | None = default("max_num_batched_tokens")
-    enable_prefix_caching: bool = default("enable_prefix_caching")
+    enable_prefix_caching: bool | None = default("enable_prefix_caching")
     kv_offloading_size: float | None = default("kv_offloading_size")
     enable_lora: bool = default("enable_lora")
     max_loras: int = default("max_loras")
@@ -97,8 +99,11 @@ class RuntimeSettings:
 def resolve_settings(options: PlanOptions, spec: ModelSpec, gpu: GpuSpec) -> RuntimeSettings:
     dtype = _resolve_dtype(options.dtype, spec, gpu)
     is_fp8_kv = options.kv_cache_dtype.startswith("fp8")
+    prefix_caching = resolved_prefix_caching(options.enable_prefix_caching, spec.recurrent_kind)
     problem = (fp8_kv_problem(options.kv_cache_dtype, gpu.name, gpu.has_fp8 or gpu.is_cpu)
-               or offload_problem(options.enable_prefix_caching, options.kv_offloading_size)
+               or prefix_caching_problem(options.enable_prefix_caching, spec.recurrent_kind)
+               or offload_problem(prefix_caching, options.kv_offloading_size)
+               or offload_groups_problem(options.kv_offloading_size, spec.kv_groups.windows)
                or (lora_problem(spec.architecture, options.max_loras, None) if options.enable_lora else None))
     if problem:
         raise PlanError(problem)
@@ -120,7 +125,7 @@ def resolve_settings(options: PlanOptions, spec: ModelSpec, gpu: GpuSpec) -> Run
         max_model_len=max_len, max_num_seqs=options.max_num_seqs,
         max_num_batched_tokens=batched, block_size=options.block_size,
         gpu_memory_utilization=options.gpu_memory_utilization,
-        enable_prefix_caching=options.enable_prefix_caching, kv_cache_memory_bytes=kv_pool,
+        enable_prefix_caching=prefix_caching, kv_cache_memory_bytes=kv_pool,
         enforce_eager=options.enforce_eager, is_max_model_len_auto=is_auto,
         kv_offloading_size=options.kv_offloading_size, enable_lora=options.enable_lora,
         max_loras=options.max_loras, max_lora_rank=options.max_lora_rank)

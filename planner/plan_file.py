@@ -91,6 +91,8 @@ class StageSection:
     overhead_bytes: int
     kv_cache_bytes: int
     lora_bytes: int | None = None  # the LoRA adapter slots (enable_lora); None: none
+    # linear-attention layers' state (one row per request, and a scratch row); None: no such layers
+    recurrent_state_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -173,7 +175,10 @@ class TraceSection:
     num_requests: int
     offline: bool
     output_tokens_per_s: float  # the whole deployment, over the trace's span
-    replay_seconds: float  # how long the replay took
+    replay_seconds: float  # how long the replays took, every layout's
+    concurrency: int | None = None  # a closed loop of this many in flight; None: sent as they arrived
+    num_layouts_replayed: int = 1  # the search's best few, each replayed; the plan's layout won
+    plan_seconds: float | None = None  # the whole plan, the search and the replays; None: a plan written before
 
 
 @dataclass(frozen=True)

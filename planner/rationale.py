@@ -82,7 +82,7 @@ def _token_budget_line(search: Search, chosen: Candidate) -> str | None:
     e, w = estimates_of(chosen), search.workload
     why = (f"a {w.input_len:,}-token prompt prefills in {-(-(w.input_len - w.prefix_len) // ours)} step(s), for TTFT "
            f"{e.ttft_ms:,.0f} ms" if ours > own else
-           f"smaller activations leave the KV cache {chosen.memory.kv_cache_tokens:,} tokens, for "
+           f"smaller activations leave the KV cache {chosen.memory.kv_tokens(chosen.settings.max_model_len):,} tokens, for "
            f"{e.output_tokens_per_s_per_gpu:,.0f} output tokens/s per GPU")
     return f"max_num_batched_tokens {ours} (not {own}): {why}"
 
@@ -144,11 +144,23 @@ def _overridden(search: Search, chosen: Candidate, candidates: list[Candidate]) 
             f"is estimated {ours / theirs:.1f}x as fast ({ours:,.0f} vs {theirs:,.0f} output tok/s)")
 
 
+def _window_note(mem, length: int) -> str:
+    """How windowed layers shrink a request's blocks (planner/kv_groups.py), or nothing without them."""
+    if not mem.has_windows:
+        return ""
+    if len(mem.windows) == 1:
+        return (f" (every layer attends over {mem.windows[0]} tokens: a request holds at most "
+                f"{mem.blocks_per_request(length)} blocks)")
+    kinds = ", ".join(f"{mem.windows.count(w)} of {'full attention' if w is None else f'a {w}-token window'}"
+                      for w in dict.fromkeys(mem.windows))
+    return (f" (a block table per group of layers, {kinds}: the windowed ones hold only their window, so a request "
+            f"holds at most {mem.blocks_per_request(length)} blocks across the groups)")
+
+
 def _kv_cache_lines(mem, settings: RuntimeSettings, model_limit: int) -> list[str]:
     length = settings.max_model_len
-    lines = [f"KV cache: {mem.kv_cache_tokens} tokens per replica, {mem.max_concurrency(length):.2f}x requests "
-             f"of {length} tokens" + (f" (every layer attends over {mem.window} tokens: a request holds at most "
-                                      f"{mem.blocks_per_request(length)} blocks)" if mem.window else "")]
+    lines = [f"KV cache: {mem.kv_tokens(length)} tokens per replica, {mem.max_concurrency(length):.2f}x requests "
+             f"of {length} tokens" + _window_note(mem, length)]
     if mem.num_offload_blocks:
         lines.append(f"CPU tier (kv_offloading_size {settings.kv_offloading_size:g} GiB): {mem.offload_tokens} "
                      f"tokens per replica in {mem.offload_bytes / 2**30:.2f} GiB of host memory; full prefix "

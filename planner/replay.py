@@ -54,7 +54,7 @@ def replica_of(plan: PlanFile, model: ModelInfo) -> Replica:
     """The speed model of one of the plan's replicas: its layout, split, GPU, settings and KV cache."""
     par = plan.parallel
     return replica_model(model.spec, list(par.layer_split), par.tensor_parallel_size, par.enable_expert_parallel,
-                         hardware_of(plan), settings_of(plan), plan.memory.kv_cache_tokens)
+                         hardware_of(plan), settings_of(plan), plan.memory.num_blocks * plan.memory.block_size)
 
 
 def predict(plan: PlanFile, model: ModelInfo, workload: Workload) -> Estimates:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardserve.planner.hardware import GIB, Hardware
+from shardserve.planner.linear_attention import linear_attention_problem
 from shardserve.planner.model_spec import ModelSpec
 
 
@@ -102,6 +103,31 @@ def offload_size_problem(size_gib: float | None, rank_block_bytes: int, num_rank
             "a replica's ranks): raise it")
 
 
+def prefix_caching_problem(enable_prefix_caching: bool | None, recurrent_kind: str | None) -> str | None:
+    """A model with recurrent layers (`recurrent_kind`, such as "Gated DeltaNet") keeps one state per
+    request rather than KV per block: a prefix hit would need that state at the prefix's last token,
+    which nothing keeps, so prefix caching cannot be turned on for it."""
+    if recurrent_kind is None or not enable_prefix_caching:
+        return None
+    return (f"enable_prefix_caching is not served for this model: its {recurrent_kind} layers keep one state per "
+            "request, not KV per block, so no prefix can be reused; leave --enable-prefix-caching unset (or false)")
+
+
+def resolved_prefix_caching(enable_prefix_caching: bool | None, recurrent_kind: str | None) -> bool:
+    """enable_prefix_caching as served (after prefix_caching_problem): unset means on, except for a model
+    with recurrent layers."""
+    return enable_prefix_caching is not False and recurrent_kind is None
+
+
+def offload_groups_problem(kv_offloading_size: float | None, windows: tuple[int | None, ...]) -> str | None:
+    """The CPU tier keeps one block table's blocks; a model with a table per kind of layer (full attention and
+    sliding windows, planner/kv_groups.py) would need a tier per table."""
+    if kv_offloading_size is None or len(windows) == 1:
+        return None
+    return ("kv_offloading_size is not served for this model: its full-attention and sliding-window layers keep a "
+            "block table each, and the CPU tier holds one table's blocks; drop --kv-offloading-size")
+
+
 def offload_problem(enable_prefix_caching: bool, kv_offloading_size: float | None) -> str | None:
     """The CPU tier keeps prefix blocks: without prefix caching it would hold nothing anyone reads."""
     if kv_offloading_size is not None and not enable_prefix_caching:
@@ -122,6 +148,8 @@ def tensor_parallel_problem(spec: ModelSpec, tp: int, expert_parallel: bool = Fa
     if kv % tp and tp % kv:
         return (f"{kv} KV heads neither divide by tensor_parallel_size {tp} nor divide it "
                 "(KV heads can only be split evenly or replicated whole)")
+    if linear_attention_problem(spec, tp):
+        return linear_attention_problem(spec, tp)
     label, inter = _split_mlp(spec, expert_parallel)
     if inter % tp:
         return f"{label} {inter} is not divisible by tensor_parallel_size {tp}"

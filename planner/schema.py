@@ -18,7 +18,8 @@ def plan_record(plan) -> PlanFile:
     def per_gpu(stage) -> StageSection:
         return StageSection(total_bytes=stage.total_bytes, weights_bytes=stage.weights_bytes,
                            activation_bytes=stage.activation_bytes, overhead_bytes=stage.overhead_bytes,
-                           kv_cache_bytes=mem.kv_cache_bytes(stage), lora_bytes=stage.lora_bytes or None)
+                           kv_cache_bytes=mem.kv_cache_bytes(stage), lora_bytes=stage.lora_bytes or None,
+                           recurrent_state_bytes=stage.recurrent_state_bytes or None)
 
     record = PlanFile(
         version=SCHEMA_VERSION,
@@ -36,7 +37,7 @@ def plan_record(plan) -> PlanFile:
             "per_gpu": per_gpu(tightest),
             "per_stage": tuple(per_gpu(stage) for stage in mem.stages),
             "block_size": mem.block_size, "num_blocks": mem.num_blocks,
-            "kv_cache_tokens": mem.kv_cache_tokens,
+            "kv_cache_tokens": mem.kv_tokens(s.max_model_len),
             "max_concurrency": round(mem.max_concurrency(s.max_model_len), 2),
             "offload_tokens": mem.offload_tokens or None, "offload_bytes": mem.offload_bytes or None,
         }),

@@ -165,9 +165,15 @@ def _memory_problem(memory: MemoryPlan, settings: RuntimeSettings, options: Plan
     needed = memory.blocks_per_request(settings.max_model_len) * options.target_concurrency
     if memory.tightest.kv_budget_bytes <= 0:
         t = memory.tightest
+        state = (f" + recurrent state {t.recurrent_state_bytes / 2**30:.1f} GiB (max_num_seqs {settings.max_num_seqs})"
+                 if t.recurrent_state_bytes else "")
         return (f"weights {t.weights_bytes / 2**30:.1f} GiB + activations and overhead "
-                f"{(t.activation_bytes + t.overhead_bytes) / 2**30:.1f} GiB exceed "
+                f"{(t.activation_bytes + t.overhead_bytes) / 2**30:.1f} GiB{state} exceed "
                 f"{t.total_bytes * settings.gpu_memory_utilization / 2**30:.1f} GiB per {hardware.gpu.unit}")
+    if memory.num_blocks < needed and memory.has_windows:
+        return (f"KV cache holds {memory.num_blocks} blocks of {memory.block_size} tokens; {needed} needed for "
+                f"{options.target_concurrency} request(s) of {settings.max_model_len} (windowed layers hold their "
+                "window)")
     if memory.num_blocks < needed:
         return (f"KV cache holds {memory.kv_cache_tokens} tokens; {needed * memory.block_size} needed for "
                 f"{options.target_concurrency} request(s) of {settings.max_model_len}")

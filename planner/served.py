@@ -8,6 +8,9 @@ from typing import TYPE_CHECKING
 
 from shardserve.planner.errors import PlanError
 
+# families whose linear_attention layers are Gated DeltaNet (planner/linear_attention.py sizes their state)
+LINEAR_ATTENTION_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+
 if TYPE_CHECKING:
     from shardserve.planner.model_spec import ModelSpec
 
@@ -52,7 +55,40 @@ ARCHITECTURES: dict[str, ServedArchitecture] = {
     "GptOssForCausalLM": ServedArchitecture("gpt_oss", quantizations=("mxfp4",), has_experts=True),
     "GPT2LMHeadModel": ServedArchitecture("gpt2", rope_types=(), quantizations=()),
     "OPTForCausalLM": ServedArchitecture("opt", rope_types=()),
+    # Gated DeltaNet linear attention (a state per request) with gated full attention, 3:1. Float weights only:
+    # their b/a projections (one feature per value head) fit no fp8 weight block, and no quantized
+    # checkpoint of them has been loaded here yet.
+    "Qwen3NextForCausalLM": ServedArchitecture("qwen3_next", quantizations=(), has_experts=True),
+    "Qwen3_5ForCausalLM": ServedArchitecture("qwen3_5_text", quantizations=()),
+    "Qwen3_5ForConditionalGeneration": ServedArchitecture("qwen3_5_text", quantizations=(), has_text_config=True),
+    "Qwen3_5MoeForCausalLM": ServedArchitecture("qwen3_5_moe_text", quantizations=(), has_experts=True),
+    "Qwen3_5MoeForConditionalGeneration": ServedArchitecture("qwen3_5_moe_text", quantizations=(), has_experts=True,
+                                                             has_text_config=True),
 }
+
+# hybrids whose other kind of layer the runtime does not serve: architecture -> that kind
+UNSERVED_LAYER_KINDS: dict[str, str] = {
+    "NemotronHForCausalLM": "Mamba-2", "FalconH1ForCausalLM": "Mamba-2", "GraniteMoeHybridForCausalLM": "Mamba-2",
+    "Zamba2ForCausalLM": "Mamba-2", "BambaForCausalLM": "Mamba-2", "Mamba2ForCausalLM": "Mamba-2",
+    "JambaForCausalLM": "Mamba", "ZambaForCausalLM": "Mamba", "MambaForCausalLM": "Mamba",
+    "FalconMambaForCausalLM": "Mamba", "Lfm2ForCausalLM": "short-convolution (LFM2)",
+    "Lfm2MoeForCausalLM": "short-convolution (LFM2)", "KimiLinearForCausalLM": "Kimi Delta Attention",
+    "MiniMaxForCausalLM": "lightning (linear) attention", "MiniMaxText01ForCausalLM": "lightning (linear) attention",
+    "MiniMaxM1ForCausalLM": "lightning (linear) attention", "RecurrentGemmaForCausalLM": "RG-LRU recurrent",
+    "RwkvForCausalLM": "RWKV",
+}
+
+
+def unserved_layers_problem(architectures: list) -> str | None:
+    """Why a hybrid architecture among `architectures` is not served, naming its kind of layer; None when
+    none of them is a known hybrid."""
+    arch = next((a for a in architectures if a in UNSERVED_LAYER_KINDS), None)
+    if arch is None:
+        return None
+    kind = UNSERVED_LAYER_KINDS[arch]
+    hybrids = ", ".join(a for a, served in ARCHITECTURES.items() if served.family in LINEAR_ATTENTION_FAMILIES)
+    return (f"architecture {arch} is not served: {kind} layers are not served by the runtime (the recurrent "
+            f"hybrids served are Gated DeltaNet with attention: {hybrids})")
 
 
 def check_served(spec: ModelSpec) -> None:

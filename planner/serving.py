@@ -71,17 +71,23 @@ class Replica:
     cycle_ms: Callable[[int, tuple[Chunk, ...], int], float]
     max_num_seqs: int
     max_num_batched_tokens: int
-    kv_cache_tokens: int
+    kv_cache_tokens: int  # the pool's pages x block_size (every KV group's blocks, counted as tokens)
     request_ms: float = 0.0  # a request's way through the server before its first step and after its first token
     source: str = ""  # where the step times come from (measured tables or the fitted roofline)
     scheduler_steps: int = 1  # decode steps between two schedules; this runtime schedules every step
     mixes_prefill: bool = True  # prefill chunks share a step with the decodes; else a prompt's steps run alone
+    kv_windows: tuple[int | None, ...] = (None,)  # each KV group's window (planner/kv_groups.py)
 
     def max_running(self, w: Workload) -> float:
         """Requests the KV cache holds at once, each at its mean length over its life."""
         per_request = max(1.0, w.input_len - w.prefix_len + w.output_len / 2)
-        fits = max(0.0, self.kv_cache_tokens - w.prefix_len) / per_request
+        prefix = self._held(w.prefix_len)  # one copy of the shared prefix; a windowed group holds its window
+        fits = max(0.0, self.kv_cache_tokens - prefix) / max(1.0, self._held(w.prefix_len + per_request) - prefix)
         return max(1.0, min(float(self.max_num_seqs), fits))
+
+    def _held(self, tokens: float) -> float:
+        """Page-tokens a request of `tokens` holds across the KV groups."""
+        return sum(tokens if window is None else min(tokens, window) for window in self.kv_windows)
 
     def _chunks(self, b: int, w: Workload) -> list[Chunk]:
         """The chunks a new prompt (its uncached part, at least one token) is computed in when b

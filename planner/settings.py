@@ -186,7 +186,8 @@ SETTINGS: tuple[Setting, ...] = (
        "(max_num_batched_tokens), beside running decodes; always on here.", "engine",
        fixed="the scheduler always chunks prefills (one token budget for prefill and decode, as vLLM V1 "
        "schedules); to prefill a long prompt in one step, raise --max-num-batched-tokens to max_model_len"),
-    _s("enable_prefix_caching", bool, True, "Reuse the KV blocks of shared prompt prefixes.",
+    _s("enable_prefix_caching", bool, None, "Reuse the KV blocks of shared prompt prefixes. Default: on, except "
+       "for models with recurrent (linear-attention) layers, whose state is one per request, not per block.",
        "plan engine"),
     _s("kv_offloading_size", float, None, "GiB of host memory per replica (summed over its ranks, as vLLM "
        "counts it) for a CPU tier of the prefix cache: full blocks evicted from the GPU pool are kept there, "

@@ -23,7 +23,9 @@ class Shard(Enum):
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")
 _COLUMN = {"q_proj", "gate_proj", "up_proj", "w1", "w3", "c_fc", "fc1", "c_attn", "qkv_proj",
-           "gate_up_proj", "query_key_value", "q_b_proj", "kv_b_proj"}  # MLA's down-projections: replicated
+           "gate_up_proj", "query_key_value", "q_b_proj", "kv_b_proj",  # MLA's down-projections: replicated
+           # Gated DeltaNet: input projections and the depthwise conv split by heads (A_log, dt_bias: tiny, counted whole)
+           "in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d"}
 _ROW = {"o_proj", "down_proj", "w2", "fc2", "c_proj", "out_proj", "dense"}
 _EMBED = {"embed_tokens", "wte"}
 _POSITIONS = {"wpe", "embed_positions"}

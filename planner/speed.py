@@ -77,7 +77,8 @@ def stage_shapes(spec: ModelSpec, split: list[int], tp: int, expert_parallel: bo
         layers = range(start, start + count)
         shapes.append(StageShape(
             spec, tp, expert_parallel, count, sum(1 for i in layers if i in moe),
-            sum(1 for i in layers if i in windowed), s == 0, s == len(split) - 1, **dtypes))
+            sum(1 for i in layers if i in windowed), s == 0, s == len(split) - 1, **dtypes,
+            num_linear_layers=spec.num_linear_layers(layers)))
         start += count
     return shapes
 
@@ -115,6 +116,7 @@ def _operators(gpu: GpuSpec, db: Database) -> Operators:
 
 def replica_model(spec: ModelSpec, split: list[int], tp: int, expert_parallel: bool,
                   hardware: Hardware, settings: RuntimeSettings, kv_cache_tokens: int) -> Replica:
+    """`kv_cache_tokens`: the pool's pages x block_size (MemoryPlan.kv_cache_tokens)."""
     db = database_for(hardware)
     ops = _operators(hardware.gpu, db)
     shapes = stage_shapes(spec, split, tp, expert_parallel, settings, hardware)
@@ -147,7 +149,7 @@ def replica_model(spec: ModelSpec, split: list[int], tp: int, expert_parallel: b
         # NOTE: pp micro-batches in flight (one per stage while b allows): a request's next token
         # comes after one pass through every stage, or after every micro-batch took the slowest
         # stage, whichever is longer.
-        micro = min(len(shapes), b)
+        micro = max(1, min(len(shapes), b))  # (a step of prefill chunks alone: one micro-batch)
         mb = math.ceil(b / micro)
         tokens = mb + sum(c.tokens for c in chunks)
         one_pass = sum(stage(i, mb, chunks, context) for i in range(len(shapes)))
@@ -157,7 +159,7 @@ def replica_model(spec: ModelSpec, split: list[int], tp: int, expert_parallel: b
         return max(one_pass, (micro - 1) * slowest + busiest) + host * micro
 
     return Replica(cycle, settings.max_num_seqs, settings.max_num_batched_tokens, kv_cache_tokens,
-                   db.host.request_ms, _source(db, hardware.gpu.name))
+                   db.host.request_ms, _source(db, hardware.gpu.name), kv_windows=spec.kv_groups.windows)
 
 
 def _source(db: Database, gpu: str) -> str:

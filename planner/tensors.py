@@ -133,8 +133,70 @@ class _Tensors:
 def derive_tensors(spec: ModelSpec) -> list[TensorInfo]:
     """The tensors a checkpoint of this config holds, named the way the family names them."""
     t = _Tensors(spec)
-    {"gpt2": _gpt2_tensors, "opt": _opt_tensors}.get(spec.family, _llama_like_tensors)(spec, t)
+    derive = {"gpt2": _gpt2_tensors, "opt": _opt_tensors, "qwen3_next": _hybrid_tensors,
+              "qwen3_5_text": _hybrid_tensors, "qwen3_5_moe_text": _hybrid_tensors}
+    derive.get(spec.family, _llama_like_tensors)(spec, t)
     return t.out
+
+
+def _hybrid_tensors(spec: ModelSpec, t: _Tensors) -> None:
+    """Qwen3-Next and Qwen3.5: Gated DeltaNet layers (linear_attn) and gated full attention (q_proj
+    gives the query and its output gate, each head_dim wide per head) beside dense or routed MLPs."""
+    h, d = spec.hidden_size, spec.head_dim
+    t.add("model.embed_tokens.weight", spec.vocab_size * h)
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}"
+        t.norm(f"{p}.input_layernorm", False)
+        t.norm(f"{p}.post_attention_layernorm", False)
+        if spec.is_linear_layer(i):
+            _gated_delta_net_tensors(spec, t, f"{p}.linear_attn")
+        else:
+            gate = 2 if spec.has_attention_output_gate else 1
+            t.linear(f"{p}.self_attn.q_proj", h, gate * spec.num_attention_heads * d)
+            t.linear(f"{p}.self_attn.k_proj", h, spec.num_kv_heads * d)
+            t.linear(f"{p}.self_attn.v_proj", h, spec.num_kv_heads * d)
+            t.linear(f"{p}.self_attn.o_proj", spec.num_attention_heads * d, h)
+            t.add(f"{p}.self_attn.q_norm.weight", d)
+            t.add(f"{p}.self_attn.k_norm.weight", d)
+        if i in spec.moe_layers:
+            _stacked_moe_tensors(spec, t, f"{p}.mlp")
+        else:
+            _gated_mlp(t.linear, f"{p}.mlp", h, spec.intermediate_size)
+    t.norm("model.norm", False)
+    if not spec.tie_word_embeddings:
+        t.add("lm_head.weight", spec.vocab_size * h)
+
+
+def _stacked_moe_tensors(spec: ModelSpec, t: _Tensors, p: str) -> None:
+    """Routed experts as transformers 5 holds them, one tensor of every expert per projection (placed
+    as that projection: stacked_expert_part), so that 512 experts x 60 layers make 120 tensors, not 92,160;
+    the router, and the shared expert behind its sigmoid gate."""
+    h, n, inter = spec.hidden_size, spec.num_experts or 0, spec.moe_intermediate_size or 0
+    t.add(f"{p}.gate.weight", n * h)
+    t.add(f"{p}.experts.gate_up_proj", n * 2 * inter * h)
+    t.add(f"{p}.experts.down_proj", n * h * inter)
+    if spec.shared_expert_intermediate_size:
+        _gated_mlp(t.linear, f"{p}.shared_expert", h, spec.shared_expert_intermediate_size)
+        t.linear(f"{p}.shared_expert_gate", h, 1)
+
+
+def _gated_delta_net_tensors(spec: ModelSpec, t: _Tensors, p: str) -> None:
+    """Qwen3-Next fuses the input projections in two (qkvz, ba); Qwen3.5 saves four (qkv, z, b, a)."""
+    la, h = spec.linear_attention, spec.hidden_size
+    assert la is not None  # a linear-attention layer's model
+    if spec.family == "qwen3_next":
+        t.linear(f"{p}.in_proj_qkvz", h, la.conv_dim() + la.value_dim)
+        t.linear(f"{p}.in_proj_ba", h, 2 * la.num_value_heads)
+    else:
+        t.linear(f"{p}.in_proj_qkv", h, la.conv_dim())
+        t.linear(f"{p}.in_proj_z", h, la.value_dim)
+        t.linear(f"{p}.in_proj_b", h, la.num_value_heads)
+        t.linear(f"{p}.in_proj_a", h, la.num_value_heads)
+    t.add(f"{p}.conv1d.weight", la.conv_dim() * la.conv_kernel_dim)  # depthwise: [conv_dim, 1, kernel]
+    t.add(f"{p}.A_log", la.num_value_heads)
+    t.add(f"{p}.dt_bias", la.num_value_heads)
+    t.add(f"{p}.norm.weight", la.value_head_dim)  # one gated RMSNorm shared by the value heads
+    t.linear(f"{p}.out_proj", la.value_dim, h)
 
 
 def _gpt2_tensors(spec: ModelSpec, t: _Tensors) -> None:

@@ -10,10 +10,11 @@ from typing import Any, Literal
 
 import torch
 
-from shardserve.planner.hf_config import max_context_length, uniform_sliding_window
+from shardserve.planner.hf_config import max_context_length
+from shardserve.planner.kv_groups import KVGroups, model_kv_groups, tokens_held
 from shardserve.planner.hub import HubOptions, hf_cache_dir
 from shardserve.planner.model_spec import canonical_dtype
-from shardserve.planner.served import ARCHITECTURES
+from shardserve.planner.served import ARCHITECTURES, unserved_layers_problem
 from shardserve.runtime.layers.quantization.config import QuantConfig
 from shardserve.runtime.layers.rotary import rope_parameters
 from shardserve.runtime.pooling_params import PoolerConfig
@@ -35,7 +36,8 @@ class ModelConfig:
     quantization: QuantConfig | None = None  # the checkpoint's weight format; None: float weights
     chat_template: str | None = None  # replaces the tokenizer's (inline Jinja or a file's path)
     generation_config: str = "auto"  # where sampling defaults come from (runtime/generation_config.py)
-    uniform_sliding_window: int | None = None  # the window of every layer: KV behind it is freed
+    # how the attention layers share the KV pool: a block table per kind of layer (planner/kv_groups.py)
+    kv_groups: KVGroups = KVGroups((None,), (), 1)
     is_max_model_len_auto: bool = False  # max_model_len is the model's until the KV cache is measured
     pooler: PoolerConfig | None = None  # runner "pooling": prompts are pooled, never sampled; None: generate
     load_format: str = "auto"  # auto | safetensors: the checkpoint's weights; dummy: random weights of its shapes
@@ -79,6 +81,9 @@ def load_model_config(model: str, dtype: str = "auto", max_model_len: int | Lite
         architectures = json.load(f).get("architectures") or []
     if len(architectures) != 1:
         raise ValueError(f"config.json must name exactly one architecture, found {architectures}")
+    problem = unserved_layers_problem(architectures)  # a hybrid with layers the runtime lacks (Mamba-2), named
+    if problem:
+        raise ValueError(problem)
     checkpoint_config = AutoConfig.from_pretrained(model)
     served = ARCHITECTURES.get(architectures[0])
     # a multimodal checkpoint: the language model's config (the checkpoint's dtype and quantization stay)
@@ -97,8 +102,8 @@ def load_model_config(model: str, dtype: str = "auto", max_model_len: int | Lite
                        skip_tokenizer_init=skip_tokenizer_init, enforce_eager=enforce_eager,
                        quantization=QuantConfig.from_dict(getattr(checkpoint_config, "quantization_config", None),
                                                           quantization),
-                       uniform_sliding_window=uniform_sliding_window({**hf_config.to_dict(),
-                                                                      "architectures": architectures}),
+                       kv_groups=model_kv_groups({**hf_config.to_dict(), "architectures": architectures},
+                                                 hf_config.num_hidden_layers),
                        is_max_model_len_auto=is_auto)
 
 
@@ -208,7 +213,9 @@ class KVCacheInfo:
 
     @property
     def num_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+        """Tokens the pool holds as requests of max_model_len (more than num_blocks x block_size where windowed
+        layers hold only their window; planner/kv_groups.py)."""
+        return tokens_held(self.num_blocks, self.block_size, self.max_model_len, self.blocks_per_request)
 
     @property
     def memory_bytes(self) -> int:

@@ -9,7 +9,9 @@ from typing import Literal
 from shardserve.planner.hub import HubOptions
 from shardserve.planner.model_source import local_weights, model_path
 from shardserve.planner.lora import lora_problem
-from shardserve.planner.rules import offload_problem
+from shardserve.planner.hf_config import recurrent_layer_kind
+from shardserve.planner.rules import (offload_groups_problem, offload_problem, prefix_caching_problem,
+                                     resolved_prefix_caching)
 from shardserve.planner.settings import (ENGINE, SettingError, check_fields, check_names, default,
                                          resolved_max_num_batched_tokens)
 from shardserve.runtime.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig,
@@ -44,7 +46,7 @@ class EngineArgs:
     max_num_seqs: int = default("max_num_seqs")
     max_num_batched_tokens: int | None = default("max_num_batched_tokens")
     enable_chunked_prefill: bool = default("enable_chunked_prefill")
-    enable_prefix_caching: bool = default("enable_prefix_caching")
+    enable_prefix_caching: bool | None = default("enable_prefix_caching")
     kv_offloading_size: float | None = default("kv_offloading_size")
     enable_lora: bool = default("enable_lora")
     max_loras: int = default("max_loras")
@@ -95,13 +97,17 @@ class EngineArgs:
         return folder if os.path.isdir(folder) else str(local_weights(self.model, self.hub, self.load_format))
 
     def create_engine_config(self) -> EngineConfig:
-        problem = offload_problem(self.enable_prefix_caching, self.kv_offloading_size)
-        if problem:
-            raise SettingError(problem)
         folder = self.local_folder()
         device = resolve_device(self.device)
         loaded = load_model_config(folder, self.dtype, self.max_model_len, self.skip_tokenizer_init,
                                    self.enforce_eager, device, self.quantization)
+        kind = recurrent_layer_kind(loaded.hf_config.to_dict())
+        prefix_caching = resolved_prefix_caching(self.enable_prefix_caching, kind)
+        problem = (prefix_caching_problem(self.enable_prefix_caching, kind)
+                   or offload_problem(prefix_caching, self.kv_offloading_size)
+                   or offload_groups_problem(self.kv_offloading_size, loaded.kv_groups.windows))
+        if problem:
+            raise SettingError(problem)
         model = replace(loaded, chat_template=self.chat_template, generation_config=self.generation_config,
                         load_format=self.load_format, hub=self.hub,
                         pooler=self._pooler_config(loaded.model))
@@ -109,7 +115,7 @@ class EngineArgs:
             model=model,
             cache=CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
                               kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-                              enable_prefix_caching=self.enable_prefix_caching,
+                              enable_prefix_caching=prefix_caching,
                               kv_offloading_size=self.kv_offloading_size,
                               kv_cache_dtype=self.kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,

@@ -36,6 +36,7 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
         self.kv_cache: torch.Tensor | None = None
+        self.kv_group = 0  # which block tables it reads (planner/kv_groups.py), set by the worker with kv_cache
         if has_sinks:
             self.sinks = nn.Parameter(torch.empty(num_heads, dtype=torch.float32), requires_grad=False)
         else:
@@ -63,20 +64,21 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        fused = rotary_emb is not None and context.attn_metadata is not None and context.backend.fuses_rotary
+        meta = None if context.attn_metadata is None else context.attn_metadata.for_group(self.kv_group)
+        fused = rotary_emb is not None and meta is not None and context.backend.fuses_rotary
         if rotary_emb is not None and not fused:
             q, k = rotary_emb(positions, q, k)
-        if context.attn_metadata is None:  # profiling run without a cache: plain causal attention (no window)
+        if meta is None:  # profiling run without a cache: plain causal attention (no window)
             out = _causal_attention(q, k, v, self.scale, self.logits_soft_cap, self.sinks)
         elif fused:
             assert self.kv_cache is not None  # bound before any step with metadata
-            out = context.backend.forward(q, k, v, self.kv_cache, context.attn_metadata, self.scale,
+            out = context.backend.forward(q, k, v, self.kv_cache, meta, self.scale,
                                           self.sliding_window, self.kv_scales, positions=positions,
                                           rotary_emb=rotary_emb, logits_soft_cap=self.logits_soft_cap,
                                           sinks=self.sinks)
         else:
             assert self.kv_cache is not None
-            out = context.backend.forward(q, k, v, self.kv_cache, context.attn_metadata, self.scale,
+            out = context.backend.forward(q, k, v, self.kv_cache, meta, self.scale,
                                           self.sliding_window, self.kv_scales, logits_soft_cap=self.logits_soft_cap,
                                           sinks=self.sinks)
         return out.reshape(-1, self.num_heads * self.head_dim)

@@ -42,7 +42,7 @@ class EngineStats:
     num_prefix_query_tokens: int  # prompt tokens looked up in the prefix cache, since start
     num_offload_hit_tokens: int  # prompt tokens loaded from the CPU tier, since start
     num_offload_query_tokens: int  # prompt tokens looked up there past the GPU pool's hits, since start
-    iteration_tokens: HistogramSnapshot  # tokens scheduled per step (prompt and output), since start
+    iteration_tokens: HistogramSnapshot  # per step, as vLLM counts: sampled tokens and the prompts they began
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +72,7 @@ class EngineCore:
         info = self.kv_cache_info
         self.executor.initialize_kv_cache(info.num_blocks, info.num_offload_blocks)
         self.block_manager = BlockManager(info.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-                                          config.model.uniform_sliding_window, info.num_offload_blocks)
+                                          config.model.kv_groups.windows, info.num_offload_blocks)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, config.model.max_model_len,
                                    None if config.lora is None else LoRASlots(config.lora.max_loras))
         self.adapter_checks = AdapterChecks(config)
@@ -191,8 +191,6 @@ class EngineCore:
     def _schedule(self, max_num_requests: int | None = None) -> SchedulerOutput:
         """The scheduler's batch, with what its requests under a grammar may sample next."""
         output = self.scheduler.schedule(max_num_requests=max_num_requests)
-        if not output.is_empty:
-            self.iteration_tokens.observe(sum(output.num_scheduled_tokens.values()))
         requests = self.scheduler.requests
         bitmask = grammar_bitmask([requests[r] for r in output.num_scheduled_tokens], self.config.model,
                                   self.tokenizer)
@@ -203,7 +201,10 @@ class EngineCore:
             self._fail_adapters(scheduler_output, runner_output.failed_loras)
         if scheduler_output.grammar_bitmask is not None:  # before a finished request leaves the scheduler
             accept_tokens(scheduler_output.grammar_bitmask, self.scheduler.requests, runner_output.sampled_token_ids)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if not scheduler_output.is_empty:
+            self.iteration_tokens.observe(self.scheduler.last_step_tokens)
+        return updates
 
     def _fail_adapters(self, scheduler_output: SchedulerOutput, failed_loras: tuple[int, ...]) -> None:
         """The adapters a rank could not read when this step loaded them (their files changed or vanished after

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from shardserve.planner.memory import longest_fitting_len, max_blocks_per_request
+from shardserve.planner.kv_groups import longest_fitting_len, max_pages_per_request, pages_without_kv
 from shardserve.planner.rules import offload_blocks, offload_size_problem
 from shardserve.runtime.config import EngineConfig, KVCacheInfo
 from shardserve.runtime.distributed.executor import Executor
@@ -17,16 +17,17 @@ def size_kv_cache(config: EngineConfig, executor: Executor) -> KVCacheInfo:
     available = executor.available_kv_cache_bytes()
     per_block = executor.bytes_per_block()
     block_size = config.cache.block_size
-    window, chunk = config.model.uniform_sliding_window, config.scheduler.max_num_batched_tokens
+    groups, chunk = config.model.kv_groups, config.scheduler.max_num_batched_tokens
     max_model_len = config.model.max_model_len
-    num_blocks = available // per_block
+    num_blocks = available // per_block if per_block else \
+        pages_without_kv(config.scheduler.max_num_seqs, groups.windows, max_model_len, block_size, chunk)
     if config.model.is_max_model_len_auto:
-        fitting = longest_fitting_len(num_blocks, block_size, window, chunk, max_model_len)
+        fitting = longest_fitting_len(num_blocks, block_size, groups.windows, chunk, max_model_len)
         logger.info("max_model_len auto: %s (the model's limit: %d)", fitting, max_model_len)
         max_model_len = fitting or max_model_len  # None: not one token fits, refused below
-    needed = max_blocks_per_request(max_model_len, block_size, window, chunk)
+    needed = max_pages_per_request(groups.windows, max_model_len, block_size, chunk)
     if needed > num_blocks:
-        fitting = longest_fitting_len(num_blocks, block_size, window, chunk, max_model_len)
+        fitting = longest_fitting_len(num_blocks, block_size, groups.windows, chunk, max_model_len)
         raise ValueError(
             f"the KV cache holds {num_blocks} blocks ({available / 1024**3:.3f} GiB at {per_block} bytes per "
             f"block of {block_size} tokens); a request of max_model_len={max_model_len} needs {needed}; "
@@ -41,11 +42,19 @@ def size_kv_cache(config: EngineConfig, executor: Executor) -> KVCacheInfo:
                     info.num_offload_blocks * block_size,
                     info.num_offload_blocks * per_block * config.parallel.world_size / 1024**3)
     logger.info("KV cache size: %d tokens", info.num_tokens)
-    if window is not None:
+    if groups.is_hybrid:
+        logger.info("a block table per kind of layer (%s): blocks behind a window are freed (at most %d pages "
+                    "per request, each a block of %d layers)", ", ".join(_kind(w) for w in groups.windows),
+                    needed, groups.group_size)
+    elif groups.windows[0] is not None:
         logger.info("every layer attends over %d tokens: blocks behind the window are freed (at most %d "
-                    "blocks per request)", window, needed)
+                    "blocks per request)", groups.windows[0], needed)
     logger.info("Maximum concurrency for %d tokens per request: %.2fx", max_model_len, info.max_concurrency)
     return info
+
+
+def _kind(window: int | None) -> str:
+    return "full attention" if window is None else f"a window of {window}"
 
 
 def _offload_blocks(config: EngineConfig, per_block: int) -> int:

@@ -30,6 +30,7 @@ class NewRequestData:
     num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hits)
     pooling_params: PoolingParams | None = None  # resolved: the output rank pools the prompt, samples nothing
     lora_slot: int = -1  # the adapter slot it runs with (lora_loads fill slots); -1: the base model
+    group_block_ids: tuple[tuple[int, ...], ...] = ()  # the other KV groups' tables (a model with several)
 
 
 @dataclass(slots=True)
@@ -42,6 +43,7 @@ class CachedRequestData:
     new_token_ids: tuple[int, ...]  # tokens sampled since the worker last saw it (usually one)
     new_block_ids: tuple[int, ...]
     num_computed_tokens: int
+    new_group_block_ids: tuple[tuple[int, ...], ...] = ()  # the other KV groups' (as many as new_block_ids each)
 
 
 @dataclass(slots=True, frozen=True)

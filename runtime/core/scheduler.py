@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from shardserve.planner.memory import max_blocks_per_request
+from shardserve.planner.kv_groups import max_pages_per_request
 from shardserve.runtime.core.block_manager import BlockManager
 from shardserve.runtime.core.scheduler_config import SchedulerConfig
 from shardserve.runtime.core.lora_slots import LoRASlots
@@ -52,6 +52,7 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # to tell the worker next step
         self.in_flight: set[str] = set()  # scheduled in a batch whose output is not back yet
         self.num_preemptions = 0
+        self.last_step_tokens = 0  # the last update's tokens as vLLM counts an iteration (the engine's histogram)
         self.num_prefix_hit_tokens = 0  # prompt tokens served from the prefix cache
         self.num_prefix_query_tokens = 0  # prompt tokens looked up in it
         self.num_offload_hit_tokens = 0  # prompt tokens loaded from the CPU tier instead of computed
@@ -69,8 +70,8 @@ class Scheduler:
         """Reject up front what this pool could never hold, rather than leave it waiting forever
         (the prompt itself was checked against max_model_len by the input processor)."""
         pool = self.block_manager
-        needed = max_blocks_per_request(request.max_total_tokens or self.max_model_len, pool.block_size,
-                                        pool.sliding_window, self.config.max_num_batched_tokens)
+        needed = max_pages_per_request(pool.windows, request.max_total_tokens or self.max_model_len,
+                                       pool.block_size, self.config.max_num_batched_tokens)
         if needed > pool.num_blocks:
             raise ValueError(f"request {request.request_id!r} needs {needed} KV blocks but the pool has "
                              f"{pool.num_blocks}; lower max_tokens or give the KV cache more memory")
@@ -220,7 +221,8 @@ class Scheduler:
             seed=request.seed, stop_token_ids=request.stop_token_ids,
             block_ids=tuple(self.block_manager.block_ids(request.request_id)),
             num_computed_tokens=request.num_computed_tokens, pooling_params=request.pooling_params,
-            lora_slot=request.lora_slot)
+            lora_slot=request.lora_slot,
+            group_block_ids=tuple(map(tuple, self.block_manager.group_block_ids(request.request_id))))
 
     def _cached_data(self, request: Request) -> CachedRequestData:
         num_tokens = request.num_tokens
@@ -229,9 +231,13 @@ class Scheduler:
         request.num_synced_tokens = num_tokens
         blocks = self.block_manager.block_ids(request.request_id)
         # blocks only ever grow while running; a new one comes once per block_size tokens
-        new_blocks = () if request.num_synced_blocks == len(blocks) else tuple(blocks[request.num_synced_blocks:])
+        synced = request.num_synced_blocks
+        if synced == len(blocks):
+            return CachedRequestData(request.request_id, new_tokens, (), request.num_computed_tokens)
         request.num_synced_blocks = len(blocks)
-        return CachedRequestData(request.request_id, new_tokens, new_blocks, request.num_computed_tokens)
+        others = tuple(tuple(t[synced:]) for t in self.block_manager.group_block_ids(request.request_id))
+        return CachedRequestData(request.request_id, new_tokens, tuple(blocks[synced:]), request.num_computed_tokens,
+                                 others)
 
     def _finish_output(self, new, cached, num_scheduled) -> SchedulerOutput:
         transfers = tuple(self.block_manager.transfers)  # made only by allocations, which schedule tokens
@@ -271,6 +277,7 @@ class Scheduler:
         requests. A token for a request finished, aborted or preempted since is dropped."""
         updates = []
         self.in_flight.difference_update(output.num_scheduled_tokens)
+        self.last_step_tokens = 0
         for request_id in output.num_scheduled_tokens:
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
@@ -279,6 +286,8 @@ class Scheduler:
             update = self._update_request(request, runner_output)
             if update is not None:
                 updates.append(update)
+                # vLLM's iteration tokens: each sampled token, and a whole prompt with its first one
+                self.last_step_tokens += len(update.new_token_ids) + (request.num_prompt_tokens if update.times else 0)
         return updates
 
     def _update_request(self, request: Request, runner_output: ModelRunnerOutput) -> RequestUpdate | None:

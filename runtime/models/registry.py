@@ -17,6 +17,7 @@ from shardserve.runtime.models.llama import LlamaForCausalLM, LlamaVariant
 from shardserve.runtime.models.mixtral import MixtralForCausalLM
 from shardserve.runtime.models.opt import OPTForCausalLM
 from shardserve.runtime.models.phi3 import phi3
+from shardserve.runtime.models.qwen3_5 import qwen3_5, qwen3_5_moe, qwen3_next
 from shardserve.runtime.models.qwen_moe import qwen2_moe, qwen3_moe
 
 MODEL_BUILDERS: dict[str, Callable[[ModelConfig], nn.Module]] = {
@@ -34,6 +35,11 @@ MODEL_BUILDERS: dict[str, Callable[[ModelConfig], nn.Module]] = {
     "Gemma3ForConditionalGeneration": gemma3,  # its language model; images are not served
     "Phi3ForCausalLM": phi3,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "Qwen3_5ForCausalLM": qwen3_5,
+    "Qwen3_5ForConditionalGeneration": qwen3_5,  # its language model; images are not served
+    "Qwen3_5MoeForCausalLM": qwen3_5_moe,
+    "Qwen3_5MoeForConditionalGeneration": qwen3_5_moe,
+    "Qwen3NextForCausalLM": qwen3_next,
     "GPT2LMHeadModel": GPT2LMHeadModel,
     "OPTForCausalLM": OPTForCausalLM,
 }

@@ -17,7 +17,8 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -48,28 +49,37 @@ class DecodeBatch:
     block_tables: np.ndarray  # [size, widest block table of the step] int32
     pending_rows: np.ndarray  # [num_pending] int64: input ids to take from the last step's samples
     pending_sources: np.ndarray  # [num_pending] int64
+    state_slots: np.ndarray | None = None  # [size] int64, padding rows in the scratch slot; None: no states
+    group_tables: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # other KV groups' slots, tables
 
     @property
     def size(self) -> int:
         return len(self.input_ids)
 
 
-def pad_decode_batch(host: HostInputs, size: int, scratch_block: int, block_size: int) -> DecodeBatch:
+def pad_decode_batch(host: HostInputs, size: int, scratch_block: int, block_size: int,
+                     scratch_state: int | None = None) -> DecodeBatch:
     num_requests = host.num_requests
     if not host.is_decode_only or num_requests > size:
         raise ValueError(f"only a decode step of at most {size} requests pads to {size} rows; got "
                          f"{num_requests} requests and {host.num_tokens} tokens")
     num_padding = size - num_requests
-    tables = np.zeros((size, host.block_tables.shape[1]), dtype=np.int32)
-    tables[:num_requests] = host.block_tables
-    tables[num_requests:, 0] = scratch_block
+
+    def padded(slot_mapping: np.ndarray, block_tables: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        tables = np.zeros((size, block_tables.shape[1]), dtype=np.int32)
+        tables[:num_requests] = block_tables
+        tables[num_requests:, 0] = scratch_block
+        return np.concatenate((slot_mapping, np.full(num_padding, scratch_block * block_size, dtype=np.int64))), tables
+
+    slot_mapping, tables = padded(host.slot_mapping, host.block_tables)
     return DecodeBatch(
         input_ids=np.concatenate((host.input_ids, np.zeros(num_padding, dtype=np.int64))),
         positions=np.concatenate((host.positions, np.zeros(num_padding, dtype=np.int64))),
-        slot_mapping=np.concatenate((host.slot_mapping,
-                                     np.full(num_padding, scratch_block * block_size, dtype=np.int64))),
-        seq_lens=np.concatenate((host.seq_lens, np.ones(num_padding, dtype=np.int32))),
-        block_tables=tables, pending_rows=host.pending_rows, pending_sources=host.pending_sources)
+        slot_mapping=slot_mapping, seq_lens=np.concatenate((host.seq_lens, np.ones(num_padding, dtype=np.int32))),
+        block_tables=tables, pending_rows=host.pending_rows, pending_sources=host.pending_sources,
+        group_tables=[padded(*pair) for pair in host.group_tables],
+        state_slots=None if host.state_slots is None else np.concatenate(
+            (host.state_slots, np.full(num_padding, scratch_state, dtype=np.int64))))
 
 
 class StaticDecodeInputs:
@@ -79,38 +89,57 @@ class StaticDecodeInputs:
     and a request never reads columns past its seq_len."""
 
     def __init__(self, max_size: int, max_model_len: int, block_size: int, scratch_block: int,
-                 device: torch.device):
+                 device: torch.device, scratch_state: int | None = None, num_groups: int = 1):
         self.max_model_len = max_model_len
         max_blocks_per_request = -(-max_model_len // block_size)
         int32: dict[str, Any] = dict(dtype=torch.int32, device=device)
         int64: dict[str, Any] = dict(dtype=torch.int64, device=device)
         self.input_ids = torch.zeros(max_size, **int64)
         self.positions = torch.zeros(max_size, **int64)
-        self.slot_mapping = torch.full((max_size,), scratch_block * block_size, **int64)
         self.seq_lens = torch.ones(max_size, **int32)
         self.query_start_loc = torch.arange(max_size + 1, **int32)  # one token per request, never changes
-        self.block_tables = torch.zeros((max_size, max_blocks_per_request), **int32)
-        self.block_tables[:, 0] = scratch_block
+
+        def slots_and_tables() -> tuple[torch.Tensor, torch.Tensor]:
+            tables = torch.zeros((max_size, max_blocks_per_request), **int32)
+            tables[:, 0] = scratch_block
+            return torch.full((max_size,), scratch_block * block_size, **int64), tables
+
+        self.slot_mapping, self.block_tables = slots_and_tables()
+        self.group_tables = [slots_and_tables() for _ in range(num_groups - 1)]  # the other KV groups'
+        # the recurrent layers' state rows (a model with such layers): padding rows use the scratch slot
+        self.state_slots = None if scratch_state is None else torch.full((max_size,), scratch_state, **int64)
 
     def load(self, batch: DecodeBatch, staging: StagingBuffer) -> PendingTokens | None:
         """One host->device copy through the staging buffer, then copies on the device into the
         static tensors. Returns where the pending input ids go (filled by the caller)."""
         size, width = batch.size, batch.block_tables.shape[1]
-        *values, tables, rows, sources = staging.to_device(batch.input_ids, batch.positions, batch.slot_mapping,
-                                                           batch.seq_lens, batch.block_tables, batch.pending_rows,
-                                                           batch.pending_sources)
-        for static, value in zip((self.input_ids, self.positions, self.slot_mapping, self.seq_lens), values):
+        extra: tuple[np.ndarray, ...] = () if batch.state_slots is None else (batch.state_slots,)
+        extra += tuple(slots for slots, _ in batch.group_tables)
+        tables = (batch.block_tables,) + tuple(t for _, t in batch.group_tables)
+        moved = staging.to_device(batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens, *extra,
+                                  *tables, batch.pending_rows, batch.pending_sources)
+        values, moved_tables, (rows, sources) = moved[:-2 - len(tables)], moved[-2 - len(tables):-2], moved[-2:]
+        statics: tuple[torch.Tensor, ...] = (self.input_ids, self.positions, self.slot_mapping, self.seq_lens)
+        if self.state_slots is not None:
+            statics += (self.state_slots,)
+        statics += tuple(slots for slots, _ in self.group_tables)
+        for static, value in zip(statics, values, strict=True):
             static[:size].copy_(value)
-        self.block_tables[:size, :width].copy_(tables)
+        for static, value in zip((self.block_tables, *(t for _, t in self.group_tables)), moved_tables, strict=True):
+            static[:size, :width].copy_(value)
         return PendingTokens(rows, sources) if len(batch.pending_rows) else None
 
     def metadata(self, size: int) -> AttentionMetadata:
         """Views of the first `size` rows. Nothing in it is read from a tensor on the host: the decode
         kernel takes its split count from max_model_len, fixed for every replay."""
-        return AttentionMetadata(slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[:size + 1],
+        meta = AttentionMetadata(slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[:size + 1],
                                  seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size],
                                  max_query_len=1, max_seq_len=self.max_model_len,
-                                 query_start_loc_cpu=list(range(size + 1)), seq_lens_cpu=None)
+                                 query_start_loc_cpu=list(range(size + 1)), seq_lens_cpu=None,
+                                 state_slots=None if self.state_slots is None else self.state_slots[:size])
+        meta.groups = tuple(dataclasses.replace(meta, slot_mapping=slots[:size], block_tables=tables[:size])
+                            for slots, tables in self.group_tables)
+        return meta
 
 
 def static_intermediate(max_size: int, hidden_size: int, dtype: torch.dtype,
@@ -135,10 +164,12 @@ class DecodeGraphRunner:
     graph records; on a CPU it runs as it is (the tests)."""
 
     def __init__(self, model: torch.nn.Module, backend, sizes: list[int], max_model_len: int, block_size: int,
-                 scratch_block: int, device: torch.device, intermediate: IntermediateTensors | None = None):
+                 scratch_block: int, device: torch.device, intermediate: IntermediateTensors | None = None,
+                 scratch_state: int | None = None, num_groups: int = 1):
         self.model, self.backend, self.sizes, self.device = model, backend, sorted(sizes), device
-        self.block_size, self.scratch_block = block_size, scratch_block
-        self.inputs = StaticDecodeInputs(self.sizes[-1], max_model_len, block_size, scratch_block, device)
+        self.block_size, self.scratch_block, self.scratch_state = block_size, scratch_block, scratch_state
+        self.inputs = StaticDecodeInputs(self.sizes[-1], max_model_len, block_size, scratch_block, device,
+                                         scratch_state, num_groups)
         self.intermediate = intermediate  # [max size, hidden_size] each; None on the first stage
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # [size, hidden_size] (an IntermediateTensors of two before the last stage), overwritten by each replay
@@ -179,7 +210,8 @@ class DecodeGraphRunner:
         pending input ids go (into self.inputs.input_ids)."""
         size = padded_size(host.num_requests, self.sizes)
         assert size is not None  # can_replay: a captured size holds the step
-        return size, self.inputs.load(pad_decode_batch(host, size, self.scratch_block, self.block_size), staging)
+        batch = pad_decode_batch(host, size, self.scratch_block, self.block_size, self.scratch_state)
+        return size, self.inputs.load(batch, staging)
 
     def replay(self, size: int, num_requests: int) -> torch.Tensor | IntermediateTensors:
         """[num_requests, hidden_size]: the step's hidden states (and residual, before the last stage),

@@ -33,6 +33,15 @@ class AttentionMetadata:
     max_seq_len: int  # an upper bound inside a CUDA graph (max_model_len)
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int] | None  # None inside a CUDA graph, where only the device tensor is current
+    # [num_requests] int64, each request's row of the recurrent layers' states (layers/recurrent_state.py);
+    # None for a model without recurrent layers
+    state_slots: torch.Tensor | None = None
+    # the other KV groups' metadata (planner/kv_groups.py): this step with their slot_mapping and block_tables;
+    # an attention layer of group g > 0 reads groups[g - 1]
+    groups: tuple[AttentionMetadata, ...] = ()
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        return self if group == 0 else self.groups[group - 1]
 
     @property
     def num_requests(self) -> int:

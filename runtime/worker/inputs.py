@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
@@ -13,6 +14,7 @@ from shardserve.runtime.core.messages import NewRequestData, SchedulerOutput
 from shardserve.runtime.pooling_params import PoolingParams
 from shardserve.runtime.sampling_params import SamplingParams
 from shardserve.runtime.worker.staging import StagingBuffer
+from shardserve.runtime.worker.state_slots import StateSlots
 
 
 @dataclass(slots=True)
@@ -35,15 +37,19 @@ class RequestState:
     # the output rank's pooling so far, over the chunks computed: the sum of rows (MEAN) or row 0 (CLS)
     pooled: torch.Tensor | None = None
     lora_slot: int = -1  # the adapter slot its tokens use (enable_lora); -1: the base model
+    state_slot: int = -1  # its row of the recurrent layers' states (worker/state_slots.py); -1: none
+    group_block_ids: list[np.ndarray] = field(default_factory=list)  # the other KV groups' tables, as block_ids
 
     def __post_init__(self) -> None:
         self.block_ids = np.asarray(self.block_ids, dtype=np.int32)
+        self.group_block_ids = [np.asarray(t, dtype=np.int32) for t in self.group_block_ids]
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> RequestState:
         return cls(data.request_id, list(data.token_ids), data.num_prompt_tokens, data.sampling_params,
                    data.seed, data.stop_token_ids, np.asarray(data.block_ids, dtype=np.int32), data.num_computed_tokens,
-                   pooling_params=data.pooling_params, lora_slot=data.lora_slot)
+                   pooling_params=data.pooling_params, lora_slot=data.lora_slot,
+                   group_block_ids=[np.asarray(t, dtype=np.int32) for t in data.group_block_ids])
 
     @property
     def num_output_tokens(self) -> int:
@@ -73,6 +79,9 @@ class HostInputs:
     sampled_states: list[RequestState]  # same order as logits_indices
     pending_rows: np.ndarray  # [num_pending] int64, token rows whose id is on the device
     pending_sources: np.ndarray  # [num_pending] int64, their rows in the last step's sampled ids
+    state_slots: np.ndarray | None = None  # [num_requests] int64, each request's state row; None: no states
+    # the other KV groups' slot_mapping and block_tables (planner/kv_groups.py), as the two above
+    group_tables: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
 
     @property
     def num_requests(self) -> int:
@@ -114,18 +123,25 @@ class ModelInputs:
     pending: PendingTokens | None
 
 
-def apply_scheduler_output(states: dict[str, RequestState], output: SchedulerOutput) -> list[RequestState]:
-    """Update the worker's request states from the step's diff; returns them in batch order."""
+def apply_scheduler_output(states: dict[str, RequestState], output: SchedulerOutput,
+                           slots: StateSlots | None = None) -> list[RequestState]:
+    """Update the worker's request states from the step's diff; returns them in batch order. With
+    `slots` (a model with recurrent layers), a new request takes a state slot and a finished one frees it."""
     for request_id in output.finished_request_ids:
-        states.pop(request_id, None)
+        if states.pop(request_id, None) is not None and slots is not None:
+            slots.release(request_id)
     for data in output.new_requests:
-        states[data.request_id] = RequestState.from_new(data)
+        state = states[data.request_id] = RequestState.from_new(data)
+        if slots is not None:
+            state.state_slot = slots.take(data.request_id)
     for diff in output.cached_requests:
         state = states[diff.request_id]
         state.token_ids.extend(diff.new_token_ids)
         state.num_pending_tokens -= len(diff.new_token_ids)  # only sampled tokens come as a diff
         if diff.new_block_ids:  # once per block_size tokens, so the copy is rare
             state.block_ids = np.concatenate((state.block_ids, np.asarray(diff.new_block_ids, dtype=np.int32)))
+            for g, new in enumerate(diff.new_group_block_ids):
+                state.group_block_ids[g] = np.concatenate((state.group_block_ids[g], np.asarray(new, dtype=np.int32)))
         state.num_computed_tokens = diff.num_computed_tokens
     order = [d.request_id for d in output.new_requests] + [d.request_id for d in output.cached_requests]
     return [states[request_id] for request_id in order]
@@ -153,15 +169,25 @@ def build_host_inputs(batch: list[RequestState], num_scheduled: dict[str, int], 
                                                              zip(batch, computed.tolist(), known_ends.tolist())),
                                          np.int64, num_tokens - int(is_pending.sum()))
     pending_rows = np.flatnonzero(is_pending)
-    tables = np.zeros((num_requests, int(num_blocks.max())), dtype=np.int32)
-    tables[np.arange(tables.shape[1]) < num_blocks[:, None]] = np.concatenate([s.block_ids for s in batch])
-    slots = tables[token_rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    has_block = np.arange(int(num_blocks.max()))[None, :] < num_blocks[:, None]
+
+    def table_and_slots(tables_of) -> tuple[np.ndarray, np.ndarray]:
+        tables = np.zeros(has_block.shape, dtype=np.int32)
+        tables[has_block] = np.concatenate([tables_of(s) for s in batch])
+        return tables, tables[token_rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+
+    tables, slots = table_and_slots(lambda s: s.block_ids)
+    group_tables = [table_and_slots(lambda s, g=g: s.group_block_ids[g])[::-1]
+                    for g in range(len(batch[0].group_block_ids))]
     samples = seq_lens == num_known + num_pending  # the whole request is in the cache after this step
+    has_states = batch[0].state_slot >= 0  # every request of a model with recurrent layers has one
     return HostInputs(input_ids=input_ids, positions=positions, slot_mapping=slots,
                       query_start_loc=query_start.astype(np.int32), seq_lens=seq_lens.astype(np.int32),
                       block_tables=tables, logits_indices=query_start[1:][samples] - 1,
                       sampled_states=[s for s, sampled in zip(batch, samples.tolist()) if sampled],
-                      pending_rows=pending_rows, pending_sources=sampled_rows[token_rows[pending_rows]])
+                      pending_rows=pending_rows, pending_sources=sampled_rows[token_rows[pending_rows]],
+                      state_slots=np.fromiter((s.state_slot for s in batch), np.int64, num_requests)
+                      if has_states else None, group_tables=group_tables)
 
 
 def count_samples(host: HostInputs) -> None:
@@ -174,15 +200,23 @@ def count_samples(host: HostInputs) -> None:
 
 def to_device(host: HostInputs, staging: StagingBuffer) -> ModelInputs:
     """The step's arrays on the staging buffer's device, in one copy."""
+    extra = tuple(a for pair in host.group_tables for a in pair)
+    extra += () if host.state_slots is None else (host.state_slots,)
     (input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables, logits_indices, pending_rows,
-     pending_sources) = staging.to_device(host.input_ids, host.positions, host.slot_mapping, host.query_start_loc,
-                                          host.seq_lens, host.block_tables, host.logits_indices, host.pending_rows,
-                                          host.pending_sources)
+     pending_sources, *state_slots) = staging.to_device(host.input_ids, host.positions, host.slot_mapping,
+                                                        host.query_start_loc, host.seq_lens, host.block_tables,
+                                                        host.logits_indices, host.pending_rows, host.pending_sources,
+                                                        *extra)
+    num_groups = len(host.group_tables)
+    group_arrays, state_slots = state_slots[:2 * num_groups], state_slots[2 * num_groups:]
     meta = AttentionMetadata(
         slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables,
         max_query_len=int(np.diff(host.query_start_loc).max()),
         max_seq_len=int(host.seq_lens.max()),
-        query_start_loc_cpu=host.query_start_loc.tolist(), seq_lens_cpu=host.seq_lens.tolist())
+        query_start_loc_cpu=host.query_start_loc.tolist(), seq_lens_cpu=host.seq_lens.tolist(),
+        state_slots=state_slots[0] if state_slots else None)
+    meta.groups = tuple(dataclasses.replace(meta, slot_mapping=group_arrays[2 * g], block_tables=group_arrays[2 * g + 1])
+                        for g in range(num_groups))
     pending = PendingTokens(pending_rows, pending_sources) if len(host.pending_rows) else None
     return ModelInputs(input_ids=input_ids, positions=positions, attn_metadata=meta, logits_indices=logits_indices,
                        pending=pending)

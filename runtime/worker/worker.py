@@ -6,9 +6,11 @@ import contextlib
 import functools
 import logging
 import math
+import re
 
 import torch
 
+from shardserve.planner.kv_groups import KVGroups
 from shardserve.planner.rules import FP8_COMPUTE_CAPABILITY, fp8_kv_problem
 from shardserve.planner.settings import DEFAULT_CPU_KV_CACHE_BYTES
 from shardserve.runtime.attention.layer import Attention
@@ -21,6 +23,7 @@ from shardserve.runtime.worker.inputs import (HostInputs, RequestState, apply_sc
                                        count_samples, to_device)
 from shardserve.runtime.core.kv_offload import available_host_bytes
 from shardserve.runtime.layers.lora_batch import LoRABatch
+from shardserve.runtime.layers.recurrent_state import RecurrentLayer, state_bytes_per_slot
 from shardserve.runtime.worker.loader import load_model
 from shardserve.runtime.worker.lora_adapters import RankAdapters, step_lora_batch
 from shardserve.runtime.core.messages import ModelRunnerOutput, SchedulerOutput
@@ -32,6 +35,7 @@ from shardserve.runtime.worker.prompt_logprobs import score_prompts, wants_promp
 from shardserve.runtime.worker.sampler import sample_on_device, sampled_logprobs
 from shardserve.runtime.worker.sampling_batch import SamplingCache
 from shardserve.runtime.worker.staging import SampledTokenBuffers, StagingBuffer, StepOutput
+from shardserve.runtime.worker.state_slots import StateSlots
 from shardserve.runtime.core.structured_output import GrammarBitmask, sampling_bitmask
 
 logger = logging.getLogger(__name__)
@@ -44,15 +48,30 @@ def select_attention_backend(device: torch.device):
     return TorchAttentionBackend()
 
 
-def check_uniform_window(attention_layers: list[Attention], window: int | None) -> None:
-    """The scheduler frees KV blocks behind `window` (planner/hf_config.py's reading of config.json):
-    refuse to run if any attention layer of this model would still read them."""
-    if window is None:
-        return
-    others = sorted({a.sliding_window for a in attention_layers if a.sliding_window != window}, key=str)
-    if others:
-        raise ValueError(f"config.json gives every layer a sliding window of {window} tokens, but this model's "
-                         f"attention layers use {others}: the KV cache would free blocks they still read")
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)(?:\.|$)")
+
+
+def kv_tensor_of_layers(model: torch.nn.Module, groups: KVGroups) -> list[tuple[Attention, int]]:
+    """Each attention layer with the KV tensor it uses, its kv_group set (planner/kv_groups.py's reading of
+    config.json). Refuses to run if a layer's window is not its group's: the block manager would free
+    blocks that layer still reads."""
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, Attention)]
+    placed = []
+    for position, (name, attention) in enumerate(layers):
+        if groups.is_hybrid:
+            match = _LAYER_INDEX.search(name)
+            if match is None:
+                raise ValueError(f"attention layer {name!r} has no decoder layer index: its KV group is unknown")
+            group, tensor = groups.slot_of(int(match.group(1)))
+        else:
+            group, tensor = 0, position  # every layer of a one-group model has its own tensor, in order
+        if groups.windows[group] is not None and attention.sliding_window != groups.windows[group]:
+            raise ValueError(f"config.json gives attention layer {name} a window of {groups.windows[group]}, but "
+                             f"the model's layer uses {attention.sliding_window}: the KV cache would free blocks "
+                             "it still reads")
+        attention.kv_group = group
+        placed.append((attention, tensor))
+    return placed
 
 
 def host_tier(kv_cache: torch.Tensor, num_slots: int) -> torch.Tensor:
@@ -95,9 +114,12 @@ class Worker:
             RankAdapters(self.model, config.lora, config.model.dtype, self.device)
         self.backend = select_attention_backend(self.device)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.recurrent_layers = [m for m in self.model.modules() if isinstance(m, RecurrentLayer)]
+        # a row of every recurrent layer's states per running request (None: the model has no such layer)
+        self.state_slots = StateSlots(config.scheduler.max_num_seqs) if self.recurrent_layers else None
         for attention in self.attention_layers:
             attention.fix_kv_scales()
-        check_uniform_window(self.attention_layers, config.model.uniform_sliding_window)
+        self.kv_tensors = kv_tensor_of_layers(self.model, config.model.kv_groups)  # (layer, its KV tensor)
         self.states: dict[str, RequestState] = {}
         self.kv_cache: torch.Tensor | None = None
         self.offload_cache: torch.Tensor | None = None  # the CPU tier's share of this rank (host memory)
@@ -109,9 +131,19 @@ class Worker:
 
     def kv_pool_shape(self, num_blocks: int) -> tuple[int, ...]:
         """[layers, planes, num_blocks, block_size, kv_heads, head_dim]: K and V (or MLA's latent alone)."""
+        if not self.attention_layers:  # a pipeline stage of recurrent layers only: no KV at all
+            return (0, 2, num_blocks, self.config.cache.block_size, 1, 1)
         layer = self.attention_layers[0]
-        return (len(self.attention_layers), layer.cache_planes, num_blocks, self.config.cache.block_size,
+        num_tensors = max(tensor for _, tensor in self.kv_tensors) + 1  # a page spans them (kv_groups.py)
+        return (num_tensors, layer.cache_planes, num_blocks, self.config.cache.block_size,
                 layer.num_kv_heads, layer.head_dim)
+
+    @property
+    def state_bytes(self) -> int:
+        """The recurrent layers' states on this rank: a slot per request the scheduler may run, and scratch."""
+        if self.state_slots is None:
+            return 0
+        return self.state_slots.num_slots * state_bytes_per_slot(self.recurrent_layers)
 
     @property
     def bytes_per_block(self) -> int:
@@ -132,6 +164,15 @@ class Worker:
         return self.config.cache.torch_dtype(self.config.model.dtype)
 
     def available_kv_cache_bytes(self) -> int:
+        """What the KV pool may take: the cache's memory (kv_cache_memory_bytes, the CPU default, or what the
+        profile leaves on a GPU) less the recurrent layers' states, which vLLM and the planner count in it."""
+        budget = self._cache_budget()
+        if self.state_bytes:
+            logger.info("%.3f GiB of the KV cache's memory set aside for the recurrent layers' states",
+                        self.state_bytes / 1024**3)
+        return max(budget - self.state_bytes, 0)
+
+    def _cache_budget(self) -> int:
         cache = self.config.cache
         if cache.kv_cache_memory_bytes is not None:
             return cache.kv_cache_memory_bytes
@@ -195,8 +236,9 @@ class Worker:
         num_scratch = 1 if decision.captures else 0
         self.kv_cache = torch.zeros(self.kv_pool_shape(num_blocks + num_scratch), dtype=self.kv_cache_dtype,
                                     device=self.device)
-        for index, attention in enumerate(self.attention_layers):
-            attention.kv_cache = self.kv_cache[index]  # [planes, num_blocks, block_size, kv_heads, head_dim]
+        for attention, tensor in self.kv_tensors:
+            attention.kv_cache = self.kv_cache[tensor]  # [planes, num_blocks, block_size, kv_heads, head_dim]
+        self._bind_states()
         if num_offload_blocks:
             self.offload_cache = host_tier(self.kv_cache, num_offload_blocks)
         if not decision.captures:
@@ -207,17 +249,31 @@ class Worker:
             static_intermediate(max_size, model.hf_config.hidden_size, model.dtype, self.device)
         self.cuda_graphs = DecodeGraphRunner(self.model, self.backend, list(decision.sizes), model.max_model_len,
                                              self.config.cache.block_size, scratch_block=num_blocks,
-                                             device=self.device, intermediate=intermediate)
+                                             device=self.device, intermediate=intermediate,
+                                             scratch_state=None if self.state_slots is None else self.state_slots.scratch,
+                                             num_groups=self.config.model.kv_groups.num_groups)
         with self._on_device():
             measured = self.cuda_graphs.capture()
         log_graph_memory(measured, self.graph_reserve_bytes)
+
+    def _bind_states(self) -> None:
+        """Each recurrent layer's states, zeroed: [num_slots, *spec.shape] per spec."""
+        if self.state_slots is None:
+            return
+        for layer in self.recurrent_layers:
+            layer.states = tuple(torch.zeros((self.state_slots.num_slots, *spec.shape), dtype=spec.dtype,
+                                             device=self.device) for spec in layer.state_specs())
+        logger.info("recurrent states: %d slots, %.3f GiB on this rank", self.state_slots.num_slots,
+                    self.state_bytes / 1024**3)
 
     def release(self) -> None:
         """Drop the model, the KV pool (and the layers' views of it) and the graphs, then hand cached
         device memory back, so the next engine in this process starts from an empty device."""
         for attention in self.attention_layers:
             attention.kv_cache = None
-        self.attention_layers = []
+        for layer in self.recurrent_layers:
+            layer.states = None
+        self.attention_layers, self.recurrent_layers, self.kv_tensors = [], [], []
         self.states.clear()
         self.kv_cache = self.cuda_graphs = self.offload_cache = None
         self.model = None  # type: ignore[assignment]  # released: no step runs after this
@@ -248,7 +304,7 @@ class Worker:
         if output.lora_loads:  # before the step that first uses them (a collective: every rank is here)
             assert self.adapters is not None  # the engine has enable_lora
             failed_loras = self.adapters.load(output.lora_loads)
-        batch = apply_scheduler_output(self.states, output)
+        batch = apply_scheduler_output(self.states, output, self.state_slots)
         if not batch:
             return StepOutput(failed_loras=failed_loras) if self.parallel_state.is_output_rank else None
         host = build_host_inputs(batch, output.num_scheduled_tokens, self.config.cache.block_size)

@@ -72,6 +72,10 @@ def tiny_config(config: dict) -> dict:
         tiny["num_key_value_heads"] = 2 if grouped else 4
     if "layer_types" in config:  # the first layers' kinds (gpt-oss: a windowed layer, then a full one)
         tiny["layer_types"] = config["layer_types"][:tiny["num_hidden_layers"]]
+    if config.get("full_attention_interval") or "linear_attention" in config.get("layer_types", ()):
+        # a hybrid (Gated DeltaNet): a linear layer, then a full-attention one, with narrow linear heads
+        tiny.update(layer_types=["linear_attention", "full_attention"], full_attention_interval=2,
+                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
     if config.get("q_lora_rank"):  # MLA's query compression (None: q_proj straight, V2-Lite)
         tiny["q_lora_rank"] = 48
     rope = config.get("rope_scaling") or {}

@@ -82,7 +82,7 @@ def test_gemma3_transformers4_and_5_spellings_read_the_same(tmp_path):
     new = load_model(str(tmp_path / "new")).spec
     old = load_model(write_config(tmp_path / "old", legacy)).spec
     assert new == old.__class__(**{**old.__dict__, "id": new.id})
-    assert old.layer_types == ("sliding_attention", "full_attention") * 2 and old.uniform_sliding_window is None
+    assert old.layer_types == ("sliding_attention", "full_attention") * 2 and old.kv_groups.windows == (None, 8)
     assert old.rope_type == "linear" and old.max_context_len == 256  # max_position_embeddings counts the stretch
     for layer_type in LAYER_TYPES:
         assert rope_parameters(saved, layer_type=layer_type) == rope_parameters(legacy, layer_type=layer_type)
@@ -97,16 +97,16 @@ def test_gemma2_without_layer_types_alternates_from_a_local_layer(tmp_path):
     new = load_model(str(tmp_path / "new")).spec
     old = load_model(write_config(tmp_path / "old", legacy)).spec
     assert saved["layer_types"] == list(old.layer_types) == ["sliding_attention", "full_attention"] * 2
-    assert old.uniform_sliding_window is None and new.uniform_sliding_window is None  # global layers read all
+    assert old.kv_groups == new.kv_groups and new.kv_groups.windows == (None, 8)  # a table per kind
     assert new.layer_types == old.layer_types and new.tie_word_embeddings and old.tie_word_embeddings
 
 
 def test_gemma3_window_is_uniform_only_when_the_pattern_leaves_no_global_layer(tmp_path):
     """sliding_window_pattern 6 over 4 layers: every layer local, as transformers builds it."""
     config = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", **GEMMA, "sliding_window_pattern": 6}
-    assert load_model(write_config(tmp_path / "a", config)).spec.uniform_sliding_window == 8
+    assert load_model(write_config(tmp_path / "a", config)).spec.kv_groups.windows == (8,)
     global_last = {**config, "num_hidden_layers": 6}
-    assert load_model(write_config(tmp_path / "b", global_last)).spec.uniform_sliding_window is None
+    assert load_model(write_config(tmp_path / "b", global_last)).spec.kv_groups.windows == (None, 8, 8, 8, 8, 8)
 
 
 def test_phi3_su_rope_is_longrope(tmp_path):

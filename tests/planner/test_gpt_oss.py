@@ -32,12 +32,19 @@ def test_weights_are_mxfp4_experts_and_bfloat16_rest():
     assert plan.chosen.memory.stages[0].weights_bytes / GIB == pytest.approx(60.8, abs=0.1)
 
 
-def test_every_layer_caches_keys_and_values_in_full():
-    """Windowed layers keep every token too (one full-attention layer reads them all): 24 layers x K and V
-    of 8 heads x 64 in bfloat16."""
+def test_windowed_layers_keep_only_their_window():
+    """A block table for the 12 full-attention layers and one for the 12 windowed ones (planner/kv_groups.py):
+    a page is a block of 12 layers, and a long request holds every block of the first table but only its
+    window's of the second."""
+    spec = load_model(SMALL).spec
     plan = plan_for(SMALL, "H100").to_dict()
-    assert plan["model"]["kv_bytes_per_token"] == 24 * 2 * 8 * 64 * 2
-    assert load_model(SMALL).spec.uniform_sliding_window is None
+    assert plan["model"]["kv_bytes_per_token"] == 24 * 2 * 8 * 64 * 2  # every layer's K and V, before windows
+    assert spec.kv_groups.windows == (None, 128) and spec.kv_groups.group_size == 12
+    mem = plan["memory"]
+    length = plan["runtime"]["max_model_len"]
+    full = -(-length // 16)
+    assert mem["kv_cache_tokens"] > mem["num_blocks"] * 16 // 2  # more than if both kinds kept every token
+    assert round(mem["num_blocks"] / mem["max_concurrency"]) in range(full + 1, 2 * full)
 
 
 def test_splits_that_cut_an_mxfp4_group_are_refused():

@@ -15,7 +15,7 @@ def poison_freed_entries(meta, cache, window: int, num_blocks: int, block_size: 
     an unused block of NaNs (a block another request now owns: anything could be in it)."""
     from shardserve.runtime.core.block_manager import BlockManager
 
-    pool = BlockManager(num_blocks, block_size, sliding_window=window)
+    pool = BlockManager(num_blocks, block_size, windows=(window,))
     used = set(meta.block_tables.flatten().tolist())
     poison = next(b for b in range(num_blocks) if b not in used)
     cache[:, poison] = float("nan")

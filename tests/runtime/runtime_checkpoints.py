@@ -97,6 +97,8 @@ def family_config(family: str, num_layers: int = 2, max_position_embeddings: int
                                swiglu_limit=1.5, rope_parameters=rope, **{**llama_like, "intermediate_size": 64})
     if family in ("gemma2", "gemma3", "phi3", "phi3-longrope"):
         return _gemma_phi3_config(tf, family, llama_like)
+    if family.startswith(("qwen3_5", "qwen3_next")):
+        return _qwen3_5_config(tf, family, num_layers, common)
     if family == "gpt2":
         return tf.GPT2Config(n_embd=64, n_layer=num_layers, n_head=4, n_positions=256, **common)
     if family == "opt":
@@ -125,6 +127,34 @@ def _deepseek_config(tf, family: str, llama_like: dict):
             "mscale": 0.8, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1}
     return tf.DeepseekV3Config(q_lora_rank=48, n_shared_experts=1, n_group=4, topk_group=2, norm_topk_prob=True,
                                routed_scaling_factor=2.5, rope_parameters=rope, **mla, **shape)
+
+
+def _qwen3_5_config(tf, family: str, num_layers: int, common: dict):
+    """Hybrid Gated DeltaNet models: every 4th layer and the last full attention (gated, a quarter of each
+    32-wide head rotated), the rest linear attention (2 key heads of 16, 4 value heads of 8, kernel 4).
+    qwen3_5_vl / qwen3_5_moe_vl: the multimodal checkpoint (a one-block vision tower beside the text)."""
+    types = ["full_attention" if (i + 1) % 4 == 0 or i == num_layers - 1 else "linear_attention"
+             for i in range(num_layers)]
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+    text = dict(hidden_size=64, num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=32, max_position_embeddings=256, layer_types=types, linear_num_key_heads=2,
+                linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                tie_word_embeddings=False, **common)
+    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    mrope = {**rope, "mrope_section": [2, 1, 1], "mrope_interleaved": True}  # Qwen3.5's: t, h, w frequencies
+    vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=64)
+    if family == "qwen3_next":  # layer 1 dense (mlp_only_layers); renormalized top-k
+        return tf.Qwen3NextConfig(intermediate_size=96, mlp_only_layers=[1], norm_topk_prob=True, rope_parameters=rope,
+                                  **experts, **text)
+    if family == "qwen3_5":
+        return tf.Qwen3_5TextConfig(intermediate_size=96, rope_parameters=mrope, **text)
+    if family == "qwen3_5_moe":
+        return tf.Qwen3_5MoeTextConfig(rope_parameters=mrope, **experts, **text)
+    if family == "qwen3_5_vl":  # tied as the small Qwen3.5 are: said at the top level, not in text_config
+        return tf.Qwen3_5Config(text_config=dict(intermediate_size=96, rope_parameters=mrope, **text),
+                                vision_config=vision, tie_word_embeddings=True)
+    return tf.Qwen3_5MoeConfig(text_config=dict(rope_parameters=mrope, **experts, **text), vision_config=vision,
+                               tie_word_embeddings=False)  # qwen3_5_moe_vl
 
 
 def _gemma_phi3_config(tf, family: str, llama_like: dict):
@@ -158,11 +188,12 @@ FULL_FORWARD_REFERENCE = ("gpt_oss",)
 def save_checkpoint(folder: str, family: str, with_tokenizer: bool = True, seed: int = 0,
                     max_shard_size: str | None = None, num_layers: int = 2, max_position_embeddings: int = 256):
     """Write a random model of `family` to `folder`; returns the transformers model (eval, float32)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     torch.manual_seed(seed)
     config = family_config(family, num_layers, max_position_embeddings)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32)
     std = 0.3 if family.startswith("opt") else 0.15
     with torch.no_grad():  # larger weights than the default init make logits less flat, so argmax is robust
         for name, param in model.named_parameters():
@@ -180,12 +211,17 @@ def save_checkpoint(folder: str, family: str, with_tokenizer: bool = True, seed:
 def bytes_per_block(folder: str, block_size: int) -> int:
     from transformers import AutoConfig
 
+    from shardserve.planner.kv_groups import model_kv_groups
+
     c = AutoConfig.from_pretrained(folder)
     heads = getattr(c, "num_attention_heads", None) or c.n_head
     kv_heads = getattr(c, "num_key_value_heads", None) or heads
     hidden = getattr(c, "hidden_size", None) or c.n_embd
     head_dim = getattr(c, "head_dim", None) or hidden // heads
     layers = getattr(c, "num_hidden_layers", None) or c.n_layer
+    groups = model_kv_groups({**c.to_dict(), "architectures": c.architectures})
+    if groups.layers and (groups.is_hybrid or len(groups.layers) < layers):  # a page spans a group's layers (planner/kv_groups.py)
+        layers = groups.group_size
     if getattr(c, "kv_lora_rank", None):  # MLA: one latent and rotated key per token and layer
         return block_size * (c.kv_lora_rank + c.qk_rope_head_dim) * layers * 4
     return 2 * block_size * kv_heads * head_dim * layers * 4

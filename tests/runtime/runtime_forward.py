@@ -19,6 +19,7 @@ def run_chunks(model, chunks: list[int], backend=None) -> torch.Tensor:
     backend = backend or TorchAttentionBackend()
     for layer in [m for m in model.modules() if isinstance(m, Attention)]:
         layer.kv_cache = torch.zeros(2, 16, BLOCK_SIZE, layer.num_kv_heads, layer.head_dim)
+        layer.kv_group = 0  # a cache of its own per layer: one block table serves them all
     blocks = list(range(15, 15 - 10, -1))  # deliberately out of order
     state = RequestState("r", list(PROMPT), len(PROMPT), SamplingParams(), 0, frozenset(), blocks, 0)
     logits = []

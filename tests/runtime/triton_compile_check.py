@@ -20,7 +20,7 @@ from triton.compiler import compile as triton_compile
 
 from shardserve.runtime.attention import triton_decode, triton_prefill, triton_rotary_kv
 from shardserve.runtime.attention import triton_kernels as kernels
-from shardserve.runtime.layers import triton_activation, triton_lora, triton_moe, triton_norm
+from shardserve.runtime.layers import triton_activation, triton_gated_delta, triton_lora, triton_moe, triton_norm
 from shardserve.runtime.layers.quantization import triton_packed_int, triton_quant_moe
 
 INDEX = {"query_start_ptr": "*i32", "seq_lens_ptr": "*i32", "tables_ptr": "*i32", "table_stride": "i32",
@@ -192,6 +192,26 @@ def compile_lora(dtype: str, is_fp32: bool) -> None:
                 require_fast(kernel, f"LoRA {name} BLOCK_M {block_m}", wgmma=False)
 
 
+def compile_gated_delta(dtype: str, is_fp32: bool) -> None:
+    """Gated DeltaNet's decode kernels at Qwen3-Next's sizes (kernel 4, head dims 128), launched as
+    triton_gated_delta launches them; in bf16 without spills."""
+    index = {"slots_ptr": "*i64", "seq_lens_ptr": "*i32", "query_start_ptr": "*i32"}
+    conv = compile_kernel(triton_gated_delta._conv1d_decode_kernel,
+                          {"x_ptr": dtype, "weight_ptr": dtype, "state_ptr": dtype, "out_ptr": dtype, **index,
+                           "x_stride": "i32", "weight_stride": "i32", "dim": "i32"},
+                          {"KERNEL": 4, "BLOCK_C": triton_gated_delta.CONV_BLOCK_C, "BLOCK_W": 4}, num_warps=4)
+    delta = compile_kernel(triton_gated_delta._gated_delta_decode_kernel,
+                           {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, "g_ptr": "*fp32", "beta_ptr": dtype,
+                            "state_ptr": "*fp32", "out_ptr": dtype, **index, "q_stride": "i32", "k_stride": "i32",
+                            "v_stride": "i32", "num_v_heads": "i32", "group": "i32", "head_k_dim": "i32",
+                            "head_v_dim": "i32", "scale": "fp32", "eps": "fp32"},
+                           {"BLOCK_K": 128, "BLOCK_V": triton_gated_delta.MAX_BLOCK_V},
+                           divisible=("head_k_dim", "head_v_dim"), num_warps=4)
+    if not is_fp32:
+        require_fast(conv, "Gated DeltaNet conv decode", wgmma=False)
+        require_fast(delta, "Gated DeltaNet delta-rule decode", wgmma=False)
+
+
 def main() -> None:
     for dtype, is_fp32 in (("*bf16", False), ("*fp32", True)):
         for cache in (dtype, "*fp8e4nv", "*fp8e5"):
@@ -201,6 +221,7 @@ def main() -> None:
                        {"x_ptr": dtype, "out_ptr": dtype, "x_stride": "i64", "size": "i32"}, {"BLOCK": 1024})
         compile_moe(dtype, is_fp32)
         compile_lora(dtype, is_fp32)
+        compile_gated_delta(dtype, is_fp32)
         if not is_fp32:
             compile_mla_attention()
         for has_residual in (False, True):
