@@ -68,13 +68,15 @@ def plan(
     = PlanFormat.table,
     trace: Annotated[Optional[Path], typer.Option(
         "--trace", help="Plan for this recorded traffic: JSON lines or CSV, one request a line (arrival_s, "
-        "input_len, output_len; optionally prefix_id and prefix_len). The layout is searched on its means; the "
-        "chosen one replays the trace through the engine's scheduler for percentiles of TTFT, TPOT, ITL and "
-        "end-to-end time.")] = None,
+        "input_len, output_len; optionally prefix_id and prefix_len). The layouts are ranked on its means; the "
+        "best few (up to 4) replay the trace through the engine's scheduler, and the plan takes the one that "
+        "does best there (targets at --target-percentile met, then the fewest GPUs, the most output tok/s), with "
+        "its percentiles of TTFT, TPOT, ITL and end-to-end time.")] = None,
     traffic: Annotated[Optional[str], typer.Option(
         "--traffic", help="Plan for a named traffic instead of a trace (sharegpt: ShareGPT's lengths as vLLM's "
-        "and SGLang's benchmarks sample them): 1,000 requests at --request-rate (Poisson), or a burst of "
-        "--concurrency requests (default 1,000), replayed as --trace replays a file.")] = None,
+        "and SGLang's benchmarks sample them): 1,000 requests at --request-rate (Poisson); with --concurrency N, "
+        "N in flight, the next sent as one finishes (a closed loop, as vLLM's bench serve --max-concurrency); "
+        "neither: all 1,000 at once. Replayed as --trace replays a file.")] = None,
     recommend: Annotated[bool, typer.Option(
         "--recommend", help="Plan on the fewest GPUs of the --hardware GPU type (its GPUs per node) that "
         "serve --request-rate or --concurrency within --ttft-ms/--tpot-ms.")] = False,

@@ -16,9 +16,15 @@ from shardserve.planner.rationale import rationale, warnings
 from shardserve.planner.rules import Layout, nodes_used
 from shardserve.planner.schema import plan_record
 from shardserve.planner.search import Candidate, Search, choose
+from shardserve.planner.speed import Estimates
 from shardserve.planner.settings import SettingError
 from shardserve.planner.served import check_served
 from shardserve.planner.sharding import total_weight_bytes
+from shardserve.planner.workload import Targets
+
+# NOTE: a recorded trace is replayed (plan --trace) on the chooser's first few layouts, not on every one: the
+# steady-state model ranks them in milliseconds, a replay takes about a second per 1,000 requests.
+MAX_CONTENDERS = 4
 
 
 @dataclass(frozen=True)
@@ -33,9 +39,22 @@ class Plan:
     alternatives: tuple[dict, ...]
     weight_bytes: int  # the whole model, in the runtime dtype
     search: Search
+    candidates: tuple[Candidate, ...] = ()  # every layout the search tried, the chosen among them
+    recommend: bool = False  # planned on the fewest GPUs of the type (make_plan's `recommend`)
 
     def record(self) -> PlanFile:
         return plan_record(self)
+
+    def contenders(self, limit: int = MAX_CONTENDERS) -> list[Plan]:
+        """This plan, then the plans the next best layouts make (the chooser's order, up to `limit` in all): what a
+        replayed trace decides among (`replayed_choice`)."""
+        rivals = contenders(self.chosen, list(self.candidates), self.hardware, self.search.targets,
+                            self.search.settings, limit)
+        return [self] + [self.with_chosen(self.search.exact(c)) for c in rivals[1:]]
+
+    def with_chosen(self, chosen: Candidate) -> Plan:
+        """The plan with another of its candidates chosen, explained again."""
+        return _assembled(self.model, self.hardware, self.search, chosen, list(self.candidates), self.recommend)
 
     def to_dict(self) -> dict:
         return plan_record(self).to_dict()
@@ -84,14 +103,52 @@ def make_plan(model: ModelInfo, hardware: Hardware, options: PlanOptions, recomm
             raise InfeasibleError(missed_targets(search, candidates))
         raise InfeasibleError(cannot_fit(search, candidates))
     search, chosen = _fitted_workload(search, search.exact(chosen))
+    return _assembled(model, hardware, search, chosen, candidates, recommend)
+
+
+def _assembled(model: ModelInfo, hardware: Hardware, search: Search, chosen: Candidate, candidates: list[Candidate],
+               recommend: bool) -> Plan:
+    """The plan of the chosen candidate (its memory sized at its own settings), explained."""
     settings = chosen.settings  # max_model_len auto: the chosen layout's number; max_num_seqs: its cap
     assert settings is not None  # the chosen candidate is feasible
+    options = search.options
     executor = choose_executor(chosen.layout, hardware, options)
     weight_bytes = total_weight_bytes(model.spec, model.groups, settings.dtype)
     return Plan(model, hardware, settings, chosen, executor,
                 tuple(rationale(search, chosen, candidates, executor, weight_bytes, _pins(options), recommend)),
                 tuple(warnings(model, hardware, settings, chosen)),
-                tuple(alternatives(chosen, candidates, hardware, search.targets)), weight_bytes, search)
+                tuple(alternatives(chosen, candidates, hardware, search.targets)), weight_bytes, search,
+                tuple(candidates), recommend)
+
+
+def contenders(chosen: Candidate, candidates: list[Candidate], hardware: Hardware, targets: Targets,
+               base: RuntimeSettings, limit: int) -> list[Candidate]:
+    """The chosen candidate, then the one `choose` takes were the layouts before it gone, and so on (one candidate
+    per layout, up to `limit` in all), among those it could take on other numbers: with targets, every layout
+    (`choose` keeps those meeting them); without, the chosen one's pool (as many GPUs, one per replica if it has)."""
+    def key(c: Candidate) -> tuple:
+        return c.layout, c.expert_parallel
+
+    def in_pool(c: Candidate) -> bool:
+        single = c.layout.gpus_per_replica == 1
+        return targets.is_set or (c.layout.num_gpus == chosen.layout.num_gpus
+                                  and single == (chosen.layout.gpus_per_replica == 1))
+
+    out = [chosen]
+    pool = [c for c in candidates if c.is_feasible and key(c) != key(chosen) and in_pool(c)]
+    while len(out) < limit and (taken := choose(pool, hardware, targets, base)) is not None:
+        out.append(taken)
+        pool = [c for c in pool if key(c) != key(taken)]
+    return out
+
+
+def replayed_choice(contenders: list[Plan], replayed: list[Estimates]) -> Plan | None:
+    """The contender `choose` takes with each one's estimates as a replayed trace measured them (its latencies at the
+    plan's percentile, the output tokens/s it served the trace at); None when none meets the targets."""
+    first = contenders[0]
+    candidates = [replace(p.chosen, estimates=e) for p, e in zip(contenders, replayed)]
+    won = choose(candidates, first.hardware, first.search.targets, first.search.settings)
+    return next((p for p, c in zip(contenders, candidates) if c is won), None)
 
 
 def _fitted_workload(search: Search, chosen: Candidate) -> tuple[Search, Candidate]:

@@ -36,6 +36,9 @@ class TraceRequest:
 class Trace:
     requests: tuple[TraceRequest, ...]  # by arrival
     source: str
+    # a closed loop (vLLM's `bench serve --max-concurrency`): this many in flight, the next request sent as one
+    # finishes, the arrival times not read; None: each request sent at its arrival_s
+    concurrency: int | None = None
 
     @property
     def is_offline(self) -> bool:

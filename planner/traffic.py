@@ -7,7 +7,9 @@ of their own.
 
 The requests are a seeded sample of the shipped pairs, as the benchmarks draw num_prompts of them (without
 replacement while there are enough; the rest drawn again, as vLLM oversamples). With a request rate they arrive
-as the benchmarks send them: the first at 0 s, then Poisson gaps; without one, all at once (an offline burst)."""
+as the benchmarks send them: the first at 0 s, then Poisson gaps; with a concurrency N, as `bench serve
+--max-concurrency N` sends them: N in flight, the next sent as one finishes (a closed loop); without either, all at
+once (an offline burst)."""
 
 from __future__ import annotations
 
@@ -54,12 +56,17 @@ def load_lengths(name: str) -> Lengths:
 
 
 def named_trace(name: str, num: int = DEFAULT_NUM_REQUESTS, request_rate: float | None = None,
-                seed: int = DEFAULT_SEED) -> Trace:
-    """`num` requests drawn from the named lengths; Poisson arrivals at `request_rate`, else all at once."""
+                seed: int = DEFAULT_SEED, concurrency: int | None = None) -> Trace:
+    """`num` requests drawn from the named lengths; Poisson arrivals at `request_rate`, or `concurrency` of them in
+    flight (a closed loop), else all at once."""
     if num < 1:
         raise PlanError(f"--traffic {name}: {num} requests: at least 1")
     if request_rate is not None and not request_rate > 0:
         raise PlanError(f"--traffic {name}: request rate {request_rate}: more than 0 requests/s")
+    if request_rate is not None and concurrency is not None:
+        raise PlanError(f"--traffic {name}: a request rate and a concurrency: give one of them")
+    if concurrency is not None and concurrency < 1:
+        raise PlanError(f"--traffic {name}: concurrency {concurrency}: at least 1 request in flight")
     lengths = load_lengths(name)
     rng = random.Random(seed)
     drawn = rng.sample(lengths.pairs, min(num, len(lengths.pairs)))
@@ -69,5 +76,6 @@ def named_trace(name: str, num: int = DEFAULT_NUM_REQUESTS, request_rate: float 
         if request_rate is not None and index:
             clock += rng.expovariate(request_rate)
         requests.append(TraceRequest(clock, input_len, output_len))
-    load = "at once" if request_rate is None else f"Poisson {request_rate:g} req/s"
-    return Trace(tuple(requests), f"{name} ({num:,} requests {load}, seed {seed})")
+    load = (f"Poisson {request_rate:g} req/s" if request_rate is not None
+            else f"{concurrency:,} in flight (a closed loop)" if concurrency is not None else "at once")
+    return Trace(tuple(requests), f"{name} ({num:,} requests {load}, seed {seed})", concurrency)

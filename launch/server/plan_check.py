@@ -5,7 +5,9 @@ The request path only appends a FinishedRequest to a deque; `tick()`, called on 
 least MIN_REQUESTS finished requests is "under load": one INFO line gives the measured p50 and p90
 TTFT and TPOT and the workload seen (mean prompt and output tokens, requests/s, mean requests in
 flight by Little's law) beside the plan's estimates and the workload they were made for; a measured
-latency at the plan's percentile more than TOLERANCE away from the estimate adds a WARNING line.
+latency at the plan's percentile more than TOLERANCE away from the estimate adds a WARNING line. A plan made from
+a trace (`plan --trace`, `--traffic`) has the replay's p50, p90 and p99 of TTFT and TPOT: they are compared at each
+percentile instead, where the window holds requests enough to measure it (a p99 needs 100).
 `rederived()` makes sure those estimates are the plan's layout's: a plan file edited by hand is planned again
 with its layout pinned."""
 
@@ -52,12 +54,17 @@ class Prediction:
     output_len: int
     concurrency: float | None
     request_rate: float | None
+    # a replayed trace's latencies (estimates.percentiles), percentile -> ms; None: the plan has none
+    ttft_percentiles: dict[int, float] | None = None
+    tpot_percentiles: dict[int, float] | None = None
 
     @staticmethod
     def from_plan(plan: PlanFile) -> Prediction:
         e, w = plan.estimates, plan.estimates.workload
+        spread = e.percentiles
         return Prediction(e.ttft_ms, e.tpot_ms, w.percentile, w.input_len, w.output_len, w.concurrency,
-                          w.request_rate)
+                          w.request_rate, _by_percentile(spread.ttft_ms) if spread else None,
+                          _by_percentile(spread.tpot_ms) if spread and spread.tpot_ms else None)
 
     def describe_workload(self) -> str:
         load = (f"{self.concurrency:g} in flight" if self.concurrency is not None
@@ -125,7 +132,7 @@ class PlanCheck:
 
     def report(self, finished: list[FinishedRequest], seconds: float) -> WindowReport:
         p = self.prediction
-        points = sorted({50, 90, p.percentile})
+        points = sorted({50, 90, p.percentile, *(p.ttft_percentiles or {})})
         ttft = [r.ttft_s * 1e3 for r in finished]
         tpot = [r.tpot_s * 1e3 for r in finished if r.tpot_s is not None]
         ttft_ms = {q: percentile(ttft, q) for q in points}
@@ -134,10 +141,21 @@ class PlanCheck:
                               sum(r.num_prompt_tokens for r in finished) / len(finished),
                               sum(r.num_output_tokens for r in finished) / len(finished),
                               sum(r.e2e_s for r in finished) / seconds, ())
-        expected = self.expected(report)
-        warnings = [self._off(name, measured.get(p.percentile), predicted, report)
-                    for name, measured, predicted in (("TTFT", ttft_ms, expected[0]), ("TPOT", tpot_ms, expected[1]))]
+        warnings = [self._off(name, q, measured.get(q), predicted, report)
+                    for name, q, measured, predicted in self._comparisons(report)]
         return replace(report, warnings=tuple(w for w in warnings if w))
+
+    def _comparisons(self, report: WindowReport) -> list[tuple[str, int, dict[int, float], float | None]]:
+        """(latency, percentile, measured, planned at that percentile): the plan's replayed percentiles each
+        where the window has requests enough for it (1 in 100 above a p99), else the plan's percentile against
+        `expected`."""
+        p = self.prediction
+        if p.ttft_percentiles is None:
+            ttft, tpot = self.expected(report)
+            return [("TTFT", p.percentile, report.ttft_ms, ttft), ("TPOT", p.percentile, report.tpot_ms, tpot)]
+        return [(name, q, measured, planned) for name, measured, spread in (
+                    ("TTFT", report.ttft_ms, p.ttft_percentiles), ("TPOT", report.tpot_ms, p.tpot_percentiles or {}))
+                for q, planned in spread.items() if report.num_requests >= math.ceil(100 / (100 - q))]
 
     def expected(self, report: WindowReport) -> tuple[float | None, float]:
         """The plan's TTFT and TPOT for the traffic seen (its own estimates without a speed model)."""
@@ -146,12 +164,14 @@ class PlanCheck:
         return self.for_traffic(max(1, round(report.mean_prompt_tokens)), max(1, round(report.mean_output_tokens)),
                                 max(1.0, report.mean_in_flight))
 
-    def _off(self, name: str, measured: float | None, predicted: float | None, report: WindowReport) -> str | None:
+    def _off(self, name: str, q: int, measured: float | None, predicted: float | None,
+             report: WindowReport) -> str | None:
         if measured is None or predicted is None or predicted <= 0 or abs(measured - predicted) <= TOLERANCE * predicted:
             return None
-        q = self.prediction.percentile
         direction = "above" if measured > predicted else "below"
-        basis = ("the plan's speed model for the traffic seen" if self.for_traffic is not None
+        basis = (f"the plan's p{q} from its replayed trace ({self.prediction.describe_workload()})"
+                 if self.prediction.ttft_percentiles is not None
+                 else "the plan's speed model for the traffic seen" if self.for_traffic is not None
                  else f"the plan's estimate for {self.prediction.describe_workload()}")
         return (f"measured {name} p{q} {measured:.1f} ms is {abs(measured / predicted - 1):.0%} {direction} "
                 f"{predicted:.1f} ms, {basis} (more than {TOLERANCE:.0%}); workload seen: {_workload(report)} "
@@ -163,11 +183,12 @@ class PlanCheck:
                 else "none (no request had 2 output tokens)")
         ttft_now, tpot_now = self.expected(report)
         here = (f"; for this traffic the plan's model says TTFT {_ms(ttft_now)}, TPOT {tpot_now:.1f} ms"
-                if self.for_traffic is not None else "")
+                if self.for_traffic is not None and p.ttft_percentiles is None else "")
+        ttft_plan = _spread(p.ttft_percentiles) if p.ttft_percentiles else f"p{p.percentile} {_ms(p.ttft_ms)}"
+        tpot_plan = _spread(p.tpot_percentiles) if p.tpot_percentiles else f"p{p.percentile} {p.tpot_ms:.1f} ms"
         return (f"plan check, last {report.seconds:.0f} s: {report.num_requests} requests, {_workload(report)}; "
-                f"TTFT {' '.join(f'p{q} {v:.1f} ms' for q, v in report.ttft_ms.items())} (plan p{p.percentile} "
-                f"{_ms(p.ttft_ms)}), TPOT {tpot} (plan p{p.percentile} {p.tpot_ms:.1f} ms); the plan is for "
-                f"{p.describe_workload()}{here}")
+                f"TTFT {' '.join(f'p{q} {v:.1f} ms' for q, v in report.ttft_ms.items())} (plan {ttft_plan}), "
+                f"TPOT {tpot} (plan {tpot_plan}); the plan is for {p.describe_workload()}{here}")
 
     async def run(self) -> None:
         """Tick at each window's end until cancelled (the launcher cancels it on shutdown)."""
@@ -178,6 +199,15 @@ class PlanCheck:
         while True:
             await asyncio.sleep(max(0.05, self._window_start + self.window_seconds - self.clock()))
             self.tick()
+
+
+def _by_percentile(spread) -> dict[int, float]:
+    """A plan's Spread as percentile -> ms."""
+    return {50: spread.p50, 90: spread.p90, 99: spread.p99}
+
+
+def _spread(values: dict[int, float]) -> str:
+    return " ".join(f"p{q} {v:.1f} ms" for q, v in values.items())
 
 
 def _workload(report: WindowReport) -> str:

@@ -6,10 +6,15 @@ Each request is a prompt of its input_len tokens (the first prefix_len of them t
 cache finds what the requests share) that generates output_len tokens. A step's time is the replica's cycle for
 its decoding requests (over their mean context) and prefill chunks. With several replicas, a request with a prefix
 goes to the replica its prefix_id hashes to (the server's cache-aware router keeps a shared prefix on one replica),
-the others in turn; each replica runs on its own clock."""
+the others in turn; each replica runs on its own clock.
+
+The requests are sent as they arrived (an open loop), or with `concurrency` N as vLLM's `bench serve
+--max-concurrency N` sends a list of them: N at once, then the next each time one finishes (a closed loop; the
+arrival times are not read, and a request's times count from when it is sent)."""
 
 from __future__ import annotations
 
+import heapq
 import zlib
 from dataclasses import dataclass, field
 
@@ -31,7 +36,7 @@ OUTPUT_TOKEN = 1  # every generated token (requests ignore EOS: they stop at out
 class Served:
     """One request's times on the replay's clock, in seconds."""
 
-    arrival_s: float
+    arrival_s: float  # when it reached the server (a closed loop: when it was sent)
     token_times: list[float] = field(default_factory=list)  # when each output token came out
 
     @property
@@ -59,43 +64,83 @@ class EngineShape:
     enable_prefix_caching: bool
     max_model_len: int
     num_replicas: int = 1
+    windows: tuple[int | None, ...] = (None,)  # each KV group's window (planner/kv_groups.py), as the engine's
 
 
-def replay(requests: tuple[TraceRequest, ...], replica: Replica, shape: EngineShape) -> list[Served]:
-    """Every request's times, in the order given, each replica's requests replayed on its own clock."""
-    share: list[list[int]] = [[] for _ in range(shape.num_replicas)]
-    for index, request in enumerate(requests):
-        where = zlib.crc32(request.prefix_id.encode()) if request.prefix_id else index
-        share[where % shape.num_replicas].append(index)
+def replay(requests: tuple[TraceRequest, ...], replica: Replica, shape: EngineShape,
+           concurrency: int | None = None) -> list[Served]:
+    """Every request's times, in the order given: sent at their arrivals, or (`concurrency` N) N in flight."""
+    if concurrency is not None and concurrency < 1:
+        raise ValueError(f"a closed loop of {concurrency} requests in flight: at least 1")
+    engines = [_Engine(shape, replica) for _ in range(shape.num_replicas)]
     served: list[Served | None] = [None] * len(requests)
-    for indices in share:
-        for index, result in zip(indices, _replay_one([requests[i] for i in indices], indices, replica, shape)):
-            served[index] = result
+
+    def send(index: int, at: float) -> None:
+        request = requests[index]
+        where = zlib.crc32(request.prefix_id.encode()) if request.prefix_id else index
+        served[index] = engines[where % len(engines)].send(index, request, at)
+
+    if concurrency is None:
+        for index, request in enumerate(requests):
+            send(index, request.arrival_s)
+    else:
+        for index in range(min(concurrency, len(requests))):
+            send(index, 0.0)
+    unsent = len(requests) if concurrency is None else min(concurrency, len(requests))
+    # NOTE: the engine furthest behind steps first, so a closed loop's next request is sent at the time the one
+    # before it finished, whichever replica ran it; an open loop's replicas never meet, and step as they would alone.
+    while busy := [e for e in engines if e.is_busy]:
+        engine = min(busy, key=lambda e: e.next_event_s)
+        for _ in range(engine.step()):
+            if unsent < len(requests):
+                send(unsent, engine.clock)
+                unsent += 1
     return [s for s in served if s is not None]
 
 
-def _replay_one(requests: list[TraceRequest], ids: list[int], replica: Replica, shape: EngineShape) -> list[Served]:
-    pool = BlockManager(shape.num_blocks, shape.block_size, shape.enable_prefix_caching)
-    scheduler = Scheduler(shape.scheduler, pool, shape.max_model_len)
-    served = {str(i): Served(r.arrival_s) for i, r in zip(ids, requests)}
-    arrivals, clock, next_arrival = sorted(zip(ids, requests), key=lambda p: p[1].arrival_s), 0.0, 0
-    while next_arrival < len(arrivals) or scheduler.has_unfinished_requests:
-        while next_arrival < len(arrivals) and arrivals[next_arrival][1].arrival_s <= clock:
-            scheduler.add_request(_engine_request(*arrivals[next_arrival]))
-            next_arrival += 1
-        if not scheduler.has_unfinished_requests:
-            clock = arrivals[next_arrival][1].arrival_s
-            continue
+class _Engine:
+    """One replica: its scheduler and KV pool on a clock of its own, and the requests sent to it not yet arrived."""
+
+    def __init__(self, shape: EngineShape, replica: Replica):
+        pool = BlockManager(shape.num_blocks, shape.block_size, shape.enable_prefix_caching, shape.windows)
+        self.scheduler, self.replica = Scheduler(shape.scheduler, pool, shape.max_model_len), replica
+        self.clock = 0.0
+        self.arriving: list[tuple[float, int, TraceRequest]] = []  # a heap by arrival
+        self.served: dict[str, Served] = {}
+
+    def send(self, index: int, request: TraceRequest, at: float) -> Served:
+        heapq.heappush(self.arriving, (at, index, request))
+        self.served[str(index)] = Served(at)
+        return self.served[str(index)]
+
+    @property
+    def is_busy(self) -> bool:
+        return bool(self.arriving) or self.scheduler.has_unfinished_requests
+
+    @property
+    def next_event_s(self) -> float:
+        """When this engine next steps: now, or (idle) when its next request arrives."""
+        return self.clock if self.scheduler.has_unfinished_requests else max(self.clock, self.arriving[0][0])
+
+    def step(self) -> int:
+        """Admit what has arrived, run one step; how many requests it finished."""
+        self.clock = self.next_event_s
+        scheduler = self.scheduler
+        while self.arriving and self.arriving[0][0] <= self.clock:
+            _, index, request = heapq.heappop(self.arriving)
+            scheduler.add_request(_engine_request(index, request))
         output = scheduler.schedule()
         if not output.num_scheduled_tokens:
             raise RuntimeError("the replay's scheduler scheduled nothing with requests unfinished")
-        clock += _step_ms(scheduler, output.num_scheduled_tokens, replica) / 1000
+        self.clock += _step_ms(scheduler, output.num_scheduled_tokens, self.replica) / 1000
         sampled = {rid: OUTPUT_TOKEN for rid in output.num_scheduled_tokens
                    if scheduler.requests[rid].num_pending_tokens > 0}
+        finished = 0
         for update in scheduler.update_from_output(output, ModelRunnerOutput(sampled_token_ids=sampled)):
             if update.new_token_ids:
-                served[update.request_id].token_times.append(clock)
-    return [served[str(i)] for i in ids]
+                self.served[update.request_id].token_times.append(self.clock)
+            finished += update.finish_reason is not None
+        return finished
 
 
 def _engine_request(index: int, request: TraceRequest) -> Request:

@@ -167,3 +167,47 @@ def test_the_check_asks_the_plans_speed_model_for_the_traffic_seen(caplog):
         assert [w.split(" ms")[0] for w in report.warnings] == ([] if slow == 1.0 else [
             f"measured TPOT p50 {report.tpot_ms[50]:.1f}"])
     assert "the plan's speed model for the traffic seen" in report.warnings[0]
+
+
+REPLAYED = dataclasses.replace(PLAN, ttft_percentiles={50: 200.0, 90: 400.0, 99: 800.0},
+                               tpot_percentiles={50: 20.0, 90: 22.0, 99: 24.0})
+
+
+def spread_window(num: int, ttft_ms: tuple[float, float, float], tpot_ms: float = 20.0) -> list[FinishedRequest]:
+    """num requests: TTFT at the first value for half of them, the second up to the p90, the third above it."""
+    ttfts = [ttft_ms[0] if i < num // 2 else ttft_ms[1] if i < num * 9 // 10 else ttft_ms[2] for i in range(num)]
+    return [FinishedRequest(t / 1e3, tpot_ms / 1e3, (t + tpot_ms * 99) / 1e3, 1000, 100) for t in ttfts]
+
+
+def test_a_plan_from_a_trace_is_checked_at_each_of_its_percentiles(caplog):
+    """A replayed trace's p50, p90 and p99: TTFT as planned at p50 but twice it at p90 warns at p90; the p99 is
+    compared once the window holds 100 requests (below, a p99 is only the slowest request)."""
+    report, lines = run_window(spread_window(20, (200.0, 800.0, 800.0)), caplog, REPLAYED)
+    assert [w.split(" ms")[0] for w in report.warnings] == ["measured TTFT p90 800.0"]
+    assert "400.0 ms, the plan's p90 from its replayed trace (1000 prompt / 100 output tokens, 16 in flight)" in \
+        report.warnings[0]
+    assert "(plan p50 200.0 ms p90 400.0 ms p99 800.0 ms)" in lines[0][1] and "TTFT p50 200.0 ms" in lines[0][1]
+    assert 99 in report.ttft_ms
+    report = PlanCheck(REPLAYED, Clock()).report(spread_window(100, (200.0, 400.0, 3000.0)), 60.0)
+    assert [w.split(" ms")[0] for w in report.warnings] == ["measured TTFT p99 3000.0"]
+    assert PlanCheck(REPLAYED, Clock()).report(spread_window(100, (200.0, 400.0, 800.0)), 60.0).warnings == ()
+
+
+def test_a_plan_from_a_trace_is_checked_against_its_percentiles_not_the_speed_model():
+    """The replay's percentiles are the plan's word on its traffic: the means' speed model is not asked."""
+    asked = []
+    check = PlanCheck(REPLAYED, Clock(), for_traffic=lambda i, o, n: asked.append(1) or (10.0, 1.0))
+    assert check.report(spread_window(20, (200.0, 400.0, 400.0)), 60.0).warnings == () and not asked
+
+
+def test_the_percentiles_come_from_the_plan_file(tmp_path):
+    from shardserve.planner.plan_file import PercentilesSection, Spread
+    from tests.planner.factories import plan_for
+
+    record = plan_for("meta-llama/Llama-3.1-8B-Instruct", "1xH100-80GB").record()
+    assert Prediction.from_plan(record).ttft_percentiles is None  # a plan without a trace: its estimates alone
+    spread = PercentilesSection(Spread(100.0, 150.0, 300.0), Spread(10.0, 12.0, 20.0), None, Spread(1.0, 2.0, 3.0))
+    replayed = dataclasses.replace(record, estimates=dataclasses.replace(record.estimates, percentiles=spread))
+    p = Prediction.from_plan(replayed)
+    assert p.ttft_percentiles == {50: 100.0, 90: 150.0, 99: 300.0} and p.tpot_percentiles == {50: 10.0, 90: 12.0,
+                                                                                               99: 20.0}

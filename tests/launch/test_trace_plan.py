@@ -66,3 +66,46 @@ def test_refusals_name_what_to_change(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"arrival_s": 0, "input_len": 10}\n')
     result = plan("--trace", str(tmp_path / "bad.jsonl"))
     assert result.exit_code == 1 and "bad.jsonl, line 1: output_len: missing" in " ".join(result.output.split())
+
+
+def test_the_replay_decides_among_the_searchs_best_layouts(tmp_path):
+    """Eight GPUs and a model that needs two or more: the layouts keeping them all busy are each replayed, the plan
+    says which with their numbers and why its own won, and how long planning took."""
+    result = CliRunner().invoke(app, ["plan", "meta-llama/Llama-3.1-70B-Instruct", "--hardware", "8xH100-80GB",
+                                      "--trace", poisson_trace(tmp_path / "t.jsonl", num=200), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.output)
+    trace = record["estimates"]["trace"]
+    assert 1 < trace["num_layouts_replayed"] <= 4 and 0 < trace["replay_seconds"] <= trace["plan_seconds"] < 60
+    replayed, why = record["rationale"][-2:]
+    assert replayed.startswith(f"the trace replayed on the search's best {trace['num_layouts_replayed']} layouts (")
+    par = record["parallel"]
+    chosen = f"tp {par['tensor_parallel_size']} x pp {par['pipeline_parallel_size']} x dp {par['data_parallel_size']}"
+    assert replayed.count("output tok/s") == trace["num_layouts_replayed"] and chosen in replayed
+    assert why.startswith(f"{chosen} won: with as many GPUs busy, the most output tok/s in the replay")
+
+
+def test_a_plan_written_before_the_trace_said_its_layouts_and_seconds_reads(tmp_path):
+    from shardserve.planner.plan_file import PlanFile
+
+    result = plan("--trace", poisson_trace(tmp_path / "t.jsonl", num=30), "--format", "json")
+    data = json.loads(result.output)
+    for key in ("num_layouts_replayed", "plan_seconds"):
+        del data["estimates"]["trace"][key]
+    trace = PlanFile.from_dict(data, "old.yaml").estimates.trace
+    assert trace is not None and trace.num_layouts_replayed == 1 and trace.plan_seconds is None
+
+
+def test_a_long_trace_is_replayed_on_fewer_layouts(tmp_path, monkeypatch):
+    """As many layouts as replay MAX_REPLAYED_REQUESTS requests in all (here 300: one of a 200-request trace)."""
+    from shardserve.launch import trace_plan
+
+    monkeypatch.setattr(trace_plan, "MAX_REPLAYED_REQUESTS", 300)
+    result = CliRunner().invoke(app, ["plan", "meta-llama/Llama-3.1-70B-Instruct", "--hardware", "8xH100-80GB",
+                                      "--trace", poisson_trace(tmp_path / "t.jsonl", num=200), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.output)
+    assert record["estimates"]["trace"]["num_layouts_replayed"] == 1
+    replayed, why = record["rationale"][-2:]
+    assert "(of 4: as many as replay 300 requests in all)" in replayed
+    assert why == "the search's choice: the trace is too long to replay another layout beside it"

@@ -33,11 +33,18 @@ def test_sharegpt_at_a_rate_plans_on_its_lengths_with_percentiles():
     assert 0 < ttft["p50"] <= ttft["p90"] <= ttft["p99"]
 
 
-def test_concurrency_is_a_burst_of_that_many():
+def test_concurrency_is_a_closed_loop_of_that_many_in_flight():
+    """As vLLM's bench serve --max-concurrency 64: the 1,000 requests, 64 in flight, not a burst of 64."""
     result = plan("--traffic", "sharegpt", "--concurrency", "64", "--format", "json")
     assert result.exit_code == 0, result.output
     est = json.loads(result.output)["estimates"]
-    assert est["trace"]["num_requests"] == 64 and est["trace"]["offline"] and est["workload"]["concurrency"] == 64
+    assert est["trace"]["num_requests"] == 1000 and est["trace"]["concurrency"] == 64
+    assert "64 in flight (a closed loop)" in est["trace"]["source"] and est["workload"]["concurrency"] == 64
+    burst = json.loads(plan("--traffic", "sharegpt", "--format", "json").output)["estimates"]
+    assert burst["trace"]["num_requests"] == 1000 and "concurrency" not in burst["trace"]
+    # 64 at a time wait far less for their first token than 1,000 at once, and each decodes in a smaller batch
+    assert est["percentiles"]["ttft_ms"]["p50"] < burst["percentiles"]["ttft_ms"]["p50"] / 10
+    assert est["percentiles"]["tpot_ms"]["p50"] < burst["percentiles"]["tpot_ms"]["p50"]
 
 
 def test_refusals_name_what_to_change(tmp_path):

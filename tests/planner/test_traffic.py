@@ -48,3 +48,15 @@ def test_an_unknown_name_or_no_requests_is_refused():
         named_trace("lmsys")
     with pytest.raises(PlanError, match="at least 1"):
         named_trace("sharegpt", 0)
+
+
+def test_a_concurrency_makes_a_closed_loop_of_that_many():
+    """--concurrency N as vLLM's bench serve --max-concurrency N sends its list: N in flight, not a burst of N."""
+    trace = named_trace("sharegpt", 1000, concurrency=64)
+    assert len(trace.requests) == 1000 and trace.concurrency == 64
+    assert trace.source == "sharegpt (1,000 requests 64 in flight (a closed loop), seed 0)"
+    assert named_trace("sharegpt").concurrency is None
+    with pytest.raises(PlanError, match="give one of them"):
+        named_trace("sharegpt", 10, request_rate=1.0, concurrency=4)
+    with pytest.raises(PlanError, match="at least 1 request in flight"):
+        named_trace("sharegpt", 10, concurrency=0)

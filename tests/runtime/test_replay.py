@@ -101,3 +101,28 @@ def test_the_replay_schedules_as_the_engine_does():
     replayed = [[round(t * 1000) for t in s.token_times] for s in replay(requests, one_ms_a_step, shape_)]
     assert preemptions > 0  # (the pool is small enough that the test covers preemption)
     assert replayed == [engine_steps[str(i)] for i in range(len(requests))]
+
+
+def test_a_closed_loop_sends_the_next_request_as_one_finishes():
+    """Two in flight (vLLM's --max-concurrency 2) over six like requests: pairs one after another, each sent when
+    the one before it finished, its TTFT counted from then. One step prefills both (10 + 3.2 ms), then three decode
+    steps of 12 ms: a pair takes 49.2 ms."""
+    requests = tuple(TraceRequest(5.0, 16, 4) for _ in range(6))  # (a closed loop reads no arrival times)
+    served = replay(requests, REPLICA, shape(), concurrency=2)
+    assert [round(s.arrival_s * 1000, 6) for s in served] == [0, 0, 49.2, 49.2, 98.4, 98.4]
+    assert all(s.ttft_s * 1000 == pytest.approx(13.2) and s.e2e_s * 1000 == pytest.approx(49.2) for s in served)
+    assert replay(requests, REPLICA, shape(), concurrency=10)[-1].arrival_s == 0  # more than the list: all at once
+
+
+def test_a_closed_loop_keeps_its_count_in_flight_across_replicas():
+    """Requests go to the replicas in turn and the next is sent whichever replica finished one: never more than
+    the loop's count in flight at once."""
+    requests = tuple(TraceRequest(0.0, 16 + 8 * (i % 3), 2 + i % 5) for i in range(12))
+    served = replay(requests, REPLICA, shape(replicas=2), concurrency=3)
+    assert all(len(s.token_times) == r.output_len for s, r in zip(served, requests))
+    for s in served:
+        in_flight = sum(1 for o in served if o.arrival_s <= s.arrival_s < o.token_times[-1])
+        assert in_flight <= 3
+    assert sorted(s.arrival_s for s in served)[:3] == [0.0] * 3 and served[3].arrival_s > 0
+    with pytest.raises(ValueError, match="at least 1"):
+        replay(requests, REPLICA, shape(), concurrency=0)
