@@ -7,6 +7,9 @@ in_proj_qkv rows are cut as three parts:
 
     checkpoint rows:   | q: all key heads | k: all key heads | v: all value heads |
     rank r's rows:     | q: its key heads  | k: its key heads  | v: its value heads |   (conv_dim_local)
+
+On CUDA every step (prefill, mixed, decode) runs triton_gated_delta's varlen kernels; on CPU the torch ops
+of gated_delta_ops (a loop over requests for prefill, batched tensor ops for decode), which are their reference.
 """
 
 from __future__ import annotations
@@ -25,6 +28,11 @@ from shardserve.runtime.layers.recurrent_state import RecurrentLayer, StateSpec,
 from shardserve.runtime.layers.weights import copy_into, shard_range
 from shardserve.runtime.worker.checkpoint import CheckpointTensor
 from shardserve.runtime.worker.forward_context import AttentionMetadata, get_forward_context
+
+
+def uses_kernels(x: torch.Tensor) -> bool:
+    """Whether a step on x runs triton_gated_delta's kernels (CUDA) rather than the torch ops (CPU)."""
+    return x.is_cuda
 
 
 @dataclass(frozen=True)
@@ -154,6 +162,8 @@ class GatedDeltaNet(RecurrentLayer):
         meta = get_forward_context().attn_metadata
         if meta is None:  # the profiling dry run: one fresh sequence, no state kept
             core = self.run_sequence(qkv, g, beta, None, None)[0]
+        elif uses_kernels(qkv):
+            core = self.step_in_place(qkv, g, beta, meta)
         elif meta.is_decode_only:
             core = self.decode(qkv, g, beta, meta)
         else:
@@ -176,8 +186,8 @@ class GatedDeltaNet(RecurrentLayer):
         return core, conv_state, recurrent_state
 
     def prefill(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """A step with prompt chunks: each request on its own, from its slot's states (or zeros when its
-        step starts at token 0), its states written back to the slot."""
+        """A step with prompt chunks (torch, CPU): each request on its own, from its slot's states (or zeros
+        when its step starts at token 0), its states written back to the slot."""
         assert self.states is not None and meta.state_slots is not None and meta.seq_lens_cpu is not None
         conv_states, recurrent_states = self.states
         starts = meta.query_start_loc_cpu
@@ -195,12 +205,9 @@ class GatedDeltaNet(RecurrentLayer):
         return torch.cat(cores)
 
     def decode(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """One token per request, all requests at once with no host read (CUDA-graph capturable). On CUDA,
-        decode_in_place's kernels; here tensor ops: rows gathered by slot, zeroed on the device for requests
-        at token 0, scattered back."""
+        """One token per request (torch, CPU), all requests at once with no host read: rows gathered by slot,
+        zeroed on the device for requests at token 0, scattered back."""
         assert self.states is not None and meta.state_slots is not None
-        if qkv.is_cuda:
-            return self.decode_in_place(qkv, g, beta, meta)
         conv_states, recurrent_states = self.states
         slots = meta.state_slots  # [num_requests]
         has_context = context_lens(meta.seq_lens, meta.query_start_loc) > 0  # [num_requests] on the device
@@ -212,19 +219,21 @@ class GatedDeltaNet(RecurrentLayer):
         recurrent_states.index_copy_(0, slots, recurrent)
         return core
 
-    def decode_in_place(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                        meta: AttentionMetadata) -> torch.Tensor:
-        """decode's Triton kernels (CUDA): each reads and writes its request's state rows in place by slot.
+    def step_in_place(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      meta: AttentionMetadata) -> torch.Tensor:
+        """Any step (prefill, mixed, decode) through triton_gated_delta's varlen kernels: one launch per op
+        over all requests, each reading and writing its state rows in place by slot, with no host read (a
+        decode step is CUDA-graph capturable).
 
-        NOTE: two launches instead of a gather, a dozen elementwise kernels and a scatter per layer; the
-        recurrent state (a [head_k_dim, head_v_dim] float32 matrix per value head) is read and written once."""
+        NOTE: two launches instead of a Python loop over requests (prefill) or a gather, a dozen elementwise
+        kernels and a scatter (decode); the recurrent state is read and written once per request."""
         from shardserve.runtime.layers import triton_gated_delta as kernels  # triton is needed only here
 
         assert self.states is not None and meta.state_slots is not None
         conv_states, recurrent_states = self.states
         index = (meta.state_slots, meta.seq_lens, meta.query_start_loc)
-        mixed = kernels.conv1d_decode(qkv, self.conv1d.weight[:, 0], conv_states, *index)
-        return kernels.gated_delta_decode(*self.split_heads(mixed), g, beta, recurrent_states, *index)
+        mixed = kernels.causal_conv1d_varlen(qkv, self.conv1d.weight[:, 0], conv_states, *index)
+        return kernels.gated_delta_rule_varlen(*self.split_heads(mixed), g, beta, recurrent_states, *index)
 
 
 class FusedGatedDeltaNet(GatedDeltaNet):

@@ -1,6 +1,7 @@
-"""Gated DeltaNet's decode kernels under TRITON_INTERPRET=1 on CPU against the torch references: the conv
-update and the delta-rule step over state slots (a stale row for a request at token 0, rows of other slots
-untouched), and the layer's decode_in_place against its torch decode."""
+"""Gated DeltaNet's varlen kernels under TRITON_INTERPRET=1 on CPU against the torch references: a decode
+step (against the batched steps) and a mixed step (against the per-request causal conv and chunked rule)
+over state slots, a stale row for a request at token 0, rows of other slots untouched; and the layer's
+forward through the kernels against its torch path."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, i.e
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from shardserve.runtime.layers import triton_gated_delta  # noqa: E402
-from shardserve.runtime.layers.gated_delta_ops import causal_conv1d_step, recurrent_gated_delta_step  # noqa: E402
-from tests.runtime.test_gated_delta_ops import make_layer, metadata  # noqa: E402
+from shardserve.runtime.layers import gated_delta_net, triton_gated_delta  # noqa: E402
+from shardserve.runtime.layers.gated_delta_ops import (causal_conv1d, causal_conv1d_step,  # noqa: E402
+                                                       chunk_gated_delta_rule, recurrent_gated_delta_step)
+from tests.runtime.test_gated_delta_ops import make_layer, metadata, run  # noqa: E402
 
 NUM_SLOTS = 5
 SLOTS = [3, 0, 2]  # request 1 starts at token 0: its slot's row is stale
@@ -50,7 +52,7 @@ def test_conv_update_matches_reference(dim, kernel, dtype):
     states = torch.randn(NUM_SLOTS, dim, kernel - 1, generator=gen).to(dtype)
     expected_out, expected_states = reference_step(causal_conv1d_step, states, (x, weight))
     stale_out = causal_conv1d_step(x[1:2], weight, states[SLOTS[1]][None])[0]
-    out = triton_gated_delta.conv1d_decode(x, weight, states, *index_tensors())
+    out = triton_gated_delta.causal_conv1d_varlen(x, weight, states, *index_tensors())
     torch.testing.assert_close(out, expected_out, **TOLERANCE[dtype])
     torch.testing.assert_close(states, expected_states, atol=0, rtol=0)  # a shift: exact
     assert not torch.allclose(out[1:2].float(), stale_out.float(), atol=1e-2), "control: the stale row matters"
@@ -75,7 +77,7 @@ def delta_inputs(num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim
 def test_delta_rule_step_matches_reference(heads, dtype):
     inputs, states = delta_inputs(*heads, dtype)
     expected_out, expected_states = reference_step(recurrent_gated_delta_step, states, inputs)
-    out = triton_gated_delta.gated_delta_decode(*inputs, states, *index_tensors())
+    out = triton_gated_delta.gated_delta_rule_varlen(*inputs, states, *index_tensors())
     assert out.dtype == dtype and out.shape == expected_out.shape
     torch.testing.assert_close(out, expected_out, **TOLERANCE[dtype])
     torch.testing.assert_close(states, expected_states, atol=1e-5, rtol=1e-5)  # float32 in both
@@ -86,25 +88,91 @@ def test_empty_batch_launches_nothing():
     (q, k, v, g, beta), states = delta_inputs(2, 4, 16, 8, torch.float32)
     empty = (torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
     before = states.clone()
-    assert triton_gated_delta.gated_delta_decode(q[:0], k[:0], v[:0], g[:0], beta[:0], states, *empty).shape == (0, 4, 8)
-    assert triton_gated_delta.conv1d_decode(torch.zeros(0, 12), torch.ones(12, 4), torch.zeros(2, 12, 3),
-                                            *empty).shape == (0, 12)
+    assert triton_gated_delta.gated_delta_rule_varlen(q[:0], k[:0], v[:0], g[:0], beta[:0], states, *empty).shape == (0, 4, 8)
+    assert triton_gated_delta.causal_conv1d_varlen(torch.zeros(0, 12), torch.ones(12, 4), torch.zeros(2, 12, 3),
+                                                   *empty).shape == (0, 12)
     assert torch.equal(states, before)
 
 
-def test_layer_decode_in_place_matches_its_torch_decode():
-    """Two decode steps of three requests (the middle one at token 0 in the first) through the layer's
-    Triton path and its torch path, from the same slots: equal outputs and states."""
+# ---- a mixed step: (query_len, seq_len, slot) per request
+
+MIXED = [(5, 5, 3),  # a fresh prompt
+         (4, 10, 0),  # a continuing chunk of a prompt, from its state
+         (1, 8, 5),  # a decode
+         (1, 1, 2),  # a 1-token prompt: its slot's row is stale
+         (2, 3, 6),  # a chunk shorter than the conv window: the new conv state is old state | x
+         (1, 4, 1)]  # a decode
+MIXED_SLOTS = 8  # slots 4 and 7 belong to no request
+
+
+def mixed_index() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    starts = torch.tensor([0] + [n for n, _, _ in MIXED], dtype=torch.int32).cumsum(0).to(torch.int32)
+    return (torch.tensor([slot for _, _, slot in MIXED]), torch.tensor([n for _, n, _ in MIXED], dtype=torch.int32),
+            starts)
+
+
+def reference_mixed(run_one, states: torch.Tensor, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request alone through run_one(*its inputs, its state row or None) -> (out, state), as
+    GatedDeltaNet.prefill does; the outputs concatenated, the states written to a copy of `states`."""
+    states, outs, start = states.clone(), [], 0
+    for num_tokens, seq_len, slot in MIXED:
+        part = [x[start:start + num_tokens] for x in inputs]
+        out, row = run_one(*part, states[slot] if seq_len > num_tokens else None)
+        states[slot] = row.to(states.dtype)
+        outs.append(out)
+        start += num_tokens
+    return torch.cat(outs), states
+
+
+@pytest.mark.parametrize("dim,kernel", [(12, 4), (200, 4), (16, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_over_a_mixed_step_matches_reference(dim, kernel, dtype):
+    gen = torch.Generator().manual_seed(dim + kernel)
+    num_tokens = sum(n for n, _, _ in MIXED)
+    x = torch.randn(num_tokens, dim + 8, generator=gen).to(dtype)[:, 8:]  # strided rows
+    weight = torch.randn(dim, 1, kernel, generator=gen).to(dtype)[:, 0]
+    states = torch.randn(MIXED_SLOTS, dim, kernel - 1, generator=gen).to(dtype)
+    expected_out, expected_states = reference_mixed(lambda x, state: causal_conv1d(x, weight, state), states, (x,))
+    out = triton_gated_delta.causal_conv1d_varlen(x, weight, states, *mixed_index())
+    torch.testing.assert_close(out, expected_out, **TOLERANCE[dtype])
+    torch.testing.assert_close(states, expected_states, atol=0, rtol=0)  # copies of inputs: exact
+
+
+@pytest.mark.parametrize("heads", [(2, 4, 16, 8), (1, 2, 24, 40)])  # 24, 40: masked; 40: 2 blocks
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_delta_rule_over_a_mixed_step_matches_the_chunked_rule(heads, dtype):
+    num_k_heads, num_v_heads, head_k_dim, head_v_dim = heads
+    gen = torch.Generator().manual_seed(head_k_dim + head_v_dim)
+    num_tokens, key = sum(n for n, _, _ in MIXED), num_k_heads * head_k_dim
+    mixed = torch.randn(num_tokens, 2 * key + num_v_heads * head_v_dim, generator=gen).to(dtype)
+    q, k, v = mixed.split([key, key, num_v_heads * head_v_dim], dim=-1)  # strided views, as split_heads gives
+    q, k, v = q.unflatten(-1, (num_k_heads, -1)), k.unflatten(-1, (num_k_heads, -1)), v.unflatten(-1, (num_v_heads, -1))
+    g = -2 * torch.rand(num_tokens, num_v_heads, generator=gen)
+    beta = torch.rand(num_tokens, num_v_heads, generator=gen).to(dtype)
+    states = torch.randn(MIXED_SLOTS, num_v_heads, head_k_dim, head_v_dim, generator=gen)
+    expected_out, expected_states = reference_mixed(chunk_gated_delta_rule, states, (q, k, v, g, beta))
+    out = triton_gated_delta.gated_delta_rule_varlen(q, k, v, g, beta, states, *mixed_index())
+    assert out.dtype == dtype and out.shape == expected_out.shape
+    torch.testing.assert_close(out, expected_out, **TOLERANCE[dtype])
+    torch.testing.assert_close(states, expected_states, atol=2e-5, rtol=1e-5)  # float32 in both
+    assert torch.equal(states[[4, 7]], expected_states[[4, 7]]), "rows of other slots are untouched"
+
+
+def test_layer_forward_through_the_kernels_matches_its_torch_path(monkeypatch):
+    """Requests a (slot 2), b (slot 0) and c (slot 1) through a prefill step, a mixed step (c a 1-token
+    prompt) and a decode step as inside a CUDA graph: the layer with its kernels forced and the layer on its
+    torch path give equal outputs and states after every step."""
     triton_layer, torch_layer = make_layer(), make_layer()
     torch.manual_seed(2)
-    for step, seq_lens in enumerate(([6, 1, 3], [7, 2, 4])):
-        meta = metadata([1, 1, 1], seq_lens, [2, 0, 1], in_graph=step == 1)
-        hidden = torch.randn(3, 64)
-        projected = triton_layer.project(hidden)
-        beta = projected[2].sigmoid()
-        g = -triton_layer.A_log.float().exp() * torch.nn.functional.softplus(projected[3] + triton_layer.dt_bias)
-        expected = torch_layer.decode(projected[0], g, beta, meta)
-        out = triton_layer.decode_in_place(projected[0], g, beta, meta)
-        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    steps = [([7, 5], [7, 5], [2, 0], False), ([4, 1, 1], [11, 6, 1], [2, 0, 1], False),
+             ([1, 1, 1], [12, 7, 2], [2, 0, 1], True)]
+    for query_lens, seq_lens, slots, in_graph in steps:
+        meta = metadata(query_lens, seq_lens, slots, in_graph)
+        hidden = torch.randn(sum(query_lens), 64)
+        expected = run(torch_layer, hidden, meta)
+        with monkeypatch.context() as patch:
+            patch.setattr(gated_delta_net, "uses_kernels", lambda x: True)
+            out = run(triton_layer, hidden, meta)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
         for mine, theirs in zip(triton_layer.states or (), torch_layer.states or ()):
-            torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-4)
