@@ -155,6 +155,8 @@ class InputProcessor:
             self._check_structured_outputs(params.structured_outputs)
         if any(token >= vocab for token, _ in params.logit_bias):
             raise InvalidPromptError(f"logit_bias token ids must lie in [0, {vocab})", "logit_bias")
+        if any(token >= vocab for token in params.logprob_token_ids or ()):
+            raise InvalidPromptError(f"logprob_token_ids must lie in [0, {vocab})", "logprob_token_ids")
         if any(token >= vocab for token in params.allowed_token_ids or ()):
             raise InvalidPromptError("allowed_token_ids contains out-of-vocab token id", "allowed_token_ids")
         if any(token >= vocab for token in params.stop_token_ids):

@@ -45,6 +45,8 @@ class SamplingParams:
     # token id -> added to its logit, clamped to [-100, 100]; kept as sorted (id, bias) pairs
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: sample only among these ids (None: all)
+    # vLLM's: the logprobs of these ids at each position, in place of the top `logprobs` (then their count)
+    logprob_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # normalise inputs once; the record stays frozen afterwards
@@ -55,6 +57,9 @@ class SamplingParams:
         set_(self, "kept_special_token_ids", tuple(self.kept_special_token_ids or ()))
         if self.allowed_token_ids is not None:
             set_(self, "allowed_token_ids", tuple(sorted(set(self.allowed_token_ids))))
+        if self.logprob_token_ids:
+            set_(self, "logprob_token_ids", tuple(self.logprob_token_ids))
+            set_(self, "logprobs", len(self.logprob_token_ids))
         if self.top_k in (-1, 0):
             set_(self, "top_k", None)
         bias: Any = self.logit_bias
@@ -93,6 +98,7 @@ class SamplingParams:
              "allowed_token_ids is not allowed to be empty"),
             (all(t >= 0 for t in self.allowed_token_ids or ()), "allowed_token_ids",
              "allowed_token_ids must be >= 0"),
+            (all(t >= 0 for t in self.logprob_token_ids or ()), "logprob_token_ids", "logprob_token_ids must be >= 0"),
         ]
         for ok, field, message in checks:
             if not ok:

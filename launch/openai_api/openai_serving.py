@@ -73,6 +73,7 @@ class OpenAIServing:
         if body.best_of not in (None, body.n):
             raise APIError(400, "best_of must equal n (or be left out)", "best_of")
         logprobs = self._num_logprobs(body.logprobs, "logprobs")
+        self._num_logprobs(len(body.logprob_token_ids or ()) or None, "logprob_token_ids")  # within --max-logprobs
         # NOTE: a stream shows no prompt logprobs: its 0 (all vLLM takes with stream) asks for nothing
         prompt_logprobs = None if body.stream else self._num_logprobs(body.prompt_logprobs, "prompt_logprobs")
         scored = body.echo and logprobs is not None  # the echoed prompt comes with its logprobs
@@ -115,6 +116,7 @@ class OpenAIServing:
                                                               kwargs)
         grammar_param = "tool_choice" if plan and plan.structured else body.structured_field
         logprobs = self._num_logprobs(body.num_logprobs(), "top_logprobs")
+        self._num_logprobs(len(body.logprob_token_ids or ()) or None, "logprob_token_ids")  # within --max-logprobs
         prompt_logprobs = None if body.stream else self._num_logprobs(body.prompt_logprobs, "prompt_logprobs")
         with as_api_error("messages", grammar_param):
             params = body.sampling_params(body.requested_max_tokens(), logprobs, self.replicas.sampling_defaults,

@@ -75,7 +75,7 @@ class _SamplingFields(UnicodeBody):
     truncate_prompt_tokens: Optional[int] = Field(None, ge=-1, le=INT64_MAX)
     truncation_side: Optional[Literal["left", "right"]] = None
     use_beam_search: bool = False  # only false: there is no beam search here
-    logprob_token_ids: Optional[Items[TokenId]] = None  # vLLM's: logprobs of chosen tokens; refused when given
+    logprob_token_ids: Optional[Items[TokenId]] = None  # vLLM's: logprobs of these ids in place of the top k
     allowed_token_ids: Optional[Items[TokenId]] = None  # vLLM's: sample only among these token ids
     return_token_ids: Optional[bool] = None  # the choices carry token_ids, the response prompt_token_ids
     return_tokens_as_token_ids: Optional[bool] = None  # logprob tokens as "token_id:N" (None: the server's)
@@ -110,6 +110,7 @@ class _SamplingFields(UnicodeBody):
                               skip_special_tokens=self.skip_special_tokens,
                               logit_bias=tuple((self.logit_bias or {}).items()),
                               allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
+                              logprob_token_ids=tuple(self.logprob_token_ids or ()) or None,
                               prompt_logprobs=prompt_logprobs, structured_outputs=self.structured_outputs_asked())
 
     @property
@@ -139,8 +140,7 @@ class _SamplingFields(UnicodeBody):
                            "to be shown)", "prompt_logprobs")
 
     def _check_token_id_lists(self) -> None:
-        """vLLM's logprob_token_ids: checked as vLLM checks it, then refused, saying why (the sampler's logprobs
-        are the top k, not chosen ids)."""
+        """vLLM's logprob_token_ids, checked as vLLM checks it: not empty, and with logprobs asked for."""
         ids = self.logprob_token_ids
         if ids is None:
             return
@@ -148,9 +148,6 @@ class _SamplingFields(UnicodeBody):
             raise APIError(400, "`logprob_token_ids` must not be an empty list.", "logprob_token_ids")
         if getattr(self, "logprobs", None) in (None, False):
             raise APIError(400, "when using `logprob_token_ids`, `logprobs` must be set.", "logprob_token_ids")
-        raise APIError(400, "logprob_token_ids is not supported: the sampler returns the top k log-probabilities, "
-                       "not those of chosen ids; ask for top logprobs, or -1 for the whole vocabulary (within "
-                       "--max-logprobs), and read the tokens' entries", "logprob_token_ids")
 
 
 PromptInput = Union[str, Items[str], Items[int], Items[Items[int]]]

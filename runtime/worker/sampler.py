@@ -162,13 +162,16 @@ def sampled_logprobs(raw: torch.Tensor, states: list[RequestState], tokens: torc
         return {}
     index = host_to_device(np.array(rows, dtype=np.int64), raw.device)
     wanted = cast("list[int]", [states[row].sampling_params.logprobs for row in rows])  # rows that ask: no None
-    entries = token_logprobs(raw[index], tokens[index], wanted)
+    listed = [states[row].sampling_params.logprob_token_ids for row in rows]
+    entries = token_logprobs(raw[index], tokens[index], wanted, listed if any(listed) else None)
     return {states[row].request_id: entry for row, entry in zip(rows, entries)}
 
 
-def token_logprobs(raw: torch.Tensor, chosen: torch.Tensor, wanted: list[int]) -> list[TokenLogprobs]:
+def token_logprobs(raw: torch.Tensor, chosen: torch.Tensor, wanted: list[int],
+                   listed: list[tuple[int, ...] | None] | None = None) -> list[TokenLogprobs]:
     """raw: [rows, vocab] logits; chosen: [rows] the token each row scores; wanted[i]: how many of
-    row i's most likely tokens to add. One copy to the host for all rows.
+    row i's most likely tokens to add, or with listed[i] (vLLM's logprob_token_ids) those ids, in their
+    order. One copy to the host for all rows.
     NOTE: ranks and the order of the top tokens come from the raw scores with ties going to the lower
     id, as greedy's argmax picks: greedy is always the top-1 it reports, even at bf16 ties."""
     scores = raw.float()  # [rows, vocab]
@@ -179,6 +182,10 @@ def token_logprobs(raw: torch.Tensor, chosen: torch.Tensor, wanted: list[int]) -
     ranks = (scores > chosen_score).sum(dim=-1, keepdim=True) + tied_before.sum(dim=-1, keepdim=True) + 1
     k = max(wanted)
     top_ids = _top_ids(scores, k)  # [rows, k]
+    if listed is not None:  # rows naming their ids take those in place of their best
+        rows = [(row, ids) for row, ids in enumerate(listed) if ids]
+        named = np.array([list(ids) + [ids[0]] * (k - len(ids)) for _, ids in rows], dtype=np.int64)
+        top_ids[[row for row, _ in rows]] = host_to_device(named, scores.device)
     # [rows, 3 + 2k] float64: token, logprob, rank, top ids, top logprobs (ids are exact below 2^53)
     packed = torch.cat([chosen[:, None].double(), logprobs.gather(1, chosen[:, None]).double(), ranks.double(),
                         top_ids.double(), logprobs.gather(1, top_ids).double()], dim=1).tolist()

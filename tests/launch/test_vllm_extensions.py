@@ -71,11 +71,26 @@ def test_allowed_token_ids_restrict_the_sample_as_vllm_does(server):
 
 
 @pytest.mark.slow
-def test_token_id_lists_are_checked_in_vllms_words_then_refused(server):
+def test_logprob_token_ids_give_those_ids_logprobs_at_each_position(server):
+    """vLLM's logprob_token_ids: each position's top_logprobs are the listed ids' (in their order), scored in the
+    whole distribution: the greedy token's entry is its own logprob; checked in vLLM's words."""
+    code, data = chat(server, temperature=0, max_tokens=3, return_token_ids=True)
+    first = data["choices"][0]["token_ids"][0]  # greedy: the most likely token at position 0
+    listed = [5, first, 7]
+    code, data = chat(server, logprobs=True, logprob_token_ids=listed, temperature=0, max_tokens=3,
+                      return_tokens_as_token_ids=True)
+    content = data["choices"][0]["logprobs"]["content"]
+    names = [f"token_id:{i}" for i in listed]
+    for position in content:  # the listed ids in their order, and the sampled token where it is not one of them
+        shown = [e["token"] for e in position["top_logprobs"]]
+        assert [t for t in shown if t in names] == names and set(shown) - set(names) <= {position["token"]}
+    assert code == 200 and content[0]["token"] == f"token_id:{first}"
+    assert abs(content[0]["top_logprobs"][1]["logprob"] - content[0]["logprob"]) < 1e-6
+    assert content[0]["top_logprobs"][1]["logprob"] > max(content[0]["top_logprobs"][0]["logprob"],
+                                                          content[0]["top_logprobs"][2]["logprob"])
     assert refused(complete(server, logprob_token_ids=[]), "logprob_token_ids", "must not be an empty list")
     assert refused(chat(server, logprob_token_ids=[5]), "logprob_token_ids", "`logprobs` must be set")
-    assert refused(chat(server, logprobs=True, logprob_token_ids=[5]), "logprob_token_ids", "top k")
-    assert refused(complete(server, logprobs=1, logprob_token_ids=[5]), "logprob_token_ids", "-1")
+    assert refused(complete(server, logprobs=1, logprob_token_ids=[10**6]), "logprob_token_ids", "[0,")
 
 
 @pytest.mark.slow
