@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
+from shardserve.planner.hf_config import recurrent_layer_kind
 from shardserve.planner.kv_groups import longest_fitting_len, max_pages_per_request, pages_without_kv
 from shardserve.planner.rules import offload_blocks, offload_size_problem
 from shardserve.runtime.config import EngineConfig, KVCacheInfo
@@ -27,12 +28,15 @@ def size_kv_cache(config: EngineConfig, executor: Executor) -> KVCacheInfo:
         max_model_len = fitting or max_model_len  # None: not one token fits, refused below
     needed = max_pages_per_request(groups.windows, max_model_len, block_size, chunk)
     if needed > num_blocks:
+        kind = recurrent_layer_kind(config.model.hf_config.to_dict())
         fitting = longest_fitting_len(num_blocks, block_size, groups.windows, chunk, max_model_len)
         raise ValueError(
             f"the KV cache holds {num_blocks} blocks ({available / 1024**3:.3f} GiB at {per_block} bytes per "
             f"block of {block_size} tokens); a request of max_model_len={max_model_len} needs {needed}; "
             + (f"set max_model_len <= {fitting} (or auto) " if fitting else "")
-            + "or give the KV cache more memory (gpu_memory_utilization, or kv_cache_memory_bytes)")
+            + "or give the KV cache more memory (gpu_memory_utilization, or kv_cache_memory_bytes)"
+            + (f", or lower max_num_seqs ({config.scheduler.max_num_seqs}): the {kind} layers' states, a row per "
+               "request it may run, come out of the same memory" if kind else ""))
     info = KVCacheInfo(num_blocks=num_blocks, block_size=block_size, bytes_per_block=per_block,
                        max_model_len=max_model_len, blocks_per_request=needed,
                        num_offload_blocks=_offload_blocks(config, per_block))

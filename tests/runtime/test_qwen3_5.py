@@ -84,6 +84,13 @@ def test_shared_prefixes_and_preemption(checkpoint_factory):
     llm.engine.block_manager.check_integrity()
 
 
+def test_states_that_leave_no_room_name_max_num_seqs(checkpoint_factory):
+    folder, _ = checkpoint_factory("qwen3_5", num_layers=NUM_LAYERS)
+    with pytest.raises(ValueError, match=r"or lower max_num_seqs \(8\): the Gated DeltaNet layers' states"):
+        LLM(folder, device="cpu", block_size=4, max_model_len=56, max_num_seqs=8,
+            kv_cache_memory_bytes=2 * BLOCK_BYTES + (8 + 1) * STATE_BYTES_PER_SLOT)
+
+
 def test_mtp_head_is_skipped_and_named_once(checkpoint_factory, tmp_path, caplog):
     """Real checkpoints ship a multi-token-prediction head (mtp.*): not loaded, said once in the log."""
     source, hf_model = checkpoint_factory("qwen3_5_vl", num_layers=NUM_LAYERS)
