@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from shardserve.planner.errors import PlanError
 from shardserve.planner.model_source import ModelInfo
@@ -132,16 +133,12 @@ def with_numbers(record: PlanFile, trace: Trace, rep: Replayed, num_layouts: int
     """The plan with the estimates its replay measured (`seconds`: every replay's, default this one's), and the
     targets they miss at the plan's percentile as warnings."""
     est, par = record.estimates, record.parallel
-    percentile = est.workload.percentile
-    tpot_at = _at(rep.tpot_ms, percentile) if rep.tpot_ms else est.tpot_ms
     num_gpus = par.tensor_parallel_size * par.pipeline_parallel_size * par.data_parallel_size
-    tokens_per_s = rep.output_tokens_per_s
-    section = TraceSection(trace.source, len(rep.ttft_ms), trace.is_offline, tokens_per_s,
+    section = TraceSection(trace.source, len(rep.ttft_ms), trace.is_offline, rep.output_tokens_per_s,
                            round(rep.seconds if seconds is None else seconds, 3), trace.concurrency, num_layouts,
                            None if plan_seconds is None else round(plan_seconds, 3))
     estimates = dataclasses.replace(
-        est, ttft_ms=_at(rep.ttft_ms, percentile), tpot_ms=tpot_at, output_tokens_per_s=tokens_per_s,
-        output_tokens_per_s_per_gpu=tokens_per_s / num_gpus, output_tokens_per_s_per_user=1000 / tpot_at,
+        est, **_measured(rep, est.workload.percentile, est.tpot_ms, num_gpus),
         percentiles=PercentilesSection(_spread(rep.ttft_ms), _spread(rep.tpot_ms) if rep.tpot_ms else None,
                                        _spread(rep.itl_ms) if rep.itl_ms else None, _spread(rep.e2e_ms)),
         trace=section)
@@ -198,12 +195,17 @@ def _estimates(contender: Plan, rep: Replayed) -> Estimates:
     tokens/s the trace was served at."""
     est = contender.chosen.estimates
     assert est is not None  # a feasible candidate's
-    percentile = est.workload.percentile
-    tpot = _at(rep.tpot_ms, percentile) if rep.tpot_ms else est.tpot_ms
+    return dataclasses.replace(est, **_measured(rep, est.workload.percentile, est.tpot_ms,
+                                                contender.chosen.layout.num_gpus))
+
+
+def _measured(rep: Replayed, percentile: int, tpot_ms: float, num_gpus: int) -> dict[str, Any]:
+    """What a replay measured, as estimates: TTFT and TPOT at the percentile (TPOT as estimated when no request
+    had two tokens), the output tokens/s it served the trace at, per GPU and per user."""
+    tpot = _at(rep.tpot_ms, percentile) if rep.tpot_ms else tpot_ms
     per_s = rep.output_tokens_per_s
-    return dataclasses.replace(est, ttft_ms=_at(rep.ttft_ms, percentile), tpot_ms=tpot, output_tokens_per_s=per_s,
-                               output_tokens_per_s_per_gpu=per_s / contender.chosen.layout.num_gpus,
-                               output_tokens_per_s_per_user=1000 / tpot)
+    return {"ttft_ms": _at(rep.ttft_ms, percentile), "tpot_ms": tpot, "output_tokens_per_s": per_s,
+            "output_tokens_per_s_per_gpu": per_s / num_gpus, "output_tokens_per_s_per_user": 1000 / tpot}
 
 
 def _why(runs: list[_Run], run: _Run, is_met: bool, num_contenders: int, targets: Targets,

@@ -152,11 +152,10 @@ def _fewer_state_slots(search: Search, memory) -> str | None:
     per_row = stage.recurrent_state_bytes // (search.settings.max_num_seqs + 1)
     kv_needed = memory.blocks_per_request(search.settings.max_model_len) * search.options.target_concurrency * \
         memory.block_size * stage.kv_bytes_per_token
-    rows = (stage.kv_budget_bytes + stage.recurrent_state_bytes - kv_needed) // max(1, per_row)
-    for num in sorted({n for n in (rows - 1, (rows - 1) // 2 * 2, 8 * ((rows - 1) // 8)) if n >= 1}, reverse=True):
-        if _works(search, replace(search.options, max_num_seqs=int(num)), search.model):
-            return f"--max-num-seqs {num} would fit (a recurrent state row per request: {per_row / 2**20:.0f} MiB each)."
-    return None
+    num = int((stage.kv_budget_bytes + stage.recurrent_state_bytes - kv_needed) // max(1, per_row)) - 1  # - scratch
+    if num < 1 or not _works(search, replace(search.options, max_num_seqs=num), search.model):
+        return None
+    return f"--max-num-seqs {num} would fit (a recurrent state row per request: {per_row / 2**20:.0f} MiB each)."
 
 
 def _works(search: Search, options, model) -> bool:

@@ -8,7 +8,8 @@ A linear-attention layer keeps no KV per token: each request has one fixed-size 
 
     conv_dim = 2 * key_dim + value_dim    key_dim = num_key_heads * dk    value_dim = num_value_heads * dv
 
-The planner and the runtime size these rows with the same function, `recurrent_state_bytes`.
+The planner sizes them with `recurrent_state_bytes`; the runtime allocates each layer's StateSpecs
+(runtime/layers/gated_delta_net.py), of these shapes, in `recurrent_state_slots` rows.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from shardserve.planner.errors import PlanError
 from shardserve.planner.model_spec import ModelSpec, TensorInfo
+from shardserve.planner.served import LINEAR_ATTENTION_FAMILIES
 
 _SAFETENSORS_DTYPE = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
@@ -133,38 +134,9 @@ class _Tensors:
 def derive_tensors(spec: ModelSpec) -> list[TensorInfo]:
     """The tensors a checkpoint of this config holds, named the way the family names them."""
     t = _Tensors(spec)
-    derive = {"gpt2": _gpt2_tensors, "opt": _opt_tensors, "qwen3_next": _hybrid_tensors,
-              "qwen3_5_text": _hybrid_tensors, "qwen3_5_moe_text": _hybrid_tensors}
+    derive = {"gpt2": _gpt2_tensors, "opt": _opt_tensors}
     derive.get(spec.family, _llama_like_tensors)(spec, t)
     return t.out
-
-
-def _hybrid_tensors(spec: ModelSpec, t: _Tensors) -> None:
-    """Qwen3-Next and Qwen3.5: Gated DeltaNet layers (linear_attn) and gated full attention (q_proj
-    gives the query and its output gate, each head_dim wide per head) beside dense or routed MLPs."""
-    h, d = spec.hidden_size, spec.head_dim
-    t.add("model.embed_tokens.weight", spec.vocab_size * h)
-    for i in range(spec.num_layers):
-        p = f"model.layers.{i}"
-        t.norm(f"{p}.input_layernorm", False)
-        t.norm(f"{p}.post_attention_layernorm", False)
-        if spec.is_linear_layer(i):
-            _gated_delta_net_tensors(spec, t, f"{p}.linear_attn")
-        else:
-            gate = 2 if spec.has_attention_output_gate else 1
-            t.linear(f"{p}.self_attn.q_proj", h, gate * spec.num_attention_heads * d)
-            t.linear(f"{p}.self_attn.k_proj", h, spec.num_kv_heads * d)
-            t.linear(f"{p}.self_attn.v_proj", h, spec.num_kv_heads * d)
-            t.linear(f"{p}.self_attn.o_proj", spec.num_attention_heads * d, h)
-            t.add(f"{p}.self_attn.q_norm.weight", d)
-            t.add(f"{p}.self_attn.k_norm.weight", d)
-        if i in spec.moe_layers:
-            _stacked_moe_tensors(spec, t, f"{p}.mlp")
-        else:
-            _gated_mlp(t.linear, f"{p}.mlp", h, spec.intermediate_size)
-    t.norm("model.norm", False)
-    if not spec.tie_word_embeddings:
-        t.add("lm_head.weight", spec.vocab_size * h)
 
 
 def _stacked_moe_tensors(spec: ModelSpec, t: _Tensors, p: str) -> None:
@@ -240,8 +212,13 @@ def _llama_like_tensors(spec: ModelSpec, t: _Tensors) -> None:
         if spec.family in ("gemma2", "gemma3_text"):  # the sandwich norms around the MLP
             t.norm(f"{p}.pre_feedforward_layernorm", False)
             t.norm(f"{p}.post_feedforward_layernorm", False)
-        _attention_tensors(spec, t, p, q_out, kv_out)
-        if i in spec.moe_layers:
+        if spec.is_linear_layer(i):  # Qwen3-Next and Qwen3.5: Gated DeltaNet in place of attention
+            _gated_delta_net_tensors(spec, t, f"{p}.linear_attn")
+        else:
+            _attention_tensors(spec, t, p, q_out, kv_out)
+        if i in spec.moe_layers and spec.linear_attention:
+            _stacked_moe_tensors(spec, t, f"{p}.mlp")
+        elif i in spec.moe_layers:
             t.out += _moe_tensors(spec, p, t.linear, t.dtype)
         elif spec.family == "phi3":  # gate and up fused in the checkpoint
             t.linear(f"{p}.mlp.gate_up_proj", h, 2 * spec.intermediate_size)
@@ -277,13 +254,14 @@ def _attention_tensors(spec: ModelSpec, t: _Tensors, p: str, q_out: int, kv_out:
         t.linear(f"{p}.self_attn.qkv_proj", h, q_out + 2 * kv_out)
     else:
         qkv_bias = spec.family in ("qwen2", "qwen2_moe", "gpt_oss")
-        t.linear(f"{p}.self_attn.q_proj", h, q_out, bias=qkv_bias)
+        gate = 2 if spec.has_attention_output_gate else 1  # Qwen3.5's q_proj: each head's query and output gate
+        t.linear(f"{p}.self_attn.q_proj", h, gate * q_out, bias=qkv_bias)
         t.linear(f"{p}.self_attn.k_proj", h, kv_out, bias=qkv_bias)
         t.linear(f"{p}.self_attn.v_proj", h, kv_out, bias=qkv_bias)
     t.linear(f"{p}.self_attn.o_proj", q_out, h, bias=spec.family == "gpt_oss")
     if spec.family == "gpt_oss":  # a learned softmax sink per head
         t.out.append(TensorInfo(f"{p}.self_attn.sinks", spec.num_attention_heads, "F32"))
-    if spec.family in ("qwen3", "qwen3_moe", "gemma3_text"):
+    if spec.family in ("qwen3", "qwen3_moe", "gemma3_text", *LINEAR_ATTENTION_FAMILIES):
         t.add(f"{p}.self_attn.q_norm.weight", d)
         t.add(f"{p}.self_attn.k_norm.weight", d)
 

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import torch
 
-from shardserve.planner.hf_config import max_context_length
+from shardserve.planner.hf_config import max_context_length, recurrent_layer_kind
 from shardserve.planner.kv_groups import KVGroups, model_kv_groups, tokens_held
 from shardserve.planner.hub import HubOptions, hf_cache_dir
 from shardserve.planner.model_spec import canonical_dtype
@@ -38,6 +38,7 @@ class ModelConfig:
     generation_config: str = "auto"  # where sampling defaults come from (runtime/generation_config.py)
     # how the attention layers share the KV pool: a block table per kind of layer (planner/kv_groups.py)
     kv_groups: KVGroups = KVGroups((None,), (), 1)
+    recurrent_kind: str | None = None  # its recurrent layers' kind ("Gated DeltaNet"); None: it has none
     is_max_model_len_auto: bool = False  # max_model_len is the model's until the KV cache is measured
     pooler: PoolerConfig | None = None  # runner "pooling": prompts are pooled, never sampled; None: generate
     load_format: str = "auto"  # auto | safetensors: the checkpoint's weights; dummy: random weights of its shapes
@@ -89,6 +90,7 @@ def load_model_config(model: str, dtype: str = "auto", max_model_len: int | Lite
     # a multimodal checkpoint: the language model's config (the checkpoint's dtype and quantization stay)
     hf_config = checkpoint_config.text_config if served and served.has_text_config else checkpoint_config
     longest = _max_positions(hf_config)
+    text = hf_config.to_dict()
     is_auto = max_model_len == "auto"  # kv_sizing picks the length once the pool is measured
     if max_model_len is None or max_model_len == "auto":
         max_model_len = longest
@@ -102,7 +104,8 @@ def load_model_config(model: str, dtype: str = "auto", max_model_len: int | Lite
                        skip_tokenizer_init=skip_tokenizer_init, enforce_eager=enforce_eager,
                        quantization=QuantConfig.from_dict(getattr(checkpoint_config, "quantization_config", None),
                                                           quantization),
-                       kv_groups=model_kv_groups({**hf_config.to_dict(), "architectures": architectures},
+                       recurrent_kind=recurrent_layer_kind(text),
+                       kv_groups=model_kv_groups({**text, "architectures": architectures},
                                                  hf_config.num_hidden_layers),
                        is_max_model_len_auto=is_auto)
 

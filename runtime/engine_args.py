@@ -9,7 +9,6 @@ from typing import Literal
 from shardserve.planner.hub import HubOptions
 from shardserve.planner.model_source import local_weights, model_path
 from shardserve.planner.lora import lora_problem
-from shardserve.planner.hf_config import recurrent_layer_kind
 from shardserve.planner.rules import (offload_groups_problem, offload_problem, prefix_caching_problem,
                                      resolved_prefix_caching)
 from shardserve.planner.settings import (ENGINE, SettingError, check_fields, check_names, default,
@@ -101,7 +100,7 @@ class EngineArgs:
         device = resolve_device(self.device)
         loaded = load_model_config(folder, self.dtype, self.max_model_len, self.skip_tokenizer_init,
                                    self.enforce_eager, device, self.quantization)
-        kind = recurrent_layer_kind(loaded.hf_config.to_dict())
+        kind = loaded.recurrent_kind
         prefix_caching = resolved_prefix_caching(self.enable_prefix_caching, kind)
         problem = (prefix_caching_problem(self.enable_prefix_caching, kind)
                    or offload_problem(prefix_caching, self.kv_offloading_size)

@@ -86,8 +86,8 @@ class BlockManager:
 
     def group_block_ids(self, request_id: str) -> list[list[int]]:
         """The other groups' block tables (none for a pool of one group)."""
-        return self._tables.get(request_id, [[]])[1:] if request_id in self._tables else \
-            [[] for _ in self.windows[1:]]
+        tables = self._tables.get(request_id)
+        return tables[1:] if tables else [[] for _ in self.windows[1:]]
 
     def held_block_ids(self, request_id: str) -> list[int]:
         """The pages the request holds a reference to, every group's."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from shardserve.planner.hf_config import recurrent_layer_kind
 from shardserve.planner.kv_groups import longest_fitting_len, max_pages_per_request, pages_without_kv
 from shardserve.planner.rules import offload_blocks, offload_size_problem
 from shardserve.runtime.config import EngineConfig, KVCacheInfo
@@ -28,7 +27,7 @@ def size_kv_cache(config: EngineConfig, executor: Executor) -> KVCacheInfo:
         max_model_len = fitting or max_model_len  # None: not one token fits, refused below
     needed = max_pages_per_request(groups.windows, max_model_len, block_size, chunk)
     if needed > num_blocks:
-        kind = recurrent_layer_kind(config.model.hf_config.to_dict())
+        kind = config.model.recurrent_kind
         fitting = longest_fitting_len(num_blocks, block_size, groups.windows, chunk, max_model_len)
         raise ValueError(
             f"the KV cache holds {num_blocks} blocks ({available / 1024**3:.3f} GiB at {per_block} bytes per "

@@ -171,14 +171,13 @@ def build_host_inputs(batch: list[RequestState], num_scheduled: dict[str, int], 
     pending_rows = np.flatnonzero(is_pending)
     has_block = np.arange(int(num_blocks.max()))[None, :] < num_blocks[:, None]
 
-    def table_and_slots(tables_of) -> tuple[np.ndarray, np.ndarray]:
+    def slots_and_table(tables_of) -> tuple[np.ndarray, np.ndarray]:
         tables = np.zeros(has_block.shape, dtype=np.int32)
         tables[has_block] = np.concatenate([tables_of(s) for s in batch])
-        return tables, tables[token_rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        return tables[token_rows, positions // block_size].astype(np.int64) * block_size + positions % block_size, tables
 
-    tables, slots = table_and_slots(lambda s: s.block_ids)
-    group_tables = [table_and_slots(lambda s, g=g: s.group_block_ids[g])[::-1]
-                    for g in range(len(batch[0].group_block_ids))]
+    slots, tables = slots_and_table(lambda s: s.block_ids)
+    group_tables = [slots_and_table(lambda s, g=g: s.group_block_ids[g]) for g in range(len(batch[0].group_block_ids))]
     samples = seq_lens == num_known + num_pending  # the whole request is in the cache after this step
     has_states = batch[0].state_slot >= 0  # every request of a model with recurrent layers has one
     return HostInputs(input_ids=input_ids, positions=positions, slot_mapping=slots,

@@ -7,12 +7,14 @@ is scratch for a CUDA graph's padding rows. Slots are local to a rank: ranks nee
 
 from __future__ import annotations
 
+from shardserve.planner.linear_attention import recurrent_state_slots
+
 
 class StateSlots:
     def __init__(self, max_num_seqs: int) -> None:
-        self.num_slots = max_num_seqs + 1
-        self.scratch = max_num_seqs
-        self._free = list(range(max_num_seqs - 1, -1, -1))  # popped from the end: lowest first
+        self.num_slots = recurrent_state_slots(max_num_seqs)  # the planner counts the same rows
+        self.scratch = self.num_slots - 1
+        self._free = list(range(self.scratch - 1, -1, -1))  # popped from the end: lowest first
         self._held: dict[str, int] = {}
 
     def take(self, request_id: str) -> int:

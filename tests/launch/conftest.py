@@ -78,14 +78,34 @@ def stop_server(proc: subprocess.Popen, stop_signal: int = signal.SIGTERM) -> tu
     return proc.returncode, out
 
 
-def open_request(url: str, path: str, body: dict) -> socket.socket:
-    """A POST sent on a raw socket and left unread: close the socket to disconnect the client."""
+def open_request(url: str, path: str, body: dict, api_key: str | None = None) -> socket.socket:
+    """A POST sent on a raw socket (with the key, if any) and left unread: close the socket to disconnect
+    the client."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
     data = json.dumps(body).encode()
+    key = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
     sock = socket.create_connection((host, int(port)))
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n{key}"
                  f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
     return sock
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+def complete(server: str, **fields) -> tuple[int, dict]:
+    return post(server, "/v1/completions", {"model": MODEL, "prompt": "A list is", "max_tokens": 4} | fields)
+
+
+def chat(server: str, **fields) -> tuple[int, dict]:
+    return post(server, "/v1/chat/completions", {"model": MODEL, "messages": HI, "max_tokens": 4} | fields)
+
+
+def refused(reply: tuple[int, dict], param: str, *words: str) -> bool:
+    """A 400 naming `param`, its message holding each of `words`."""
+    code, data = reply
+    error = data["error"]
+    return code == 400 and error["param"] == param and all(w in error["message"] for w in words)
 
 
 def kill_if_running(proc: subprocess.Popen) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import time
 
 import jsonschema
@@ -15,28 +14,15 @@ from shardserve.launch.anthropic.request import output_format
 from shardserve.launch.demo import DEMO_MODEL_DIR
 from shardserve.launch.openai_api.protocol import ChatCompletionRequest
 from shardserve.launch.server.api_error import APIError
-from tests.launch.conftest import API_KEY, MODEL, http, metric, post, serving, stream_chunks
+from tests.launch.conftest import (API_KEY, HI, MODEL, chat, complete, http, metric, open_request, post, refused,
+                                   serving, stream_chunks)
 
-HI = [{"role": "user", "content": "hi"}]
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["a"], "properties": {"a": {"enum": [1, 2]}}}
 
 
 @pytest.fixture(scope="module")
 def server():
     yield from serving("--profile", "demo", "--api-key", API_KEY, "--enable-force-include-usage")
-
-
-def complete(server: str, **fields) -> tuple[int, dict]:
-    return post(server, "/v1/completions", {"model": MODEL, "prompt": "A list is", "max_tokens": 4} | fields)
-
-
-def chat(server: str, **fields) -> tuple[int, dict]:
-    return post(server, "/v1/chat/completions", {"model": MODEL, "messages": HI, "max_tokens": 4} | fields)
-
-
-def refused(reply: tuple[int, dict], param: str, *words: str) -> bool:
-    code, data = reply
-    return code == 400 and data["error"]["param"] == param and all(w in data["error"]["message"] for w in words)
 
 
 @pytest.mark.slow
@@ -117,22 +103,12 @@ def test_forced_usage_rides_on_every_chunk(server):
     assert counts[0] == 0 and counts[1:-1] == list(range(1, 6)) and counts[-1] == 5 and chunks[-1]["choices"] == []
 
 
-def open_keyed_request(url: str, body: dict) -> socket.socket:
-    """A completion POSTed with the key on a raw socket and left unread: closing the socket is the client leaving."""
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    data = json.dumps(body).encode()
-    sock = socket.create_connection((host, int(port)))
-    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                 f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
-    return sock
-
-
 @pytest.mark.slow
 def test_an_abort_counts_its_prompt_and_its_reason(server):
     """vLLM's test_abort_metrics_reset, and the counters vLLM keeps for an aborted request."""
     success, prompt_tokens = metric(server, "vllm:request_success_total"), metric(server, "vllm:prompt_tokens_total")
-    sock = open_keyed_request(server, {"model": MODEL, "prompt": [5, 6, 7, 8, 9], "max_tokens": 1000,
-                                       "ignore_eos": True})
+    sock = open_request(server, "/v1/completions", {"model": MODEL, "prompt": [5, 6, 7, 8, 9], "max_tokens": 1000,
+                                                    "ignore_eos": True}, API_KEY)
     deadline = time.monotonic() + 30
     while metric(server, "vllm:num_requests_running") == 0:
         assert time.monotonic() < deadline

@@ -10,11 +10,10 @@ import jsonschema
 import pytest
 
 from shardserve.launch.demo import DEMO_MODEL_DIR
-from tests.launch.conftest import AUTH, MODEL, http, post, stream_chunks
+from tests.launch.conftest import AUTH, HI, MODEL, chat, complete, http, post, refused, stream_chunks
 
 pytestmark = pytest.mark.slow  # every test here starts a process
 
-HI = [{"role": "user", "content": "hi"}]
 LONG = "The quick brown fox jumps over the lazy dog. " * 6
 PET = {"type": "object", "additionalProperties": False, "required": ["kind"],
        "properties": {"kind": {"enum": ["cat", "dog"]}}}
@@ -24,20 +23,6 @@ PET = {"type": "object", "additionalProperties": False, "required": ["kind"],
 def tokenizer():
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
-
-
-def complete(server: str, **fields) -> tuple[int, dict]:
-    return post(server, "/v1/completions", {"model": MODEL, "prompt": "A list is", "max_tokens": 4} | fields)
-
-
-def chat(server: str, **fields) -> tuple[int, dict]:
-    return post(server, "/v1/chat/completions", {"model": MODEL, "messages": HI, "max_tokens": 4} | fields)
-
-
-def refused(reply: tuple[int, dict], param: str, *words: str) -> bool:
-    code, data = reply
-    error = data["error"]
-    return code == 400 and error["param"] == param and all(w in error["message"] for w in words)
 
 
 def test_structured_outputs_beside_response_format_and_guided_fields(server, client):

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from shardserve.runtime import LLM, SamplingParams
 from shardserve.runtime.layers.recurrent_state import RecurrentLayer
 from test_parallel_generate import rank_pids
-from test_runtime_matches_transformers import MIXED, SHARED, random_prompts, reference, token_outputs
+from test_runtime_matches_transformers import MIXED, SHARED, logprobs_within, random_prompts, reference, token_outputs
 
 FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_next"]
 NUM_LAYERS = 4  # linear, linear, linear, full attention
@@ -57,18 +57,7 @@ def test_logprobs_match_transformers_logits(family):
     against a float64 transformers, transformers' own float32 is off by 3.5e-5 there, the runtime's fused
     gate_up and qkv matmuls round differently), while a wrong state or position is off by far more."""
     name, folder, hf_model, _ = family
-    llm = LLM(folder, device="cpu", kv_cache_memory_bytes=2**22)
-    prompts = MIXED[3:7]
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(temperature=0.0, max_tokens=4, logprobs=5, ignore_eos=True))
-    for prompt, output in zip(prompts, outputs):
-        completion = output.outputs[0]
-        with torch.no_grad():
-            logits = hf_model(torch.tensor([prompt + completion.token_ids])).logits[0, len(prompt) - 1: -1]
-        expected = torch.log_softmax(logits.float(), dim=-1)
-        for step, entries in enumerate(completion.logprobs):
-            for token, logprob in entries.items():
-                assert abs(logprob.logprob - expected[step, token].item()) < 5e-4, (name, step, token)
+    logprobs_within(LLM(folder, device="cpu", kv_cache_memory_bytes=2**22), hf_model, MIXED[3:7], 5e-4, name)
 
 
 def test_shared_prefixes_and_preemption(checkpoint_factory):

@@ -95,9 +95,16 @@ def test_logprobs_match_transformers_logits(family):
     """Every step's top-5 log-probabilities (raw model distribution) within 1e-4 of transformers'."""
     name, folder, hf_model, _, _ = family
     llm = LLM(folder, device="cpu", kv_cache_memory_bytes=2**24)
-    prompts = MIXED[3:7]
+    for entries in logprobs_within(llm, hf_model, MIXED[3:7], 1e-4, name):
+        assert len(entries) >= 5
+
+
+def logprobs_within(llm, hf_model, prompts, tolerance: float, name: str) -> list[dict]:
+    """Greedy top-5 log-probabilities of 4 steps per prompt, each within `tolerance` of transformers' full
+    forward over prompt and output; returns every step's entries."""
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(temperature=0.0, max_tokens=4, logprobs=5, ignore_eos=True))
+    steps = []
     for prompt, output in zip(prompts, outputs):
         completion = output.outputs[0]
         ids = torch.tensor([prompt + completion.token_ids])
@@ -106,5 +113,6 @@ def test_logprobs_match_transformers_logits(family):
         expected = torch.log_softmax(logits.float(), dim=-1)
         for step, entries in enumerate(completion.logprobs):
             for token, logprob in entries.items():
-                assert abs(logprob.logprob - expected[step, token].item()) < 1e-4, (name, step, token)
-            assert len(entries) >= 5
+                assert abs(logprob.logprob - expected[step, token].item()) < tolerance, (name, step, token)
+            steps.append(entries)
+    return steps
