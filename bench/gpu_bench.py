@@ -31,16 +31,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_checkpoints import SHAPES, make_awq_checkpoint, make_checkpoint  # noqa: E402
 import gpu_serve  # noqa: E402  (bench/gpu_serve.py: the serving benchmark's server and client)
 import plan_vs_engine  # noqa: E402  (bench/plan_vs_engine.py: the plan's decode step beside the engine's)
 import throughput  # noqa: E402  (bench/throughput.py: shared prompt and timing helpers)
 
-from shardserve.planner.catalog import model_catalog  # noqa: E402
 from shardserve.planner.settings import BY_NAME  # noqa: E402
 
-SHAPES = {"llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct", "qwen3-0.6b": "Qwen/Qwen3-0.6B"}
-SMALL = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 2048}
 RESULTS_JSON = Path(__file__).parent / "results.json"
 GPU_NAMES = {"H100": "H100-80GB", "H200": "H200"}  # torch's device name -> the planner's catalog
 
@@ -96,77 +93,6 @@ def measure_bandwidth(device: str, nbytes: int) -> float:
     return 2 * nbytes / sorted(times)[len(times) // 2]
 
 
-def make_checkpoint(shape: str, workdir: Path, small: bool, device: str) -> Path:
-    """Random weights with the shape's config, saved once; bf16 (float32 for --small on CPU)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    folder = workdir / (shape + ("-small" if small else ""))
-    if (folder / "config.json").exists():
-        return folder
-    config = dict(model_catalog()[SHAPES[shape]])
-    if small:
-        config |= SMALL | {"max_position_embeddings": 4096}
-    arch = config["architectures"][0]
-    model_type = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}[arch]
-    hf_config = AutoConfig.for_model(model_type, **{k: v for k, v in config.items()
-                                                    if k != "architectures"})
-    hf_config.architectures = [arch]
-    dtype = torch.float32 if small and device == "cpu" else torch.bfloat16
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    partial = folder.with_name(folder.name + ".partial")
-    model.save_pretrained(partial)
-    save_word_tokenizer(partial, hf_config.vocab_size)
-    os.replace(partial, folder)  # NOTE: a call cut off mid-save leaves no folder that looks complete
-    del model
-    free_device_memory(device)
-    return folder
-
-
-def save_word_tokenizer(folder: Path, vocab_size: int) -> None:
-    """One word per id ("w0" ... "w{vocab_size - 1}"), so the server streams text for any token a
-    random model samples."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="w0").save_pretrained(folder)
-
-
-def make_awq_checkpoint(folder: Path) -> Path:
-    """The float checkpoint's linear layers as random 4-bit AWQ tensors (group 128): speed, not quality."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-    awq = folder.with_name(folder.name + "-awq")
-    if (awq / "config.json").exists():
-        return awq
-    partial = awq.with_name(awq.name + ".partial")
-    shutil.copytree(folder, partial, ignore=shutil.ignore_patterns("*.safetensors*"))
-    tensors, generator = {}, torch.Generator().manual_seed(0)
-
-    def words(*shape: int) -> torch.Tensor:
-        return torch.randint(-2**31, 2**31 - 1, shape, generator=generator, dtype=torch.int32)
-
-    for file in sorted(folder.glob("*.safetensors")):
-        for name, tensor in load_file(file).items():
-            if name.endswith("_proj.weight") and ".layers." in name:
-                out, num_in = tensor.shape
-                prefix = name.removesuffix(".weight")
-                tensors |= {f"{prefix}.qweight": words(num_in, out // 8), f"{prefix}.qzeros": words(num_in // 128, out // 8),
-                            f"{prefix}.scales": (torch.rand(num_in // 128, out, generator=generator) * 1e-3).half()}
-            else:
-                tensors[name] = tensor
-    save_file(tensors, partial / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((partial / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
-                                     "version": "gemm"}
-    (partial / "config.json").write_text(json.dumps(config, indent=1))
-    (partial / "model.safetensors.index.json").unlink(missing_ok=True)
-    os.replace(partial, awq)
-    return awq
-
-
 def planner_gpu(device: str) -> str | None:
     """The hardware the planner plans this device as: a catalog GPU, "cpu", or None (a GPU without data)."""
     if device == "cpu":
@@ -192,14 +118,36 @@ def plan_estimate(folder: Path, device: str, input_len: int, output_len: int,
             "decode_tok_s_batch1": round(e.decode_tokens_per_s_batch1, 1), "source": e.source}
 
 
+def burst_estimate(folder: Path, device: str, num_prompts: int, input_len: int, output_len: int) -> dict | None:
+    """The plan for an offline run: all the prompts at once, replayed through the engine's scheduler as
+    `plan --trace` does (the steady-state figure assumes every step carries a prompt's chunk)."""
+    import tempfile
+
+    from shardserve.launch.plan_view import make_plan_from
+    gpu = planner_gpu(device) if device == "cuda" else None
+    if gpu is None:
+        return None
+    with tempfile.NamedTemporaryFile("w", suffix=".csv") as trace:
+        trace.write("arrival_s,input_len,output_len\n" + f"0,{input_len},{output_len}\n" * num_prompts)
+        trace.flush()
+        plan = make_plan_from({"model": str(folder), "hardware": gpu, "max_model_len": input_len + output_len + 16},
+                              None, None, trace_path=Path(trace.name))
+    e = plan.estimates
+    return {"hardware": gpu, "input_len": input_len, "output_len": output_len, "num_prompts": num_prompts,
+            "output_tokens_per_s": round(e.output_tokens_per_s, 1), "kv_cache_tokens": plan.memory.kv_cache_tokens,
+            "source": e.source + "; a burst replayed"}
+
+
 def decode_batch1(folder: Path, device: str, bandwidth: float, prompt_len: int,
-                  output_len: int, enforce_eager: bool, quantization: str | None = None) -> dict:
+                  output_len: int, enforce_eager: bool, quantization: str | None = None,
+                  load_format: str = "auto", async_scheduling: bool = False) -> dict:
     """Tokens/s of one request's decode, against weights + KV bytes per step over bandwidth."""
     from shardserve.planner import load_model
     from shardserve.runtime import LLM, SamplingParams
     llm = LLM(str(folder), device=device, max_model_len=prompt_len + output_len + 16,
               enable_prefix_caching=False, skip_tokenizer_init=True, enforce_eager=enforce_eager,
-              quantization="fp8" if quantization == "fp8" else None)
+              quantization="fp8" if quantization == "fp8" else None, load_format=load_format,
+              async_scheduling=async_scheduling)
     try:
         prompt = [{"prompt_token_ids": throughput.random_prompts(
             llm.engine.config.model.vocab_size, 1, prompt_len, 0)[0]}]
@@ -228,19 +176,20 @@ def decode_batch1(folder: Path, device: str, bandwidth: float, prompt_len: int,
     return {"benchmark": "decode_batch1", "shardserve_tok_s": round(tok_s, 1),
             "roofline_tok_s": round(roofline, 1), "fraction_of_roofline": round(tok_s / roofline, 3),
             "settings": {"prompt_len": prompt_len, "output_len": output_len, "enforce_eager": enforce_eager,
-                         "quantization": quantization,
+                         "quantization": quantization, "load_format": load_format,
+                         "async_scheduling": async_scheduling,
                          "cuda_graphs": has_graphs, "weight_bytes": weight_bytes,
                          "bandwidth_bytes_per_s": round(bandwidth)}}
 
 
 def offline(folder: Path, device: str, num_prompts: int, input_len: int, output_len: int,
-            skip_hf: bool) -> dict:
+            skip_hf: bool, load_format: str = "auto") -> dict:
     defaults = {name: BY_NAME[name].default for name in (
         "dtype", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes", "gpu_memory_utilization",
         "seed", "distributed_executor_backend", "enforce_eager")}
     args = argparse.Namespace(**defaults, device=device, input_len=input_len, output_len=output_len,
                               hf_batch_size=None, tensor_parallel_size=1, pipeline_parallel_size=1,
-                              async_scheduling=False)
+                              async_scheduling=False, load_format=load_format)
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
     prompts = throughput.random_prompts(vocab, num_prompts, input_len, 0)
     ours = throughput.bench_runtime(args, str(folder), prompts)
@@ -267,9 +216,14 @@ def offline(folder: Path, device: str, num_prompts: int, input_len: int, output_
 
 def hf_generate_batch(folder: Path, device: str, prompts: list[list[int]], output_len: int) -> dict:
     """transformers' continuous batching (`generate_batch`, paged|sdpa attention)."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, dtype="auto", attn_implementation="paged|sdpa").to(device).eval()
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    if any(folder.glob("*.safetensors")):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto", attn_implementation="paged|sdpa")
+    else:  # a dummy folder (config and tokenizer): the same shapes with transformers' own random weights
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.bfloat16,
+                                                     attn_implementation="paged|sdpa")
+    model = model.to(device).eval()
     config = GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len,
                               do_sample=False, eos_token_id=-1, pad_token_id=0)
     cache = {}
@@ -297,11 +251,12 @@ def run_decode(args, folder: Path, base: dict) -> None:
     planned = folder
     if args.quantization == "awq":
         folder = make_awq_checkpoint(folder)
-    for enforce_eager in (True, False) if args.device == "cuda" else (True,):  # eager, then graphs
+    eager_variants = (True, False) if args.device == "cuda" else (True,)  # eager, then graphs
+    for enforce_eager in (False,) if args.async_scheduling else eager_variants:
         estimate = plan_estimate(planned, args.device, prompt_len, output_len, concurrency=1,
                                  enforce_eager=enforce_eager)
         record = decode_batch1(folder, args.device, bandwidth, prompt_len, output_len, enforce_eager,
-                               args.quantization)
+                               args.quantization, args.load_format, args.async_scheduling)
         append_record(base | record | {"plan_estimate": estimate}, Path(args.results))
 
 
@@ -312,7 +267,8 @@ def run_steps(args, folder: Path, base: dict) -> None:
     if gpu is None:
         raise SystemExit(f"steps: {device_name(args.device)} is not a GPU the planner has data for")
     prompt_len, steps = (16, 8) if args.small else (128, 64)
-    result = plan_vs_engine.compare(str(folder), args.device, gpu, args.batches, prompt_len, steps, repeats=3)
+    result = plan_vs_engine.compare(str(folder), args.device, gpu, args.batches, prompt_len, steps, repeats=3,
+                                    load_format=args.load_format)
     append_record(base | {"benchmark": "decode_steps", "rows": result["rows"],
                           "plan_estimate": {"hardware": gpu, "source": result["source"]}}, Path(args.results))
 
@@ -320,9 +276,23 @@ def run_steps(args, folder: Path, base: dict) -> None:
 def run_offline(args, folder: Path, base: dict) -> None:
     for shape in args.shapes:
         input_len, output_len = (int(n) for n in shape.split("/"))
-        record = offline(folder, args.device, args.num_prompts, input_len, output_len, args.skip_hf)
-        estimate = plan_estimate(folder, args.device, input_len, output_len, concurrency=args.num_prompts)
+        record = offline(folder, args.device, args.num_prompts, input_len, output_len, args.skip_hf,
+                         args.load_format)
+        estimate = burst_estimate(folder, args.device, args.num_prompts, input_len, output_len)
         append_record(base | record | {"plan_estimate": estimate}, Path(args.results))
+
+
+def run_offline_hf(args, folder: Path, base: dict) -> None:
+    """transformers' continuous batching alone on the offline prompts (a record of its own, so that a
+    bounded run keeps our figures when the peer's is cut off)."""
+    for shape in args.shapes:
+        input_len, output_len = (int(n) for n in shape.split("/"))
+        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+        prompts = throughput.random_prompts(vocab, args.num_prompts, input_len, 0)
+        hf = hf_generate_batch(folder, args.device, prompts, output_len)
+        append_record(base | {"benchmark": "offline_throughput_transformers", "hf_tok_s": hf["output_tokens_per_s"],
+                              "settings": {"num_prompts": args.num_prompts, "input_len": input_len,
+                                           "output_len": output_len, "hf": hf}}, Path(args.results))
 
 
 def run_serve(args, folder: Path, base: dict) -> None:
@@ -335,11 +305,14 @@ def run_serve(args, folder: Path, base: dict) -> None:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("benchmark", choices=["decode", "offline", "serve", "steps"])
+    parser.add_argument("benchmark", choices=["decode", "offline", "offline-hf", "serve", "steps"])
     parser.add_argument("--model", required=True, choices=list(SHAPES))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quantization", choices=["fp8", "awq"], help="decode: fp8 (online) or awq weights")
     parser.add_argument("--small", action="store_true", help="tiny shapes, few prompts (a smoke run)")
+    parser.add_argument("--async-scheduling", action="store_true", help="decode: graphs with async scheduling alone")
+    parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                        help="dummy: no checkpoint written, the engine draws random weights (vLLM's flag)")
     parser.add_argument("--workdir", default=os.environ.get("TMPDIR", "/tmp") + "/shardserve-bench")
     parser.add_argument("--results", default=str(RESULTS_JSON))
     parser.add_argument("--shapes", nargs="+", default=["128/128"], help="offline: INPUT/OUTPUT lengths")
@@ -356,11 +329,12 @@ def main() -> None:
     args = parse_args()
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    folder = make_checkpoint(args.model, workdir, args.small, args.device)
+    folder = make_checkpoint(args.model, workdir, args.small, args.device, args.load_format == "dummy")
     base = {"date": datetime.date.today().isoformat(), "device": device_name(args.device),
             "versions": versions(), "model": args.model + ("-small" if args.small else "")
-            + (f"-{args.quantization}" if args.quantization else "")}
-    {"decode": run_decode, "offline": run_offline, "serve": run_serve, "steps": run_steps}[args.benchmark](
+            + (f"-{args.quantization}" if args.quantization else ""), "load_format": args.load_format}
+    {"decode": run_decode, "offline": run_offline, "offline-hf": run_offline_hf, "serve": run_serve,
+     "steps": run_steps}[args.benchmark](
         args, folder, base)
 
 

@@ -46,7 +46,7 @@ def measured_ms(llm, batch: int, prompt_len: int, steps: int, vocab_size: int) -
 
 
 def compare(folder: str, device: str, hardware: str, batches: list[int], prompt_len: int, steps: int,
-            repeats: int) -> dict:
+            repeats: int, load_format: str = "auto") -> dict:
     """{"source": where the plan's operator times come from, "rows": per batch the measured and
     predicted decode step (ms) and their ratio}; each measurement the least of `repeats` runs."""
     from shardserve.runtime import LLM
@@ -57,7 +57,7 @@ def compare(folder: str, device: str, hardware: str, batches: list[int], prompt_
     plan = predicted_ms(folder, hardware, PlanOptions(max_model_len=max_model_len, max_num_seqs=max(batches),
                                                       **on_cpu), batches, context)
     llm = LLM(folder, device=device, max_model_len=max_model_len, max_num_seqs=max(batches),
-              enable_prefix_caching=False, skip_tokenizer_init=True, **on_cpu)
+              enable_prefix_caching=False, skip_tokenizer_init=True, load_format=load_format, **on_cpu)
     vocab, rows = llm.engine.config.model.vocab_size, []
     try:
         for b in batches:

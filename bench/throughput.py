@@ -78,7 +78,7 @@ def bench_runtime(args, folder: str, prompts: list[list[int]]) -> dict:
               enable_prefix_caching=False, seed=args.seed, skip_tokenizer_init=True,
               tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
               distributed_executor_backend=args.distributed_executor_backend, enforce_eager=args.enforce_eager,
-              async_scheduling=args.async_scheduling)
+              async_scheduling=args.async_scheduling, load_format=getattr(args, "load_format", "auto"))
     params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=args.output_len, ignore_eos=True)
     with llm:
         llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], SamplingParams(max_tokens=4, ignore_eos=True))
@@ -89,6 +89,8 @@ def bench_runtime(args, folder: str, prompts: list[list[int]]) -> dict:
         elapsed = time.perf_counter() - start
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     info = llm.kv_cache_info
+    # the KV budget's inputs on CUDA, where the worker is in this process (one rank)
+    memory_profile = getattr(getattr(llm.engine.executor, "worker", None), "memory_profile", None)
     return _result(elapsed, prompts, num_out) | {"kv_cache_tokens": info.num_tokens,
                                                  "max_concurrency": round(info.max_concurrency, 2),
                                                  "device": llm.engine.config.device,
@@ -96,7 +98,8 @@ def bench_runtime(args, folder: str, prompts: list[list[int]]) -> dict:
                                                  "pipeline_parallel_size": args.pipeline_parallel_size,
                                                  "enforce_eager": args.enforce_eager,
                                                  "async_scheduling": args.async_scheduling,
-                                                 "preemptions": llm.engine.scheduler.num_preemptions}
+                                                 "preemptions": llm.engine.scheduler.num_preemptions,
+                                                 "memory_profile": memory_profile}
 
 
 def bench_transformers(args, folder: str, prompts: list[list[int]], device: str) -> dict:

@@ -111,10 +111,11 @@ class HostModel:
 # NOTE: vLLM 0.11 and SGLang 0.5 at batch 1-4 on an H100 run 0.4-0.8 ms per step above their kernels,
 # and answer the first token 15-45 ms after the kernels could (GPUStack's published runs, in
 # bench/published_results.yaml); `shardserve calibrate` measures this runtime's own step time.
-# eager_layer_ms: an eager decode layer of this runtime launches about 35 kernels (bench/NOTES.md) at
-# an assumed 7 us of host time each, until `shardserve calibrate` measures it on the GPU's host (on the
-# 2-core EPYC of the test machine a layer's small torch ops took 0.4-0.7 ms beyond its GEMMs and attention).
-DEFAULT_HOST = HostModel(step_ms=0.5, per_request_ms=0.002, request_ms=15.0, eager_layer_ms=0.25)
+# eager_layer_ms: an eager decode layer of this runtime launches about 35 kernels (bench/NOTES.md); measured
+# on an H200's host (torch 2.11, Triton 3.6; bench/RESULTS.md, 2026-11-28): the Llama-3.1-8B shape decoded
+# 44.6 tok/s eagerly at batch 1, 22.42 ms a step, of which 0.50 is the step's own host time: 21.92 ms over
+# 32 layers. `shardserve calibrate` measures it on the GPU's own host.
+DEFAULT_HOST = HostModel(step_ms=0.5, per_request_ms=0.002, request_ms=15.0, eager_layer_ms=0.685)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,8 @@ from shardserve.runtime.layers.quantization.methods import quantized_layers
 from shardserve.runtime.models.llama import ComposedLlama, LlamaForCausalLM, LlamaVariant
 from shardserve.runtime.models.weight_map import WeightTarget
 
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # gpt-oss's swigluoai constants, where the config has no such fields
+
 
 class GptOssMoE(nn.Module):
     """`mlp.router` (float, with a bias) and `mlp.experts`; the router's top-k logits are softmaxed, which
@@ -25,7 +27,9 @@ class GptOssMoE(nn.Module):
         super().__init__()
         with quantized_layers(None):
             self.router = ReplicatedLinear(config.hidden_size, config.num_local_experts, bias=True)
-        activation = GatedActivation("swigluoai", float(config.swiglu_alpha), float(config.swiglu_limit))
+        # NOTE: transformers 5.17 (the GPU image's) has neither field: its experts fix them at 1.702 and 7.0
+        alpha, limit = getattr(config, "swiglu_alpha", SWIGLU_ALPHA), getattr(config, "swiglu_limit", SWIGLU_LIMIT)
+        activation = GatedActivation("swigluoai", float(alpha), float(limit))
         self.experts = FusedMoE(config.num_local_experts, config.num_experts_per_tok, config.hidden_size,
                                 config.intermediate_size, renormalize=True, activation=activation, has_bias=True)
 

@@ -128,6 +128,7 @@ class Worker:
         self.token_buffers = SampledTokenBuffers(config.scheduler.max_num_seqs, self.device)
         self.last_sampled: torch.Tensor | None = None  # [num_sampled] the last step's ids, on the device
         self.sampling_cache = SamplingCache()  # the sampling rank's parameter arrays, per batch composition
+        self.memory_profile: dict[str, int] = {}  # CUDA: what the KV budget was measured from (bytes)
 
     def kv_pool_shape(self, num_blocks: int) -> tuple[int, ...]:
         """[layers, planes, num_blocks, block_size, kv_heads, head_dim]: K and V (or MLA's latent alone)."""
@@ -219,6 +220,8 @@ class Worker:
         non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         budget = int(total * self.config.cache.gpu_memory_utilization) - non_torch - peak
+        self.memory_profile = {"total": total, "peak_torch": peak, "other": non_torch, "kv_budget": budget,
+                               "profiled_tokens": num_tokens}
         logger.info("memory profile: total %.2f GiB, peak torch %.2f GiB, other %.2f GiB -> KV budget %.2f GiB",
                     total / 1024**3, peak / 1024**3, non_torch / 1024**3, budget / 1024**3)
         return max(budget, 0)

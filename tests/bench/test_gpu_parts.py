@@ -92,3 +92,21 @@ def test_an_unknown_part_is_refused_with_the_list():
     assert done.returncode == 2 and "use 1 to 8" in done.stderr
     usage = subprocess.run(["bash", str(ROOT / "bench" / "run_gpu.sh")], capture_output=True, text=True).stdout
     assert "7  `shardserve calibrate`" in usage and "8  Llama-3.1-8B shape: the plan's decode step" in usage
+
+
+@pytest.mark.slow
+def test_quick_run_bounds_each_step_and_writes_every_record_to_out(workdir):
+    """--quick, the first call on a lent GPU: a step past its share is stopped (here the tests, at 1 s) and the
+    rest still run; the 8B shape's records (--load-format dummy: no checkpoint written) land in $OUT."""
+    out = workdir / "quick-out"
+    out.mkdir()
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "OUT": str(out), "QUICK_TESTS_S": "1"}
+    done = subprocess.run(["bash", str(ROOT / "bench" / "run_gpu.sh"), "--quick", "--small", "--device", "cpu",
+                           "--num-prompts", "4", "--shapes", "16/8", "--workdir", str(workdir / "quick")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert "STOPPED after 1 s: " in done.stdout and "pytest" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    new = records(out)
+    assert [r["benchmark"] for r in new] == ["decode_batch1", "offline_throughput", "offline_throughput_transformers"]
+    assert all(r["load_format"] == "dummy" for r in new) and (out / "gpu_tests.log").exists()
+    assert new[0]["shardserve_tok_s"] > 0 and new[1]["shardserve_async_scheduling_tok_s"] > 0 and new[2]["hf_tok_s"] > 0
+    assert not list((workdir / "quick").glob("*/*.safetensors"))  # dummy: the engines drew their weights
