@@ -136,3 +136,21 @@ def test_sinks_of_another_head_count_are_refused(checkpoint_sinks, monkeypatch):
     layer = Attention(num_heads=4, head_dim=8, scale=SCALE, num_kv_heads=1, has_sinks=True)
     with pytest.raises(ValueError, match="does not fit"):
         layer.weight_loader(layer.sinks, lazy["six"])  # 3 heads a rank, the layer has 4
+
+
+def test_dry_run_attention_takes_sdpas_fused_kernel_not_its_math_path():
+    """The profiled step's attention (no metadata, no cap, no sinks) must not hold heads x tokens^2 scores: on an
+    H200 SDPA's math path, which 3-D tensors select, took ~20 GB from the KV cache at 8,192 tokens."""
+    from torch.profiler import profile
+
+    layer = Attention(num_heads=4, head_dim=8, scale=SCALE, num_kv_heads=2)
+    meta = attention_cases.make_batch([(0, 11)], BLOCK_SIZE, NUM_BLOCKS, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(11, n, generator=generator) for n in (32, 16, 16))
+    layer.kv_cache = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, 2, 8)
+    with profile() as prof, forward_context(ForwardContext(None, TorchAttentionBackend())):
+        dry = layer(q, k, v)
+    names = {event.name for event in prof.events()}
+    assert "aten::scaled_dot_product_attention" in names and "aten::_scaled_dot_product_attention_math" not in names
+    with forward_context(ForwardContext(meta, TorchAttentionBackend())):
+        torch.testing.assert_close(dry, layer(q, k, v))
