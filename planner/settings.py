@@ -215,6 +215,11 @@ SETTINGS: tuple[Setting, ...] = (
        "queued while step N runs, its input ids taken on the device from step N's samples, and outputs "
        "arrive one step late. One rank in-process only (no tensor or pipeline parallel); requests with "
        "structured outputs, prompt_logprobs or penalties are refused while it is on.", "engine"),
+    _s("speculative_config", str, None, "Speculative decoding, vLLM's JSON: {\"method\": \"ngram\", "
+       "\"num_speculative_tokens\": K, \"prompt_lookup_max\": N, \"prompt_lookup_min\": M}. Each decoding request "
+       "drafts up to K tokens by prompt lookup and the model verifies them in one forward (greedy and seeded "
+       "output unchanged). MTP and EAGLE-3 are not served yet; refused with async_scheduling, pipeline "
+       "parallel and models with recurrent layers.", "engine"),
     _s("seed", int, 0, "Seed for requests that bring none.", "engine"),
     _s("chat_template", str, None, "A Jinja chat template, or the path of a file holding one, used instead of "
        "the tokenizer's.", "engine"),

@@ -15,6 +15,7 @@ from shardserve.planner.settings import (ENGINE, SettingError, check_fields, che
                                          resolved_max_num_batched_tokens)
 from shardserve.runtime.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig,
                                        SchedulerConfig, load_model_config, resolve_device)
+from shardserve.runtime.core.spec_decode import SpeculativeConfig
 from shardserve.runtime.pooling_params import PoolerConfig, pooler_config
 
 
@@ -53,6 +54,7 @@ class EngineArgs:
     max_cpu_loras: int | None = default("max_cpu_loras")
     enforce_eager: bool = default("enforce_eager")
     async_scheduling: bool = default("async_scheduling")
+    speculative_config: str | None = default("speculative_config")
     seed: int = default("seed")
     chat_template: str | None = default("chat_template")
     generation_config: str = default("generation_config")
@@ -121,7 +123,8 @@ class EngineArgs:
                                       max_num_batched_tokens=resolved_max_num_batched_tokens(
                                           self.max_num_batched_tokens, self.max_num_seqs),
                                       async_scheduling=self.async_scheduling,
-                                      enable_chunked_prefill=self.enable_chunked_prefill),
+                                      enable_chunked_prefill=self.enable_chunked_prefill,
+                                      speculative=self._speculative(model)),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size or 1,
                                     pipeline_parallel_size=self.pipeline_parallel_size or 1,
                                     distributed_executor_backend=self.distributed_executor_backend,
@@ -131,6 +134,23 @@ class EngineArgs:
             seed=self.seed,
             lora=self._lora_config(model),
         )
+
+    def _speculative(self, model: ModelConfig) -> SpeculativeConfig | None:
+        """speculative_config, or a SettingError naming what it cannot run with."""
+        try:
+            spec = SpeculativeConfig.parse(self.speculative_config)
+        except ValueError as e:
+            raise SettingError(str(e)) from None
+        blocker = next((why for why, present in (
+            ("async_scheduling (its steps are queued before the drafts they would verify are known)",
+             self.async_scheduling),
+            ("pipeline_parallel_size above 1", (self.pipeline_parallel_size or 1) > 1),
+            (f"a model with {model.recurrent_kind} layers (their state cannot step back past a rejected draft)",
+             model.recurrent_kind is not None),
+            ("a pooling model (it samples nothing)", model.runner == "pooling")) if present), None)
+        if spec is not None and blocker:
+            raise SettingError(f"speculative_config cannot run with {blocker}; drop one of them")
+        return spec
 
     def _lora_config(self, model: ModelConfig) -> LoRAConfig | None:
         """enable_lora's slots; its settings without it are refused by name rather than ignored."""

@@ -78,6 +78,7 @@ class EngineCollector:
             steps.add_metric([self.model, str(engine)], buckets, s.iteration_tokens.total)
         yield from (family for family, _ in families)
         yield steps
+        yield from spec_decode_families(self.model, self.stats())
 
 
 class ServerMetrics:
@@ -206,3 +207,24 @@ class PromptTimer:
             m.success.labels(*labels, reason).inc()
         if num_unfinished > 0:
             m.success.labels(*labels, "abort").inc(num_unfinished)
+
+
+def spec_decode_families(model: str, stats: list[EngineStats]):
+    """vLLM's speculative-decoding counters, for engines that speculate (none without --speculative-config)."""
+    engines = [(str(engine), s.spec_decode) for engine, s in enumerate(stats) if s.spec_decode is not None]
+    if not engines:
+        return
+    for name, help_text, field in (
+            ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "num_drafts"),
+            ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", "num_draft_tokens"),
+            ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", "num_accepted_tokens")):
+        family = CounterMetricFamily(name, help_text, labels=LABELS)
+        for engine, spec in engines:
+            family.add_metric([model, engine], getattr(spec, field))
+        yield family
+    per_position = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft "
+                                       "position.", labels=[*LABELS, "position"])
+    for engine, spec in engines:
+        for position, count in enumerate(spec.accepted_per_position):
+            per_position.add_metric([model, engine, str(position)], count)
+    yield per_position

@@ -131,7 +131,8 @@ KERNEL_FLAGS = (
 )
 
 CONFIGS = (
-    *refuse(SPECULATIVE, "--speculative-config|-sc --spec-method --spec-model --spec-tokens"),
+    *rename("-sc", "--speculative-config"),
+    *refuse(SPECULATIVE, "--spec-method --spec-model --spec-tokens"),
     *refuse("watermarked outputs; not served", "--watermark-config"),
     *refuse("diffusion language models; not served", "--diffusion-config|-dc"),
     *refuse("disaggregated serving (KV or encoder-cache connectors); not served",

@@ -67,5 +67,6 @@ KERNELS = ("a kernel or backend choice; here the runtime's own kernels (Triton o
 MULTINODE = ("multi-node serving by hand; here `shardserve cluster up` on one node and `cluster join` on the "
              "others, then one `shardserve launch --ray-address auto` places every rank")
 MULTIMODAL = "for image, audio and video input; shardserve serves text (of a multimodal checkpoint, its language model)"
-SPECULATIVE = "speculative decoding; not served yet (issue 44): drop it"
+SPECULATIVE = ("speculative decoding by separate flags; here --speculative-config with vLLM's JSON "
+               "('{\"method\": \"ngram\", \"num_speculative_tokens\": 3}': prompt lookup; MTP and EAGLE-3 not yet)")
 NO_LOGS = "shardserve writes no request, output or access log (/metrics counts requests by how they ended)"

@@ -122,7 +122,8 @@ LOGGING = (
             "--custom-histogram-buckets --cudagraph-metrics! --enable-layerwise-nvtx-tracing! --enable-mfu-metrics! "
             "--enable-logging-iteration-details! --jit-monitor-verbose!"),
     *notice("it samples --kv-cache-metrics, which is not served", "--kv-cache-metrics-sample"),
-    *notice("for speculative decoding, which is not served yet (issue 44)", "--per-request-spec-decode-metrics"),
+    *notice("per-request speculative-decoding metrics; the engine's counters are on /metrics "
+            "(vllm:spec_decode_*)", "--per-request-spec-decode-metrics"),
     *refuse("what happens on a JIT compile while serving; not configurable", "--jit-monitor-mode",
             accepted=("warn",)),
 )

@@ -20,7 +20,7 @@ SAME_NAME = (
     "--data-parallel-size -dp --enable-expert-parallel --block-size --gpu-memory-utilization "
     "--kv-cache-memory-bytes --kv-cache-dtype --enable-prefix-caching --kv-offloading-size --enable-lora "
     "--max-loras --max-lora-rank --max-cpu-loras --max-num-batched-tokens --max-num-seqs --enable-chunked-prefill "
-    "--async-scheduling --no-async-scheduling --shutdown-timeout --lora-modules --chat-template "
+    "--async-scheduling --no-async-scheduling --speculative-config --shutdown-timeout --lora-modules --chat-template "
     "--trust-request-chat-template --no-trust-request-chat-template --return-tokens-as-token-ids "
     "--no-return-tokens-as-token-ids --enable-auto-tool-choice --tool-call-parser --enable-prompt-tokens-details "
     "--enable-server-load-tracking --enable-force-include-usage --enable-tokenizer-info-endpoint --host --port "

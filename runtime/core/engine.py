@@ -27,6 +27,7 @@ from shardserve.runtime.sampling_params import SamplingParams
 from shardserve.runtime.core.scheduler import Scheduler
 from shardserve.runtime.core.step_histogram import HistogramSnapshot, StepHistogram
 from shardserve.runtime.core.structured_output import accept_tokens, grammar_bitmask
+from shardserve.runtime.core.spec_decode import SpecDecodeStats
 from shardserve.runtime.tokenizer import eos_token_ids, load_tokenizer
 
 
@@ -43,6 +44,7 @@ class EngineStats:
     num_offload_hit_tokens: int  # prompt tokens loaded from the CPU tier, since start
     num_offload_query_tokens: int  # prompt tokens looked up there past the GPU pool's hits, since start
     iteration_tokens: HistogramSnapshot  # per step, as vLLM counts: sampled tokens and the prompts they began
+    spec_decode: SpecDecodeStats | None = None  # speculative decoding's counters, since start; None: it is off
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,7 +239,10 @@ class EngineCore:
                            num_prefix_query_tokens=scheduler.num_prefix_query_tokens,
                            num_offload_hit_tokens=scheduler.num_offload_hit_tokens,
                            num_offload_query_tokens=scheduler.num_offload_query_tokens,
-                           iteration_tokens=self.iteration_tokens.snapshot())
+                           iteration_tokens=self.iteration_tokens.snapshot(),
+                           spec_decode=None if self.config.scheduler.speculative is None else
+                           dataclasses.replace(scheduler.spec_stats, accepted_per_position=list(
+                               scheduler.spec_stats.accepted_per_position)))
 
     def check_health(self) -> None:
         """Raise EngineDeadError if a worker rank has died; call it between steps."""

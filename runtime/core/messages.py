@@ -57,6 +57,9 @@ class SchedulerOutput:
     grammar_bitmask: GrammarBitmask | None = None  # the engine's, for the requests under a grammar
     kv_transfers: tuple[KVTransfer, ...] = ()  # copies to and from the CPU tier, run in order before the step
     lora_loads: tuple[tuple[int, LoRARequest], ...] = ()  # (slot, adapter) to fill before the step, in order
+    # speculative decoding: request id -> the drafted tokens this step verifies after its last known one
+    # (counted in num_scheduled_tokens; runtime/core/spec_decode.py)
+    spec_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -90,6 +93,10 @@ class ModelRunnerOutput:
     # lora_int_ids of this step's lora_loads that some rank could not read (their files changed or vanished
     # after the engine checked them): every rank left their slots empty, and their requests' tokens are void
     failed_loras: tuple[int, ...] = ()
+    # speculative decoding: request id -> the drafts the target sampled too, which precede its sampled token,
+    # and their logprobs where the request asks (sampled_token_ids holds the token at the first mismatch)
+    accepted_drafts: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    draft_logprobs: dict[str, tuple[TokenLogprobs, ...]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

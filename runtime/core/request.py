@@ -6,6 +6,7 @@ import enum
 import time
 
 from shardserve.runtime.lora_request import LoRARequest
+from shardserve.runtime.outputs import SampleTimes
 from shardserve.runtime.pooling_params import PoolingParams
 from shardserve.runtime.sampling_params import SamplingParams
 
@@ -44,7 +45,7 @@ class Request:
                  "eos_token_ids", "stop_token_ids", "status", "stop_reason", "num_computed_tokens",
                  "num_pending_tokens", "num_synced_tokens", "num_synced_blocks", "block_hashes", "num_preemptions",
                  "arrival_time", "first_scheduled_time", "num_prompt_logprobs_sent", "grammar_matcher",
-                 "pooling_params", "num_cached_tokens", "lora", "lora_slot")
+                 "pooling_params", "num_cached_tokens", "lora", "lora_slot", "num_drafts")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  seed: int, eos_token_ids: frozenset[int] = frozenset(),
@@ -76,6 +77,7 @@ class Request:
         self.pooling_params = pooling_params
         self.lora = lora  # the adapter it is served with; None: the base model
         self.lora_slot = -1  # its adapter's slot while running (the scheduler's LoRASlots)
+        self.num_drafts = 0  # speculative tokens the step in flight verifies (counted in num_computed_tokens)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -113,3 +115,20 @@ class Request:
         if start >= num_prompt:
             return self.output_token_ids[start - num_prompt:end - num_prompt]
         return prompt[start:] + self.output_token_ids[:end - num_prompt]
+
+
+def first_token_times(request: Request) -> SampleTimes | None:
+    """Queue and prefill time, on the update that carries the request's first output token."""
+    if request.num_output_tokens != 1 or request.first_scheduled_time is None:
+        return None
+    scheduled = request.first_scheduled_time
+    return SampleTimes(queue_s=scheduled - request.arrival_time, prefill_s=time.monotonic() - scheduled)
+
+
+def unsent_prompt_logprobs(request: Request, scored) -> tuple:
+    """The entries of (first token index, entries) not yet handed on: a preempted request scores its
+    prompt again when it is recomputed, and those repeats are dropped here."""
+    start, entries = scored
+    fresh = entries[max(0, request.num_prompt_logprobs_sent - start):]
+    request.num_prompt_logprobs_sent = max(request.num_prompt_logprobs_sent, start + len(entries))
+    return fresh

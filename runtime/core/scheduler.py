@@ -12,8 +12,8 @@ from shardserve.runtime.core.lora_slots import LoRASlots
 from shardserve.runtime.lora_request import LoRARequest
 from shardserve.runtime.core.messages import (CachedRequestData, ModelRunnerOutput, NewRequestData, RequestUpdate,
                                          SchedulerOutput)
-from shardserve.runtime.outputs import SampleTimes
-from shardserve.runtime.core.request import Request, RequestStatus
+from shardserve.runtime.core.request import Request, RequestStatus, first_token_times, unsent_prompt_logprobs
+from shardserve.runtime.core.spec_decode import SpecDecodeStats, propose_ngram
 
 
 class Scheduler:
@@ -57,6 +57,8 @@ class Scheduler:
         self.num_prefix_query_tokens = 0  # prompt tokens looked up in it
         self.num_offload_hit_tokens = 0  # prompt tokens loaded from the CPU tier instead of computed
         self.num_offload_query_tokens = 0  # prompt tokens looked up there (past the GPU pool's hits)
+        self.spec_stats = SpecDecodeStats()  # speculative decoding's drafts and acceptances
+        self._drafts: dict[str, tuple[int, ...]] = {}  # this schedule's, request id -> drafted tokens
 
     def add_request(self, request: Request) -> None:
         self.check_can_ever_fit(request)
@@ -92,6 +94,7 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         cached: list[CachedRequestData] = []
         num_preemptions_before = self.num_preemptions
+        self._drafts = {}
         budget = self._schedule_running(budget, limit, num_scheduled, cached)
         # NOTE: after a preemption nobody is admitted this step; the preempted request heads the
         # queue and admitting it now would only evict someone else.
@@ -114,6 +117,8 @@ class Scheduler:
                 index += 1
                 continue
             num_target = request.num_tokens + request.num_pending_tokens  # after the steps in flight
+            drafts = self._propose(request, budget) if self.config.speculative is not None else ()
+            num_target += len(drafts)
             num_new = min(num_target - request.num_computed_tokens, budget)
             if not allocate(request, request.num_computed_tokens + num_new) and \
                     not self._allocate_or_preempt(request, num_new):
@@ -123,9 +128,26 @@ class Scheduler:
             if request.num_computed_tokens == num_target:
                 request.num_pending_tokens += 1
             num_scheduled[request.request_id] = num_new
+            if drafts:
+                self._drafts[request.request_id], request.num_drafts = drafts, len(drafts)
             budget -= num_new
             index += 1
         return budget
+
+    def _propose(self, request: Request, budget: int) -> tuple[int, ...]:
+        """Drafts for a request decoding its next token (all it knows computed but the last; no grammar: its
+        matcher follows sampled tokens only): at most num_speculative_tokens, the budget less its own token,
+        and what max_tokens and max_model_len leave after the token the step samples anyway."""
+        spec = self.config.speculative
+        assert spec is not None  # the caller's check
+        if (request.num_computed_tokens != request.num_tokens - 1 or request.num_pending_tokens
+                or request.sampling_params.structured_outputs is not None or request.pooling_params is not None):
+            return ()
+        max_tokens = request.sampling_params.max_tokens
+        left = self.max_model_len - request.num_tokens if max_tokens is None else min(
+            self.max_model_len - request.num_tokens, max_tokens - request.num_output_tokens)
+        k = min(spec.num_speculative_tokens, budget - 1, left - 1)
+        return propose_ngram(request.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max) if k > 0 else ()
 
     def _can_schedule_again(self, request: Request) -> bool:
         """Without async_scheduling: not while in flight. With it: unless its last token is pending."""
@@ -162,6 +184,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_pending_tokens = 0  # a token still in flight is dropped when it lands
+        request.num_drafts = 0
         request.num_synced_tokens = 0
         request.num_synced_blocks = 0
         request.num_preemptions += 1
@@ -250,7 +273,7 @@ class Scheduler:
         self._finished_ids.clear()
         return SchedulerOutput(new_requests=tuple(new), cached_requests=tuple(cached),
                                num_scheduled_tokens=num_scheduled, finished_request_ids=finished,
-                               kv_transfers=transfers, lora_loads=lora_loads)
+                               kv_transfers=transfers, lora_loads=lora_loads, spec_token_ids=self._drafts)
 
     def _take_lora_loads(self) -> tuple:
         if self.lora_slots is None or not self.lora_slots.loads:
@@ -282,6 +305,11 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted (or preempted) while the step ran
+            if request.num_drafts:  # the rejected drafts' KV is left behind: it is overwritten
+                accepted = len(runner_output.accepted_drafts.get(request_id, ()))
+                request.num_computed_tokens -= request.num_drafts - accepted
+                self.spec_stats.observe(request.num_drafts, accepted)
+                request.num_drafts = 0
             self.block_manager.cache_full_blocks(request)
             update = self._update_request(request, runner_output)
             if update is not None:
@@ -293,7 +321,7 @@ class Scheduler:
     def _update_request(self, request: Request, runner_output: ModelRunnerOutput) -> RequestUpdate | None:
         request_id = request.request_id
         scored = runner_output.prompt_logprobs.get(request_id) if runner_output.prompt_logprobs else None
-        prompt_logprobs = () if scored is None else _unsent_prompt_logprobs(request, scored)
+        prompt_logprobs = () if scored is None else unsent_prompt_logprobs(request, scored)
         pooled = runner_output.pooled.get(request_id) if runner_output.pooled else None
         if pooled is not None:  # a pooling request's prompt is done: its vector is its one output
             request.num_pending_tokens -= 1
@@ -308,14 +336,20 @@ class Scheduler:
             self._finish(request, RequestStatus.FINISHED_LENGTH)
             return RequestUpdate(request_id, (), (), "length", new_prompt_logprobs=prompt_logprobs,
                                  num_cached_tokens=request.num_cached_tokens)
-        request.output_token_ids.append(token)
-        finish = self._check_stop(request, token)
-        if finish is not None:
-            self._finish(request, finish)
+        drafts = runner_output.accepted_drafts.get(request_id, ()) if runner_output.accepted_drafts else ()
+        tokens, finish = (*drafts, token), None
+        for num_appended, next_token in enumerate(tokens, 1):  # (one, but for accepted drafts)
+            request.output_token_ids.append(next_token)
+            finish = self._check_stop(request, next_token)
+            if finish is not None:
+                self._finish(request, finish)
+                tokens = tokens[:num_appended]
+                break
         logprobs = runner_output.logprobs.get(request_id) if runner_output.logprobs else None
+        all_logprobs = () if logprobs is None else (*runner_output.draft_logprobs.get(request_id, ()), logprobs)
         is_first = len(request.output_token_ids) == 1
-        times = _first_token_times(request) if is_first else None
-        return RequestUpdate(request_id, (token,), (logprobs,) if logprobs else (), finish.value if finish else None,
+        times = first_token_times(request) if is_first else None
+        return RequestUpdate(request_id, tokens, all_logprobs[:len(tokens)], finish.value if finish else None,
                              request.stop_reason, times, prompt_logprobs,
                              num_cached_tokens=request.num_cached_tokens if is_first else None)
 
@@ -359,19 +393,3 @@ class Scheduler:
         self._finished_ids.add(request.request_id)
         del self.requests[request.request_id]
 
-
-def _first_token_times(request: Request) -> SampleTimes | None:
-    """Queue and prefill time, on the update that carries the request's first output token."""
-    if request.num_output_tokens != 1 or request.first_scheduled_time is None:
-        return None
-    scheduled = request.first_scheduled_time
-    return SampleTimes(queue_s=scheduled - request.arrival_time, prefill_s=time.monotonic() - scheduled)
-
-
-def _unsent_prompt_logprobs(request: Request, scored) -> tuple:
-    """The entries of (first token index, entries) not yet handed on: a preempted request scores its
-    prompt again when it is recomputed, and those repeats are dropped here."""
-    start, entries = scored
-    fresh = entries[max(0, request.num_prompt_logprobs_sent - start):]
-    request.num_prompt_logprobs_sent = max(request.num_prompt_logprobs_sent, start + len(entries))
-    return fresh

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardserve.runtime.core.spec_decode import SpeculativeConfig
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -12,3 +14,4 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     async_scheduling: bool = False  # schedule step N+1 before step N's tokens are back
     enable_chunked_prefill: bool = True  # always: a prompt beyond the token budget is prefilled over steps
+    speculative: SpeculativeConfig | None = None  # speculative_config: drafts verified in one forward

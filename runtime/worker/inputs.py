@@ -137,7 +137,8 @@ def apply_scheduler_output(states: dict[str, RequestState], output: SchedulerOut
     for diff in output.cached_requests:
         state = states[diff.request_id]
         state.token_ids.extend(diff.new_token_ids)
-        state.num_pending_tokens -= len(diff.new_token_ids)  # only sampled tokens come as a diff
+        # only sampled tokens come as a diff; accepted drafts come with them, never counted as pending
+        state.num_pending_tokens = max(0, state.num_pending_tokens - len(diff.new_token_ids))
         if diff.new_block_ids:  # once per block_size tokens, so the copy is rare
             state.block_ids = np.concatenate((state.block_ids, np.asarray(diff.new_block_ids, dtype=np.int32)))
             for g, new in enumerate(diff.new_group_block_ids):

@@ -157,6 +157,12 @@ def sampled_logprobs(raw: torch.Tensor, states: list[RequestState], tokens: torc
                      cache: SamplingCache | None = None) -> dict[str, TokenLogprobs]:
     """Log-probabilities under the model's raw distribution (before penalties and temperature),
     for the rows that ask, computed together and copied to the host once."""
+    return {states[row].request_id: entry for row, entry in logprobs_by_row(raw, states, tokens, cache).items()}
+
+
+def logprobs_by_row(raw: torch.Tensor, states: list[RequestState], tokens: torch.Tensor,
+                    cache: SamplingCache | None = None) -> dict[int, TokenLogprobs]:
+    """sampled_logprobs by row (a request with drafts has several)."""
     rows = _batch(states, raw.shape[1], cache).logprob_rows
     if not rows:
         return {}
@@ -164,7 +170,7 @@ def sampled_logprobs(raw: torch.Tensor, states: list[RequestState], tokens: torc
     wanted = cast("list[int]", [states[row].sampling_params.logprobs for row in rows])  # rows that ask: no None
     listed = [states[row].sampling_params.logprob_token_ids for row in rows]
     entries = token_logprobs(raw[index], tokens[index], wanted, listed if any(listed) else None)
-    return {states[row].request_id: entry for row, entry in zip(rows, entries)}
+    return dict(zip(rows, entries))
 
 
 def token_logprobs(raw: torch.Tensor, chosen: torch.Tensor, wanted: list[int],

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from shardserve.runtime.core.messages import ModelRunnerOutput, TokenLogprobs
+from shardserve.runtime.core.spec_decode import verify
 
 _ALIGN = 16  # bytes: every array starts where an int64 may, and kernels load vectors
 _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
@@ -123,9 +124,18 @@ class StepOutput:
     prompt_logprobs: dict = field(default_factory=dict)  # as ModelRunnerOutput.prompt_logprobs
     pooled: dict[str, torch.Tensor] = field(default_factory=dict)  # request id -> [hidden_size], on the device
     failed_loras: tuple[int, ...] = ()  # as ModelRunnerOutput.failed_loras
+    # speculative decoding: request id -> (its first row, its drafts), and the logprobs of every row that asks
+    drafts: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
+    row_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
 
     def to_runner_output(self) -> ModelRunnerOutput:
-        sampled = dict(zip(self.request_ids, self.tokens.tolist())) if self.tokens is not None else {}
         pooled = {request_id: vector.cpu().numpy() for request_id, vector in self.pooled.items()}
-        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=self.logprobs,
-                                 prompt_logprobs=self.prompt_logprobs, pooled=pooled, failed_loras=self.failed_loras)
+        tokens = self.tokens.tolist() if self.tokens is not None else []
+        if not self.drafts:
+            return ModelRunnerOutput(sampled_token_ids=dict(zip(self.request_ids, tokens)), logprobs=self.logprobs,
+                                     prompt_logprobs=self.prompt_logprobs, pooled=pooled,
+                                     failed_loras=self.failed_loras)
+        sampled, accepted, logprobs, draft_logprobs = verify(self.request_ids, tokens, self.drafts, self.row_logprobs)
+        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=self.prompt_logprobs,
+                                 pooled=pooled, failed_loras=self.failed_loras, accepted_drafts=accepted,
+                                 draft_logprobs=draft_logprobs)

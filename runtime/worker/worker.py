@@ -32,7 +32,8 @@ from shardserve.runtime.worker.pipeline import (IntermediateTensors, recv_interm
                                          send_intermediate)
 from shardserve.runtime.worker.pooler import pool_step
 from shardserve.runtime.worker.prompt_logprobs import score_prompts, wants_prompt_logprobs
-from shardserve.runtime.worker.sampler import sample_on_device, sampled_logprobs
+from shardserve.runtime.worker.sampler import logprobs_by_row, sample_on_device, sampled_logprobs
+from shardserve.runtime.worker.spec_rows import add_drafts, draft_rows
 from shardserve.runtime.worker.sampling_batch import SamplingCache
 from shardserve.runtime.worker.staging import SampledTokenBuffers, StagingBuffer, StepOutput
 from shardserve.runtime.worker.state_slots import StateSlots
@@ -125,7 +126,9 @@ class Worker:
         self.offload_cache: torch.Tensor | None = None  # the CPU tier's share of this rank (host memory)
         self.cuda_graphs: DecodeGraphRunner | None = None  # built with the KV cache
         self.staging = StagingBuffer(self.device)  # every step's inputs go to the device through it
-        self.token_buffers = SampledTokenBuffers(config.scheduler.max_num_seqs, self.device)
+        spec = config.scheduler.speculative  # a request with k drafts samples k + 1 rows
+        self.token_buffers = SampledTokenBuffers(
+            config.scheduler.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0)), self.device)
         self.last_sampled: torch.Tensor | None = None  # [num_sampled] the last step's ids, on the device
         self.sampling_cache = SamplingCache()  # the sampling rank's parameter arrays, per batch composition
         self.memory_profile: dict[str, int] = {}  # CUDA: what the KV budget was measured from (bytes)
@@ -310,14 +313,18 @@ class Worker:
         batch = apply_scheduler_output(self.states, output, self.state_slots)
         if not batch:
             return StepOutput(failed_loras=failed_loras) if self.parallel_state.is_output_rank else None
+        if output.spec_token_ids:  # (they leave the states again in draft_rows)
+            add_drafts(self.states, output.spec_token_ids)
         host = build_host_inputs(batch, output.num_scheduled_tokens, self.config.cache.block_size)
-        result = self._run(host, batch, output.grammar_bitmask)
+        drafts = draft_rows(host, output.spec_token_ids) if output.spec_token_ids else {}
+        result = self._run(host, batch, output.grammar_bitmask, drafts)
         count_samples(host)
         if result is not None:  # the output rank's
             result.failed_loras = failed_loras
         return result
 
-    def _run(self, host: HostInputs, batch: list[RequestState], grammar: GrammarBitmask | None) -> StepOutput | None:
+    def _run(self, host: HostInputs, batch: list[RequestState], grammar: GrammarBitmask | None,
+             drafts: dict[str, tuple[int, tuple[int, ...]]]) -> StepOutput | None:
         state = self.parallel_state
         # NOTE: laid out on the host before the forward is queued, so it overlaps the device's work
         sampled_ids = [s.request_id for s in host.sampled_states]
@@ -343,6 +350,9 @@ class Worker:
             return None
         tokens = sample_on_device(logits, host.sampled_states, bitmask, self.sampling_cache)  # [num_sampled]
         self.last_sampled = tokens  # the next step's pending input ids
+        if drafts:  # the drafts are verified where the ids are read (StepOutput.to_runner_output)
+            return StepOutput(sampled_ids, self.token_buffers.start_copy(tokens), prompt_logprobs=prompt_logprobs,
+                              drafts=drafts, row_logprobs=logprobs_by_row(logits, host.sampled_states, tokens))
         return StepOutput(sampled_ids, self.token_buffers.start_copy(tokens),
                           sampled_logprobs(logits, host.sampled_states, tokens, self.sampling_cache), prompt_logprobs)
 

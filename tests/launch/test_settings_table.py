@@ -19,6 +19,7 @@ from shardserve.launch.launcher import engine_kwargs, settle
 from shardserve.planner.plan_file import PlanFile
 from shardserve.planner.settings import ENGINE, PLAN, SERVER, SETTINGS, SettingError, names
 from shardserve.runtime import LLM, AsyncEngine
+from shardserve.runtime.core.spec_decode import SpeculativeConfig
 
 DEMO = str(DEMO_MODEL_DIR)
 SMALL_POOL = 1 << 25  # 32 MiB: room for 3 requests of the demo's 2048 tokens
@@ -34,7 +35,8 @@ VALUES = {
     "enable_lora": True, "max_loras": 2, "max_lora_rank": 8, "max_cpu_loras": 3, "lora_modules": ["a=/x"],
     "enable_runtime_lora_updating": True,
     "load_format": "safetensors", "enable_chunked_prefill": True,  # the only value served (False is refused)
-    "enforce_eager": True, "async_scheduling": True, "seed": 7, "chat_template": "{{ messages[0].content }}", "generation_config": "vllm",
+    "enforce_eager": True, "async_scheduling": True, "seed": 7,
+    "speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}', "chat_template": "{{ messages[0].content }}", "generation_config": "vllm",
     "runner": "pooling", "pooling_type": "MEAN", "normalize": False,
     "skip_tokenizer_init": True, "target_concurrency": 3, "host": "127.0.0.2",
     "port": 8123, "served_model_name": "tiny", "max_queued_requests": 5, "allowed_origins": ["https://app.example"],
@@ -101,7 +103,9 @@ ENGINE_READBACK = {
     "kv_offloading_size": lambda c: c.cache.kv_offloading_size, "enforce_eager": lambda c: c.model.enforce_eager,
     "load_format": lambda c: c.model.load_format,
     "enable_chunked_prefill": lambda c: c.scheduler.enable_chunked_prefill,
-    "async_scheduling": lambda c: c.scheduler.async_scheduling, "seed": lambda c: c.seed, "skip_tokenizer_init": lambda c: c.model.skip_tokenizer_init,
+    "async_scheduling": lambda c: c.scheduler.async_scheduling, "seed": lambda c: c.seed,
+    "speculative_config": lambda c: VALUES["speculative_config"]  # the parsed config, as the JSON reads
+    if c.scheduler.speculative == SpeculativeConfig.parse(VALUES["speculative_config"]) else c.scheduler.speculative, "skip_tokenizer_init": lambda c: c.model.skip_tokenizer_init,
     "chat_template": lambda c: c.model.chat_template, "generation_config": lambda c: c.model.generation_config,
     "runner": lambda c: c.model.runner, "pooling_type": lambda c: c.model.pooler.pooling_type,
     "normalize": lambda c: c.model.pooler.normalize,

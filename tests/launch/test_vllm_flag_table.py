@@ -128,7 +128,7 @@ def test_vllm_names_of_our_flags_become_ours(options):
 
 
 def test_vllm_spellings_of_refused_flags_are_refused(options):
-    for args in (["-O3"], ["-O", "3"], ["--compilation-config.mode", "3"], ["--hf_overrides", "{}"], ["-sc", "{}"]):
+    for args in (["-O3"], ["-O", "3"], ["--compilation-config.mode", "3"], ["--hf_overrides", "{}"], ["--spec-tokens", "3"]):
         with pytest.raises(VllmFlagRefused, match="is not taken here"):
             rewrite(["MODEL", *args], options["launch"])
     assert rewrite(["MODEL", "--", "--tokenizer"], options["launch"]).args == ["MODEL", "--", "--tokenizer"]

@@ -1,0 +1,156 @@
+"""Speculative decoding (n-gram prompt lookup): the same tokens as without it, greedy and seeded, with logprobs,
+penalties, preemption, prefix caching and tensor parallel; its refusals and its counters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from prometheus_client.core import CounterMetricFamily
+
+from runtime_checkpoints import VOCAB_SIZE, save_checkpoint
+from shardserve.launch.server.metrics import spec_decode_families
+from shardserve.planner.settings import SettingError
+from shardserve.runtime import LLM, SamplingParams
+from shardserve.runtime.core.spec_decode import SpeculativeConfig, propose_ngram, verify
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
+PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7], [11, 12, 13, 11, 12, 13, 11, 12], [20, 21, 22, 23],
+           [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51]]
+PERIOD = 5  # (VOCAB_SIZE is a multiple)
+
+
+@pytest.fixture(scope="module")
+def cycle_checkpoint(tmp_path_factory) -> str:
+    """A model whose next token follows its current one around cycles of PERIOD ids (attention and MLP write
+    nothing; the head maps each embedding to its successor's row), so its outputs repeat and drafts land."""
+    folder = str(tmp_path_factory.mktemp("cycle"))
+    model = save_checkpoint(folder, "llama3")
+    ids = torch.arange(VOCAB_SIZE)
+    successor = ids - ids % PERIOD + (ids % PERIOD + 1) % PERIOD
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embed = model.model.embed_tokens.weight
+        head = torch.empty_like(model.lm_head.weight)
+        head[successor] = embed / embed.norm(dim=1, keepdim=True) * 3.0
+        model.lm_head.weight.copy_(head)
+    model.save_pretrained(folder)
+    return folder
+
+
+def generate(folder: str, params: SamplingParams, spec: str | None = None, prompts=PROMPTS, **kwargs):
+    """(token ids, logprobs, the engine's spec-decode counters, preemptions) of each prompt's first sample."""
+    settings = dict(device="cpu", max_model_len=256, kv_cache_memory_bytes=1 << 22, block_size=4,
+                    skip_tokenizer_init=True) | kwargs
+    with LLM(folder, speculative_config=spec, **settings) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        stats = llm.engine.get_stats()
+    completions = [o.outputs[0] for o in outputs]
+    return [c.token_ids for c in completions], [c.logprobs for c in completions], stats
+
+
+def same_logprobs(a, b, tokens) -> bool:
+    return all(abs(x[t].logprob - y[t].logprob) < 1e-4 and x.keys() == y.keys()
+               for rows_a, rows_b, row_tokens in zip(a, b, tokens) for x, y, t in zip(rows_a, rows_b, row_tokens))
+
+
+@pytest.mark.parametrize("tokens, k, expected", [
+    ([1, 2, 3, 4, 1, 2, 3], 3, (4, 1, 2)),  # the longest recurring suffix, 3 tokens
+    ([1, 2, 3, 9, 2, 3, 5, 2, 3], 2, (5, 2)),  # the latest earlier occurrence of "2 3"
+    ([1, 2, 3, 4], 3, ()),  # nothing recurs
+    ([7, 7, 7], 4, (7,)),  # what follows the match, as far as it goes
+])
+def test_ngram_proposals(tokens, k, expected):
+    assert propose_ngram(tokens, k, 2, 3) == expected
+
+
+def test_verify_keeps_drafts_up_to_the_first_the_target_did_not_sample():
+    # rows: r0 (no drafts), then r1's 4 rows for 3 drafts: the target agrees on two, then samples 8
+    sampled, accepted, _, _ = verify(["r0", "r1", "r1", "r1", "r1"], [4, 5, 6, 8, 9], {"r1": (1, (5, 6, 7))}, {})
+    assert sampled == {"r0": 4, "r1": 8} and accepted == {"r1": (5, 6)}
+
+
+@pytest.mark.parametrize("value, message", [
+    ("{", "not JSON"),
+    ('{"method": "eagle3", "model": "x", "num_speculative_tokens": 3}', "model not served"),
+    ('{"method": "eagle3", "num_speculative_tokens": 3}', "'eagle3' (EAGLE-3) is not served yet"),
+    ('{"method": "mtp", "num_speculative_tokens": 1}', "(MTP) is not served yet"),
+    ('{"method": "ngram"}', "num_speculative_tokens is required"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "from 1 to 64"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 3}', "above"),
+])
+def test_bad_configs_are_refused_by_key(value, message):
+    with pytest.raises(ValueError, match="speculative_config: .*" + message.replace("(", r"\(").replace(")", r"\)")):
+        SpeculativeConfig.parse(value)
+
+
+def test_speculation_is_refused_where_it_cannot_run(checkpoint_factory):
+    folder, _ = checkpoint_factory("llama3")
+    with pytest.raises(SettingError, match="speculative_config cannot run with async_scheduling"):
+        LLM(folder, device="cpu", kv_cache_memory_bytes=1 << 22, speculative_config=NGRAM, async_scheduling=True)
+    with pytest.raises(SettingError, match="speculative_config cannot run with pipeline_parallel_size above 1"):
+        LLM(folder, device="cpu", kv_cache_memory_bytes=1 << 22, speculative_config=NGRAM, pipeline_parallel_size=2)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, logprobs=2),
+    SamplingParams(temperature=0.9, max_tokens=60, ignore_eos=True, seed=7, logprobs=1),
+    SamplingParams(temperature=0.8, top_k=20, max_tokens=60, ignore_eos=True, repetition_penalty=1.2,
+                   frequency_penalty=0.3),  # the engine's seeds; penalties see the drafts as history
+], ids=["greedy", "seeded", "penalties"])
+@pytest.mark.parametrize("model", ["random", "cycle"])
+def test_tokens_and_logprobs_are_the_same_as_without_speculation(model, params, checkpoint_factory,
+                                                                 cycle_checkpoint):
+    """Rejection sampling with one-token drafts keeps the target's distribution, and more: each row's draw is
+    the one its output index gets without speculation, so every sample is the same, token for token."""
+    folder = checkpoint_factory("llama3")[0] if model == "random" else cycle_checkpoint
+    plain, plain_logprobs, _ = generate(folder, params)
+    tokens, logprobs, stats = generate(folder, params, NGRAM)
+    assert tokens == plain
+    if params.logprobs:
+        assert same_logprobs(logprobs, plain_logprobs, tokens)
+    spec = stats.spec_decode
+    assert spec.num_drafts > 0 and spec.num_draft_tokens >= spec.num_accepted_tokens
+    if model == "cycle" and params.temperature == 0.0:  # it repeats itself: nearly every draft lands
+        assert spec.num_accepted_tokens >= 0.9 * spec.num_draft_tokens
+        assert spec.accepted_per_position[0] >= spec.accepted_per_position[-1] > 0
+
+
+def test_preemption_and_prefix_caching_keep_the_tokens(cycle_checkpoint, kv_bytes_for):
+    """A pool too small for every request at once: the newest are preempted (their drafts with them) and
+    recomputed, partly from the prefix cache; the tokens stay those of a pool big enough for all."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompts = PROMPTS + [p[::-1] for p in PROMPTS]
+    plain, _, _ = generate(cycle_checkpoint, params, prompts=prompts)
+    tight = kv_bytes_for(cycle_checkpoint, 40, 4)
+    tokens, _, stats = generate(cycle_checkpoint, params, NGRAM, prompts=prompts, kv_cache_memory_bytes=tight,
+                                enable_prefix_caching=True, max_model_len=80)
+    assert tokens == plain
+    assert stats.num_preemptions > 0 and stats.spec_decode.num_accepted_tokens > 0
+
+
+def test_counters_are_vllms_spec_decode_metrics(cycle_checkpoint):
+    _, _, stats = generate(cycle_checkpoint, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True), NGRAM)
+    families = {f.name: f for f in spec_decode_families("m", [stats])}
+    assert all(isinstance(f, CounterMetricFamily) for f in families.values())
+    value = {name: f.samples[0].value for name, f in families.items() if name != "vllm:spec_decode_num_accepted_tokens_per_pos"}
+    spec = stats.spec_decode
+    assert value == {"vllm:spec_decode_num_drafts": spec.num_drafts,
+                     "vllm:spec_decode_num_draft_tokens": spec.num_draft_tokens,
+                     "vllm:spec_decode_num_accepted_tokens": spec.num_accepted_tokens}
+    per_position = families["vllm:spec_decode_num_accepted_tokens_per_pos"].samples
+    assert [s.labels["position"] for s in per_position] == ["0", "1", "2", "3"]
+    assert sum(s.value for s in per_position) == spec.num_accepted_tokens
+    _, _, plain = generate(cycle_checkpoint, SamplingParams(max_tokens=2))
+    assert plain.spec_decode is None and list(spec_decode_families("m", [plain])) == []  # off: no series
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_verify_the_same_drafts(cycle_checkpoint, checkpoint_factory):
+    """tp 2 over mp ranks: every rank builds the drafts' rows, the output rank verifies; same tokens as tp 1."""
+    for folder in (cycle_checkpoint, checkpoint_factory("llama3")[0]):
+        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        plain, _, _ = generate(folder, params)
+        tokens, _, stats = generate(folder, params, NGRAM, tensor_parallel_size=2, distributed_executor_backend="mp")
+        assert tokens == plain and stats.spec_decode.num_drafts > 0
