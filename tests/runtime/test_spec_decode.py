@@ -3,6 +3,8 @@ penalties, preemption, prefix caching and tensor parallel; its refusals and its 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from prometheus_client.core import CounterMetricFamily
@@ -154,3 +156,20 @@ def test_tensor_parallel_ranks_verify_the_same_drafts(cycle_checkpoint, checkpoi
         plain, _, _ = generate(folder, params)
         tokens, _, stats = generate(folder, params, NGRAM, tensor_parallel_size=2, distributed_executor_backend="mp")
         assert tokens == plain and stats.spec_decode.num_drafts > 0
+
+
+def test_requests_under_a_grammar_decode_without_drafts_beside_drafting_ones():
+    """A grammar's matcher follows sampled tokens one at a time, so its requests get no drafts; the others in
+    the batch still speculate, and the grammar's output obeys it."""
+    from shardserve.launch.demo import DEMO_MODEL_DIR
+    from shardserve.runtime.core.structured_output import StructuredOutputs
+
+    repeat = "Copy the text. The cache keeps recent blocks. Copy: The cache keeps recent blocks. " * 2
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=24, structured_outputs=StructuredOutputs(
+                  "regex", r"[0-9]{2}:[0-9]{2}"))]
+    with LLM(str(DEMO_MODEL_DIR), device="cpu", kv_cache_memory_bytes=1 << 25, speculative_config=NGRAM) as llm:
+        free, timed = llm.generate([repeat, repeat], params)
+        stats = llm.engine.get_stats().spec_decode
+    assert re.fullmatch(r"[0-9]{2}:[0-9]{2}", timed.outputs[0].text)
+    assert len(free.outputs[0].token_ids) == 24 and stats.num_drafts > 0
