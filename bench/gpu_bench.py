@@ -182,6 +182,12 @@ def decode_batch1(folder: Path, device: str, bandwidth: float, prompt_len: int,
                          "bandwidth_bytes_per_s": round(bandwidth)}}
 
 
+def offline_prompts(folder: Path, num_prompts: int, input_len: int) -> list[list[int]]:
+    """The offline benchmark's prompts (seed 0): the same for every engine measured on them."""
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    return throughput.random_prompts(vocab, num_prompts, input_len, 0)
+
+
 def offline(folder: Path, device: str, num_prompts: int, input_len: int, output_len: int,
             skip_hf: bool, load_format: str = "auto") -> dict:
     defaults = {name: BY_NAME[name].default for name in (
@@ -190,8 +196,7 @@ def offline(folder: Path, device: str, num_prompts: int, input_len: int, output_
     args = argparse.Namespace(**defaults, device=device, input_len=input_len, output_len=output_len,
                               hf_batch_size=None, tensor_parallel_size=1, pipeline_parallel_size=1,
                               async_scheduling=False, load_format=load_format)
-    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
-    prompts = throughput.random_prompts(vocab, num_prompts, input_len, 0)
+    prompts = offline_prompts(folder, num_prompts, input_len)
     ours = throughput.bench_runtime(args, str(folder), prompts)
     free_device_memory(device)
     overlapped = throughput.bench_runtime(argparse.Namespace(**vars(args) | {"async_scheduling": True}),
@@ -287,8 +292,7 @@ def run_offline_hf(args, folder: Path, base: dict) -> None:
     bounded run keeps our figures when the peer's is cut off)."""
     for shape in args.shapes:
         input_len, output_len = (int(n) for n in shape.split("/"))
-        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
-        prompts = throughput.random_prompts(vocab, args.num_prompts, input_len, 0)
+        prompts = offline_prompts(folder, args.num_prompts, input_len)
         hf = hf_generate_batch(folder, args.device, prompts, output_len)
         append_record(base | {"benchmark": "offline_throughput_transformers", "hf_tok_s": hf["output_tokens_per_s"],
                               "settings": {"num_prompts": args.num_prompts, "input_len": input_len,

@@ -141,6 +141,8 @@ class EngineArgs:
             spec = SpeculativeConfig.parse(self.speculative_config)
         except ValueError as e:
             raise SettingError(str(e)) from None
+        if spec is None:
+            return None
         blocker = next((why for why, present in (
             ("async_scheduling (its steps are queued before the drafts they would verify are known)",
              self.async_scheduling),
@@ -148,7 +150,7 @@ class EngineArgs:
             (f"a model with {model.recurrent_kind} layers (their state cannot step back past a rejected draft)",
              model.recurrent_kind is not None),
             ("a pooling model (it samples nothing)", model.runner == "pooling")) if present), None)
-        if spec is not None and blocker:
+        if blocker:
             raise SettingError(f"speculative_config cannot run with {blocker}; drop one of them")
         return spec
 

@@ -45,7 +45,7 @@ class Request:
                  "eos_token_ids", "stop_token_ids", "status", "stop_reason", "num_computed_tokens",
                  "num_pending_tokens", "num_synced_tokens", "num_synced_blocks", "block_hashes", "num_preemptions",
                  "arrival_time", "first_scheduled_time", "num_prompt_logprobs_sent", "grammar_matcher",
-                 "pooling_params", "num_cached_tokens", "lora", "lora_slot", "num_drafts")
+                 "pooling_params", "num_cached_tokens", "lora", "lora_slot")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  seed: int, eos_token_ids: frozenset[int] = frozenset(),
@@ -77,7 +77,6 @@ class Request:
         self.pooling_params = pooling_params
         self.lora = lora  # the adapter it is served with; None: the base model
         self.lora_slot = -1  # its adapter's slot while running (the scheduler's LoRASlots)
-        self.num_drafts = 0  # speculative tokens the step in flight verifies (counted in num_computed_tokens)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -58,7 +58,6 @@ class Scheduler:
         self.num_offload_hit_tokens = 0  # prompt tokens loaded from the CPU tier instead of computed
         self.num_offload_query_tokens = 0  # prompt tokens looked up there (past the GPU pool's hits)
         self.spec_stats = SpecDecodeStats()  # speculative decoding's drafts and acceptances
-        self._drafts: dict[str, tuple[int, ...]] = {}  # this schedule's, request id -> drafted tokens
 
     def add_request(self, request: Request) -> None:
         self.check_can_ever_fit(request)
@@ -93,18 +92,18 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         cached: list[CachedRequestData] = []
+        drafts: dict[str, tuple[int, ...]] = {}  # request id -> the tokens drafted for it
         num_preemptions_before = self.num_preemptions
-        self._drafts = {}
-        budget = self._schedule_running(budget, limit, num_scheduled, cached)
+        budget = self._schedule_running(budget, limit, num_scheduled, cached, drafts)
         # NOTE: after a preemption nobody is admitted this step; the preempted request heads the
         # queue and admitting it now would only evict someone else.
         new = [] if self.num_preemptions > num_preemptions_before else self._admit_waiting(budget, num_scheduled,
                                                                                            limit)
         self.in_flight.update(num_scheduled)
-        return self._finish_output(new, cached, num_scheduled)
+        return self._finish_output(new, cached, num_scheduled, drafts)
 
     def _schedule_running(self, budget: int, limit: int, num_scheduled: dict[str, int],
-                          cached: list[CachedRequestData]) -> int:
+                          cached: list[CachedRequestData], drafts: dict[str, tuple[int, ...]]) -> int:
         """Advance the running requests in order (decode tokens or the next prefill chunk); returns
         the budget left. NOTE: every running request passes here every step: the common path makes
         three calls per request (the in-flight check, allocate_slots, whose fast path is a token that
@@ -117,8 +116,8 @@ class Scheduler:
                 index += 1
                 continue
             num_target = request.num_tokens + request.num_pending_tokens  # after the steps in flight
-            drafts = self._propose(request, budget) if self.config.speculative is not None else ()
-            num_target += len(drafts)
+            proposed = self._propose(request, budget) if self.config.speculative is not None else ()
+            num_target += len(proposed)
             num_new = min(num_target - request.num_computed_tokens, budget)
             if not allocate(request, request.num_computed_tokens + num_new) and \
                     not self._allocate_or_preempt(request, num_new):
@@ -128,8 +127,8 @@ class Scheduler:
             if request.num_computed_tokens == num_target:
                 request.num_pending_tokens += 1
             num_scheduled[request.request_id] = num_new
-            if drafts:
-                self._drafts[request.request_id], request.num_drafts = drafts, len(drafts)
+            if proposed:
+                drafts[request.request_id] = proposed
             budget -= num_new
             index += 1
         return budget
@@ -141,7 +140,7 @@ class Scheduler:
         spec = self.config.speculative
         assert spec is not None  # the caller's check
         if (request.num_computed_tokens != request.num_tokens - 1 or request.num_pending_tokens
-                or request.sampling_params.structured_outputs is not None or request.pooling_params is not None):
+                or request.sampling_params.structured_outputs is not None):
             return ()
         max_tokens = request.sampling_params.max_tokens
         left = self.max_model_len - request.num_tokens if max_tokens is None else min(
@@ -184,7 +183,6 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_pending_tokens = 0  # a token still in flight is dropped when it lands
-        request.num_drafts = 0
         request.num_synced_tokens = 0
         request.num_synced_blocks = 0
         request.num_preemptions += 1
@@ -262,7 +260,7 @@ class Scheduler:
         return CachedRequestData(request.request_id, new_tokens, tuple(blocks[synced:]), request.num_computed_tokens,
                                  others)
 
-    def _finish_output(self, new, cached, num_scheduled) -> SchedulerOutput:
+    def _finish_output(self, new, cached, num_scheduled, drafts) -> SchedulerOutput:
         transfers = tuple(self.block_manager.transfers)  # made only by allocations, which schedule tokens
         self.block_manager.transfers.clear()
         lora_loads = self._take_lora_loads()  # made only by admissions, which schedule tokens
@@ -273,7 +271,7 @@ class Scheduler:
         self._finished_ids.clear()
         return SchedulerOutput(new_requests=tuple(new), cached_requests=tuple(cached),
                                num_scheduled_tokens=num_scheduled, finished_request_ids=finished,
-                               kv_transfers=transfers, lora_loads=lora_loads, spec_token_ids=self._drafts)
+                               kv_transfers=transfers, lora_loads=lora_loads, spec_token_ids=drafts)
 
     def _take_lora_loads(self) -> tuple:
         if self.lora_slots is None or not self.lora_slots.loads:
@@ -305,11 +303,11 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted (or preempted) while the step ran
-            if request.num_drafts:  # the rejected drafts' KV is left behind: it is overwritten
+            num_drafts = len(output.spec_token_ids.get(request_id, ())) if output.spec_token_ids else 0
+            if num_drafts:  # the rejected drafts' KV is left behind: it is overwritten
                 accepted = len(runner_output.accepted_drafts.get(request_id, ()))
-                request.num_computed_tokens -= request.num_drafts - accepted
-                self.spec_stats.observe(request.num_drafts, accepted)
-                request.num_drafts = 0
+                request.num_computed_tokens -= num_drafts - accepted
+                self.spec_stats.observe(num_drafts, accepted)
             self.block_manager.cache_full_blocks(request)
             update = self._update_request(request, runner_output)
             if update is not None:

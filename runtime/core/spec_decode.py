@@ -111,7 +111,8 @@ def verify(request_ids: list[str], tokens: list[int], drafts: dict[str, tuple[in
     target sampled it too; the sampled token is the target's at the first mismatch), their logprobs."""
     sampled = dict(zip(request_ids, tokens))
     logprobs = {request_ids[row]: entry for row, entry in row_logprobs.items()}
-    accepted, draft_logprobs = {}, {}
+    accepted: dict[str, tuple[int, ...]] = {}
+    draft_logprobs: dict[str, tuple[TokenLogprobs, ...]] = {}
     for request_id, (row, proposed) in drafts.items():
         num = 0
         while num < len(proposed) and tokens[row + num] == proposed[num]:

@@ -30,9 +30,9 @@ def draft_rows(host: HostInputs, drafts: dict[str, tuple[int, ...]]) -> dict[str
         if k:
             first[state.request_id] = (len(states), tokens)
             del state.token_ids[-k:]
+            states.append(state)
             known = state.token_ids
-            states.extend(dataclasses.replace(state, token_ids=known + list(tokens[:i])) for i in range(k + 1))
-            states[-k - 1] = state
+            states.extend(dataclasses.replace(state, token_ids=known + list(tokens[:i])) for i in range(1, k + 1))
             indices.extend(range(index - k, index + 1))
         else:
             indices.append(index)

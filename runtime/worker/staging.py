@@ -120,21 +120,15 @@ class StepOutput:
 
     request_ids: list[str] = field(default_factory=list)  # the rows of `tokens`
     tokens: SampledTokens | None = None
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    row_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # the rows that ask for them
     prompt_logprobs: dict = field(default_factory=dict)  # as ModelRunnerOutput.prompt_logprobs
     pooled: dict[str, torch.Tensor] = field(default_factory=dict)  # request id -> [hidden_size], on the device
     failed_loras: tuple[int, ...] = ()  # as ModelRunnerOutput.failed_loras
-    # speculative decoding: request id -> (its first row, its drafts), and the logprobs of every row that asks
-    drafts: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
-    row_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
+    drafts: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)  # speculative: (first row, drafts)
 
     def to_runner_output(self) -> ModelRunnerOutput:
         pooled = {request_id: vector.cpu().numpy() for request_id, vector in self.pooled.items()}
         tokens = self.tokens.tolist() if self.tokens is not None else []
-        if not self.drafts:
-            return ModelRunnerOutput(sampled_token_ids=dict(zip(self.request_ids, tokens)), logprobs=self.logprobs,
-                                     prompt_logprobs=self.prompt_logprobs, pooled=pooled,
-                                     failed_loras=self.failed_loras)
         sampled, accepted, logprobs, draft_logprobs = verify(self.request_ids, tokens, self.drafts, self.row_logprobs)
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=self.prompt_logprobs,
                                  pooled=pooled, failed_loras=self.failed_loras, accepted_drafts=accepted,

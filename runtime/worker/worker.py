@@ -32,7 +32,7 @@ from shardserve.runtime.worker.pipeline import (IntermediateTensors, recv_interm
                                          send_intermediate)
 from shardserve.runtime.worker.pooler import pool_step
 from shardserve.runtime.worker.prompt_logprobs import score_prompts, wants_prompt_logprobs
-from shardserve.runtime.worker.sampler import logprobs_by_row, sample_on_device, sampled_logprobs
+from shardserve.runtime.worker.sampler import logprobs_by_row, sample_on_device
 from shardserve.runtime.worker.spec_rows import add_drafts, draft_rows
 from shardserve.runtime.worker.sampling_batch import SamplingCache
 from shardserve.runtime.worker.staging import SampledTokenBuffers, StagingBuffer, StepOutput
@@ -350,11 +350,10 @@ class Worker:
             return None
         tokens = sample_on_device(logits, host.sampled_states, bitmask, self.sampling_cache)  # [num_sampled]
         self.last_sampled = tokens  # the next step's pending input ids
-        if drafts:  # the drafts are verified where the ids are read (StepOutput.to_runner_output)
-            return StepOutput(sampled_ids, self.token_buffers.start_copy(tokens), prompt_logprobs=prompt_logprobs,
-                              drafts=drafts, row_logprobs=logprobs_by_row(logits, host.sampled_states, tokens))
+        # (any drafts are verified where the ids are read: StepOutput.to_runner_output)
         return StepOutput(sampled_ids, self.token_buffers.start_copy(tokens),
-                          sampled_logprobs(logits, host.sampled_states, tokens, self.sampling_cache), prompt_logprobs)
+                          logprobs_by_row(logits, host.sampled_states, tokens, self.sampling_cache), prompt_logprobs,
+                          drafts=drafts)
 
     def _forward(self, host: HostInputs,
                  lora: LoRABatch | None = None) -> tuple[torch.Tensor | IntermediateTensors, torch.Tensor | None]:
