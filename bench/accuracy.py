@@ -171,10 +171,10 @@ def _scheduling_as(replica: Replica, entry: dict) -> Replica:
         return replace(replica, scheduler_steps=steps)
     mixed = replica.cycle_ms
 
-    def alone(b: int, chunks: tuple[Chunk, ...], context: int) -> float:
+    def alone(b: int, chunks: tuple[Chunk, ...], context: int, drafts: int = 0) -> float:
         if not chunks or not b:
-            return mixed(b, chunks, context)
-        return mixed(1, chunks, context) + mixed(b, (), context)
+            return mixed(b, chunks, context, drafts)
+        return mixed(1, chunks, context) + mixed(b, (), context, drafts)
     return replace(replica, cycle_ms=alone, scheduler_steps=steps, mixes_prefill=False)
 
 

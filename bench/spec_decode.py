@@ -6,6 +6,8 @@ repetitive prompts (a text given, then asked for again), greedy, the same engine
 
 Reported per side: wall time, output tokens, engine steps (one target forward each, for the whole batch),
 output tokens per request per step, and the drafts' acceptance; both sides' tokens must be the same (greedy).
+Beside the measured speedup, the plan's: `shardserve plan` for the demo model on this CPU at the same concurrency,
+with --draft-acceptance-rate set to what the measured tokens per forward mean (planner/speculative.py).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import argparse
 import json
 import time
 
+from shardserve.planner import PlanOptions, load_model, make_plan, parse_declared
 from shardserve.planner.model_source import DEMO_MODEL_NAME, model_path
+from shardserve.planner.speculative import acceptance_for
 from shardserve.runtime import LLM, SamplingParams
 
 TEXTS = (
@@ -49,6 +53,7 @@ def run(spec: str | None, texts: list[str], max_tokens: int) -> dict:
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     num_out = sum(map(len, tokens))
     result = {"elapsed_s": round(elapsed, 3), "output_tokens": num_out, "engine_steps": steps,
+              "mean_prompt_tokens": round(sum(len(o.prompt_token_ids) for o in outputs) / len(outputs)),
               "output_tokens_per_s": round(num_out / elapsed, 1), "tokens": tokens}
     if spec_stats is not None:
         result |= {"num_drafts": spec_stats.num_drafts, "num_draft_tokens": spec_stats.num_draft_tokens,
@@ -72,13 +77,27 @@ def main() -> None:
     for side in (plain, ngram):  # the batch runs all its requests in each step, one target forward
         side["tokens_per_request_step"] = round(side["output_tokens"] / side["engine_steps"] / args.num_prompts, 3)
     report = {"settings": vars(args), "plain": plain, "ngram": ngram,
-              "speedup": round(plain["elapsed_s"] / ngram["elapsed_s"], 3)}
+              "speedup": round(plain["elapsed_s"] / ngram["elapsed_s"], 3),
+              "plan": planned(spec, args, ngram["tokens_per_request_step"], ngram["mean_prompt_tokens"])}
     if args.json:
         print(json.dumps(report, indent=1))
         return
     for name in ("plain", "ngram"):
         print(name, json.dumps(report[name]))
-    print("speedup", report["speedup"])
+    print("speedup", report["speedup"], "plan", json.dumps(report["plan"]))
+
+
+def planned(spec: str, args: argparse.Namespace, tokens: float, input_len: int) -> dict:
+    """The plan's speedup for the same requests on this CPU, at the acceptance the measured tokens per forward
+    give: TPOT without speculation over TPOT with it (the plan's `estimates.speculation`)."""
+    rate = round(acceptance_for(tokens, args.num_speculative_tokens), 3)
+    options = PlanOptions(input_len=input_len, output_len=args.max_tokens, concurrency=float(args.num_prompts),
+                          speculative_config=spec, draft_acceptance_rate=max(rate, 0.01))
+    plan = make_plan(load_model(DEMO_MODEL_NAME), parse_declared("cpu"), options).record()
+    section = plan.estimates.speculation
+    assert section is not None  # a plan with speculative_config has one
+    return {"draft_acceptance_rate": rate, "tpot_ms": plan.estimates.tpot_ms, "tpot_ms_without": section.without.tpot_ms,
+            "speedup": round(section.without.tpot_ms / plan.estimates.tpot_ms, 3)}
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from shardserve.planner.plan_file import PlanFile
 from shardserve.planner.served import ARCHITECTURES
+from shardserve.planner.speculative import SpeculativeConfig
 
 ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
 ENGINES = tuple(ENGINE_NAMES)
@@ -46,7 +47,7 @@ HANDLED_SETTINGS = frozenset({
     "device", "dtype", "quantization", "kv_cache_dtype", "max_model_len", "gpu_memory_utilization",
     "max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
     "kv_cache_memory_bytes", "enforce_eager", "kv_offloading_size", "enable_lora", "max_loras", "max_lora_rank",
-    *LATENCY_TARGETS, *TRAFFIC,
+    "speculative_config", "draft_acceptance_rate", *LATENCY_TARGETS, *TRAFFIC,
 })
 
 
@@ -120,6 +121,7 @@ def export_plan(plan: PlanFile, engine: str) -> EngineCommand:
         program = ("python", "-m", "sglang.launch_server")
     else:
         raise ValueError(f"engine {engine!r}: one of {', '.join(ENGINES)}")
+    _speculation(plan, draft, engine)
     draft.unsupported += _latency_targets(plan, ENGINE_NAMES[engine]) + _unhandled(plan)
     draft.notes += _overload(plan)
     return draft.done(engine, program)
@@ -141,6 +143,26 @@ def _hub_flags(plan: PlanFile, draft: _Draft) -> None:
         draft.add("--revision", plan.model.revision)
     if plan.model.download_dir is not None:
         draft.add("--download-dir", plan.model.download_dir)
+
+
+def _speculation(plan: PlanFile, draft: _Draft, engine: str) -> None:
+    """speculative_config: vLLM takes the same JSON; SGLang's NGRAM is its own proposer (a cache of every request's
+    tokens, drafts as a tree), given the same number of drafts and lookup lengths."""
+    config = SpeculativeConfig.parse(plan.runtime.speculative_config)
+    if config is None:
+        return
+    if engine == "vllm":
+        draft.add("--speculative-config", config.to_json())
+    else:
+        draft.add("--speculative-algorithm", "NGRAM")
+        draft.add("--speculative-num-draft-tokens", config.num_speculative_tokens)
+        draft.add("--speculative-ngram-min-match-window-size", config.prompt_lookup_min)
+        draft.add("--speculative-ngram-max-match-window-size", config.prompt_lookup_max)
+        draft.notes.append("SGLang's NGRAM drafts from a cache of every request's tokens, as a tree, not by prompt "
+                           "lookup alone: its acceptance differs from the plan's")
+    if plan.service.draft_acceptance_rate is not None:
+        draft.notes.append(f"the plan's speeds assume draft_acceptance_rate {plan.service.draft_acceptance_rate:g}: "
+                           f"compare {ENGINE_NAMES[engine]}'s spec-decode metrics")
 
 
 def _latency_targets(plan: PlanFile, engine: str) -> list[str]:

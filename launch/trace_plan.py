@@ -89,7 +89,7 @@ class Replayed:
 
 def replayed(record: PlanFile, model: ModelInfo, trace: Trace, replica: Replica | None = None) -> Replayed:
     """The trace replayed on the plan's layout, each step timed by `replica` (default: the plan's own)."""
-    from shardserve.planner.replay import replica_of
+    from shardserve.planner.replay import replica_of, settings_of
     from shardserve.runtime.core.replay import EngineShape, replay
     from shardserve.runtime.core.scheduler_config import SchedulerConfig
 
@@ -97,9 +97,10 @@ def replayed(record: PlanFile, model: ModelInfo, trace: Trace, replica: Replica 
     if problem:
         raise PlanError(problem)
     rt, mem, par = record.runtime, record.memory, record.parallel
-    shape = EngineShape(SchedulerConfig(rt.max_num_seqs, rt.max_num_batched_tokens), mem.num_blocks, mem.block_size,
-                        rt.enable_prefix_caching is not False, rt.max_model_len, par.data_parallel_size,
-                        model.spec.kv_groups.windows)
+    settings = settings_of(record)
+    shape = EngineShape(SchedulerConfig(rt.max_num_seqs, rt.max_num_batched_tokens, speculative=settings.speculative),
+                        mem.num_blocks, mem.block_size, rt.enable_prefix_caching is not False, rt.max_model_len,
+                        par.data_parallel_size, model.spec.kv_groups.windows, settings.draft_acceptance_rate or 0.0)
     began = time.perf_counter()
     replica = replica or replica_of(record, model)
     served = replay(trace.requests, replica, shape, trace.concurrency)

@@ -137,10 +137,12 @@ def _attn_table(kv_dtype: str) -> str:
 
 
 def stage_step_ms(ops: Operators, shape: StageShape, num_decode: int, decode_context: int,
-                  chunks: tuple[Chunk, ...]) -> float:
-    """Milliseconds for one step on one rank of the stage (device time, no host)."""
+                  chunks: tuple[Chunk, ...], num_drafts: int = 0) -> float:
+    """Milliseconds for one step on one rank of the stage (device time, no host). `num_drafts`: the decoding
+    requests' drafted tokens verified beside their last ones (speculative decoding): rows of every projection
+    and of the sampler, while attention reads each request's KV once for its last token and drafts together."""
     spec, tp = shape.spec, shape.tp
-    tokens = num_decode + sum(c.tokens for c in chunks)
+    tokens = num_decode + num_drafts + sum(c.tokens for c in chunks)
     if tokens == 0:
         return 0.0
     # every layer: projections and element-wise work; then each layer's attention and MLP by kind
@@ -161,7 +163,7 @@ def stage_step_ms(ops: Operators, shape: StageShape, num_decode: int, decode_con
     if shape.is_first:
         total += ops.elementwise(tokens * spec.hidden_size * shape.act_bytes)
     if shape.is_last:
-        sampled = num_decode + len(chunks)
+        sampled = num_decode + num_drafts + len(chunks)
         vocab = -(-spec.vocab_size // tp)
         total += ops.elementwise(2 * tokens * spec.hidden_size * shape.act_bytes)
         total += ops.gemm(sampled, vocab, spec.hidden_size, shape.gemm_dtype, 16)

@@ -12,6 +12,7 @@ from shardserve.planner.model_spec import DTYPE_BYTES, ModelSpec, canonical_dtyp
 from shardserve.planner.rules import (fp8_kv_problem, offload_groups_problem, offload_problem, offload_size_problem,
                                      prefix_caching_problem,
                                      resolved_prefix_caching)
+from shardserve.planner.speculative import DEFAULT_ACCEPTANCE, SpeculativeConfig, speculative_problem, tokens_per_step
 from shardserve.planner.workload import Targets, Workload
 from shardserve.planner.settings import (DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN,
                                          SettingError, check_fields, default, resolved_max_num_batched_tokens)
@@ -43,12 +44,14 @@ class PlanOptions:
     max_loras: int = default("max_loras")
     max_lora_rank: int = default("max_lora_rank")
     enforce_eager: bool = default("enforce_eager")
+    speculative_config: str | None = default("speculative_config")
     target_concurrency: int = default("target_concurrency")
     input_len: int | None = default("input_len")
     output_len: int | None = default("output_len")
     prefix_len: int = default("prefix_len")
     concurrency: float | None = default("concurrency")
     request_rate: float | None = default("request_rate")
+    draft_acceptance_rate: float | None = default("draft_acceptance_rate")
     ttft_ms: float | None = default("ttft_ms")
     tpot_ms: float | None = default("tpot_ms")
     target_percentile: int = default("target_percentile")
@@ -77,6 +80,20 @@ class RuntimeSettings:
     enable_lora: bool = False
     max_loras: int = default("max_loras")  # adapter slots on every rank (with enable_lora)
     max_lora_rank: int = default("max_lora_rank")  # each slot's rank
+    speculative: SpeculativeConfig | None = None  # speculative_config, parsed
+    draft_acceptance_rate: float | None = None  # with speculative: the rate given, or its method's default
+
+    @property
+    def tokens_per_step(self) -> float:
+        """A decoding request's tokens per forward: 1, or with speculation 1 + a + ... + a^k."""
+        if self.speculative is None or self.draft_acceptance_rate is None:
+            return 1.0
+        return tokens_per_step(self.speculative.num_speculative_tokens, self.draft_acceptance_rate)
+
+    @property
+    def num_drafts(self) -> int:
+        """The drafts each decoding request verifies per step (0: no speculation)."""
+        return 0 if self.speculative is None else self.speculative.num_speculative_tokens
 
     @property
     def graphs_captured(self) -> bool:
@@ -128,7 +145,26 @@ def resolve_settings(options: PlanOptions, spec: ModelSpec, gpu: GpuSpec) -> Run
         enable_prefix_caching=prefix_caching, kv_cache_memory_bytes=kv_pool,
         enforce_eager=options.enforce_eager, is_max_model_len_auto=is_auto,
         kv_offloading_size=options.kv_offloading_size, enable_lora=options.enable_lora,
-        max_loras=options.max_loras, max_lora_rank=options.max_lora_rank)
+        max_loras=options.max_loras, max_lora_rank=options.max_lora_rank,
+        **_speculation(options, spec))
+
+
+def _speculation(options: PlanOptions, spec: ModelSpec) -> dict:
+    """RuntimeSettings' speculative and draft_acceptance_rate, or a PlanError naming the setting to change."""
+    try:
+        config = SpeculativeConfig.parse(options.speculative_config)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    if config is None:
+        if options.draft_acceptance_rate is not None:
+            raise PlanError("draft_acceptance_rate prices speculative decoding, and speculative_config is not set: "
+                            "set both, or neither")
+        return {}
+    problem = speculative_problem(1, spec.recurrent_kind)
+    if problem:
+        raise PlanError(problem)
+    rate = options.draft_acceptance_rate
+    return {"speculative": config, "draft_acceptance_rate": DEFAULT_ACCEPTANCE[config.method] if rate is None else rate}
 
 
 def _resolve_dtype(requested: str, spec: ModelSpec, gpu: GpuSpec) -> str:

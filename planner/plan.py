@@ -12,10 +12,10 @@ from shardserve.planner.options import (PlanOptions, RuntimeSettings, resolve_se
                                         resolve_workload)
 from shardserve.planner.plan_file import PlanFile
 from shardserve.planner.alternatives import alternatives
-from shardserve.planner.rationale import rationale, warnings
+from shardserve.planner.rationale import rationale, speculation_note, warnings
 from shardserve.planner.rules import Layout, nodes_used
 from shardserve.planner.schema import plan_record
-from shardserve.planner.search import Candidate, Search, choose
+from shardserve.planner.search import Candidate, Search, choose, estimates_of
 from shardserve.planner.speed import Estimates
 from shardserve.planner.settings import SettingError
 from shardserve.planner.served import check_served
@@ -41,6 +41,7 @@ class Plan:
     search: Search
     candidates: tuple[Candidate, ...] = ()  # every layout the search tried, the chosen among them
     recommend: bool = False  # planned on the fewest GPUs of the type (make_plan's `recommend`)
+    without_speculation: Estimates | None = None  # with speculative_config: the chosen layout's speed without it
 
     def record(self) -> PlanFile:
         return plan_record(self)
@@ -114,11 +115,18 @@ def _assembled(model: ModelInfo, hardware: Hardware, search: Search, chosen: Can
     options = search.options
     executor = choose_executor(chosen.layout, hardware, options)
     weight_bytes = total_weight_bytes(model.spec, model.groups, settings.dtype)
-    return Plan(model, hardware, settings, chosen, executor,
-                tuple(rationale(search, chosen, candidates, executor, weight_bytes, _pins(options), recommend)),
-                tuple(warnings(model, hardware, settings, chosen)),
+    reasons = rationale(search, chosen, candidates, executor, weight_bytes, _pins(options), recommend)
+    notes = warnings(model, hardware, settings, chosen)
+    without = None
+    if settings.speculative is not None:  # the same layout, settings and load, every step one token a request
+        without = search.with_settings(speculative=None, draft_acceptance_rate=None).again(chosen).estimates
+        assert without is not None  # Search.again estimates the layout it sizes
+        line, warning = speculation_note(settings, estimates_of(chosen), without, hardware)
+        reasons.append(line)
+        notes += [warning] if warning else []
+    return Plan(model, hardware, settings, chosen, executor, tuple(reasons), tuple(notes),
                 tuple(alternatives(chosen, candidates, hardware, search.targets)), weight_bytes, search,
-                tuple(candidates), recommend)
+                tuple(candidates), recommend, without)
 
 
 def contenders(chosen: Candidate, candidates: list[Candidate], hardware: Hardware, targets: Targets,

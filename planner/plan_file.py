@@ -126,6 +126,7 @@ class RuntimeSection:
     enable_lora: bool | None = None
     max_loras: int | None = None
     max_lora_rank: int | None = None
+    speculative_config: str | None = None  # vLLM's JSON, every key written; None: no speculative decoding
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,7 @@ class ServiceSection:
     ttft_ms: float | None
     tpot_ms: float | None
     target_percentile: int
+    draft_acceptance_rate: float | None = None  # with speculative_config: what the estimates assume
 
 
 @dataclass(frozen=True)
@@ -182,6 +184,26 @@ class TraceSection:
 
 
 @dataclass(frozen=True)
+class SpeedSection:
+    """The speed of the same layout and load under other settings (the plan's without speculative decoding)."""
+    ttft_ms: float | None  # None: overloaded
+    tpot_ms: float
+    output_tokens_per_s: float
+    decode_tokens_per_s_batch1: float
+
+
+@dataclass(frozen=True)
+class SpeculationSection:
+    """What speculative decoding does in the estimates: the tokens a verify step yields, and the layout's speed
+    without it."""
+    method: str
+    num_speculative_tokens: int
+    draft_acceptance_rate: float
+    tokens_per_step: float
+    without: SpeedSection
+
+
+@dataclass(frozen=True)
 class EstimatesSection:
     workload: WorkloadSection
     ttft_ms: float | None  # None: overloaded, the rate outruns the layout and TTFT grows without bound
@@ -194,6 +216,7 @@ class EstimatesSection:
     source: str
     percentiles: PercentilesSection | None = None  # with --trace: the chosen layout's, replayed
     trace: TraceSection | None = None
+    speculation: SpeculationSection | None = None  # with speculative_config
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from shardserve.planner.model_source import ModelInfo
 from shardserve.planner.options import RuntimeSettings
 from shardserve.planner.rules import expert_parallel_problem, expert_parallel_reason, replica_spans_nodes
 from shardserve.planner.search import Candidate, Search, estimates_of, tier
+from shardserve.planner.speed import Estimates
 
 
 
@@ -254,3 +255,23 @@ def _overload_line(chosen: Candidate, hardware: Hardware) -> str | None:
     line = (f"{said}: {replicas} replicas of tp {layout.tensor_parallel_size} x pp {layout.pipeline_parallel_size} "
             f"({replicas * layout.gpus_per_replica} {hardware.gpu.unit}s) would keep up")
     return line if hardware.is_cpu else line + "; --recommend with --ttft-ms/--tpot-ms plans for a latency too"
+
+
+def speculation_note(settings: RuntimeSettings, est: Estimates, without: Estimates,
+                     hardware: Hardware) -> tuple[str, str | None]:
+    """(a rationale line: what speculative decoding does to the chosen layout's TPOT and throughput, a warning
+    when it makes them worse) at the plan's draft_acceptance_rate."""
+    spec, rate = settings.speculative, settings.draft_acceptance_rate
+    assert spec is not None and rate is not None  # the caller's check
+    k = spec.num_speculative_tokens
+    line = (f"speculative decoding ({spec.method}, {k} drafts at acceptance {rate:g}: "
+            f"{settings.tokens_per_step:.2f} tokens per forward): TPOT {est.tpot_ms:,.1f} ms against "
+            f"{without.tpot_ms:,.1f} ms without, {est.output_tokens_per_s:,.0f} output tokens/s against "
+            f"{without.output_tokens_per_s:,.0f}")
+    if est.tpot_ms <= without.tpot_ms and est.output_tokens_per_s >= 0.99 * without.output_tokens_per_s:
+        return line, None
+    why = ("a step that verifies drafts runs without CUDA graphs, its kernels issued one by one, "
+           if not hardware.is_cpu and settings.graphs_captured else "")
+    return line, (f"speculative_config makes this plan slower ({why}and each draft adds a row to every "
+                  f"projection): drop --speculative-config, or raise --draft-acceptance-rate if your "
+                  f"traffic's measured rate is higher")

@@ -10,12 +10,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 from shardserve.planner.catalog import find_gpu
+from shardserve.planner.errors import PlanError
 from shardserve.planner.hardware import GpuSpec, Hardware, Node
 from shardserve.planner.model_source import ModelInfo
 from shardserve.planner.options import RuntimeSettings
 from shardserve.planner.plan_file import GpuSection, PlanFile
 from shardserve.planner.serving import Replica
 from shardserve.planner.settings import default
+from shardserve.planner.speculative import DEFAULT_ACCEPTANCE, SpeculativeConfig
 from shardserve.planner.speed import Estimates, estimate, replica_model
 from shardserve.planner.workload import Targets, Workload
 
@@ -47,7 +49,20 @@ def settings_of(plan: PlanFile) -> RuntimeSettings:
         gpu_memory_utilization=rt.gpu_memory_utilization, enable_prefix_caching=rt.enable_prefix_caching,
         kv_cache_memory_bytes=rt.kv_cache_memory_bytes, enforce_eager=rt.enforce_eager,
         kv_offloading_size=rt.kv_offloading_size, enable_lora=bool(rt.enable_lora),
-        max_loras=rt.max_loras or default("max_loras"), max_lora_rank=rt.max_lora_rank or default("max_lora_rank"))
+        max_loras=rt.max_loras or default("max_loras"), max_lora_rank=rt.max_lora_rank or default("max_lora_rank"),
+        **_speculation(plan))
+
+
+def _speculation(plan: PlanFile) -> dict:
+    """RuntimeSettings' speculative and draft_acceptance_rate from the plan, or a PlanError naming its key."""
+    try:
+        config = SpeculativeConfig.parse(plan.runtime.speculative_config)
+    except ValueError as e:
+        raise PlanError(f"runtime.{e}") from None
+    if config is None:
+        return {}
+    rate = plan.service.draft_acceptance_rate
+    return {"speculative": config, "draft_acceptance_rate": DEFAULT_ACCEPTANCE[config.method] if rate is None else rate}
 
 
 def replica_of(plan: PlanFile, model: ModelInfo) -> Replica:

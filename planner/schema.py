@@ -7,7 +7,8 @@ from dataclasses import replace
 
 from shardserve.planner.plan_file import (SCHEMA_VERSION, EstimatesSection, GpuSection, HardwareSection,
                                           MemorySection, ModelSection, ParallelSection, PlanFile, RuntimeSection,
-                                          ServiceSection, StageSection, WorkloadSection)
+                                          ServiceSection, SpeculationSection, SpeedSection, StageSection,
+                                          WorkloadSection)
 
 
 def plan_record(plan) -> PlanFile:
@@ -52,9 +53,10 @@ def plan_record(plan) -> PlanFile:
             "kv_offloading_size": s.kv_offloading_size,
             **({"enable_lora": True, "max_loras": s.max_loras, "max_lora_rank": s.max_lora_rank} if s.enable_lora
                else {}),
+            "speculative_config": s.speculative.to_json() if s.speculative else None,
         }),
-        service=_service_section(plan.search),
-        estimates=_estimates_section(est),
+        service=replace(_service_section(plan.search), draft_acceptance_rate=s.draft_acceptance_rate),
+        estimates=replace(_estimates_section(est), speculation=_speculation_section(plan)),
         rationale=tuple(plan.rationale), warnings=tuple(plan.warnings),
         alternatives=tuple(plan.alternatives),
     )
@@ -85,6 +87,18 @@ def _estimates_section(est) -> EstimatesSection:
         output_tokens_per_s_per_user=round(est.output_tokens_per_s_per_user, 1),
         max_request_rate=round(est.max_request_rate, 2),
         decode_tokens_per_s_batch1=round(est.decode_tokens_per_s_batch1, 1), source=est.source)
+
+
+def _speculation_section(plan) -> SpeculationSection | None:
+    s, without = plan.settings, plan.without_speculation
+    if s.speculative is None or s.draft_acceptance_rate is None or without is None:
+        return None
+    return SpeculationSection(
+        method=s.speculative.method, num_speculative_tokens=s.speculative.num_speculative_tokens,
+        draft_acceptance_rate=s.draft_acceptance_rate, tokens_per_step=round(s.tokens_per_step, 2),
+        without=SpeedSection(ttft_ms=finite(without.ttft_ms, 1), tpot_ms=round(without.tpot_ms, 2),
+                             output_tokens_per_s=round(without.output_tokens_per_s, 1),
+                             decode_tokens_per_s_batch1=round(without.decode_tokens_per_s_batch1, 1)))
 
 
 def _model_section(plan) -> ModelSection:

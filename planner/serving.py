@@ -4,7 +4,9 @@ A replica runs `b` requests at once. Every step each decoding request gets one t
 step's remaining token budget (max_num_batched_tokens - b) goes to prefill chunks of new requests:
 
     step:  | b decode tokens | chunk of a new prompt (<= budget) |
-    TPOT   = the mean step (its share of prefill work included), or a pipeline's cycle
+    TPOT   = the mean step (its share of prefill work included), or a pipeline's cycle; with speculative
+             decoding each decoding request also verifies k drafts a step, and TPOT is the step over the
+             tokens a verify step yields (planner/speculative.py)
     TTFT   = wait for a step + the prompt's own chunk steps + queueing for the prefill budget
 
 Closed loop (`concurrency`): b = the concurrency, capped by max_num_seqs and the KV cache; the rest
@@ -65,10 +67,10 @@ class ReplicaSpeed:
 
 @dataclass(frozen=True)
 class Replica:
-    """A replica's step times: `cycle_ms(b, chunks, context)` is the time between two tokens of a
-    request with b requests decoding over `context` tokens each and those prefill chunks in the
-    step (host time included)."""
-    cycle_ms: Callable[[int, tuple[Chunk, ...], int], float]
+    """A replica's step times: `cycle_ms(b, chunks, context, drafts=0)` is the time between two steps of a
+    request with b requests decoding over `context` tokens each, those prefill chunks and `drafts` drafted
+    tokens verified in the step (host time included)."""
+    cycle_ms: Callable[..., float]
     max_num_seqs: int
     max_num_batched_tokens: int
     kv_cache_tokens: int  # the pool's pages x block_size (every KV group's blocks, counted as tokens)
@@ -77,10 +79,12 @@ class Replica:
     scheduler_steps: int = 1  # decode steps between two schedules; this runtime schedules every step
     mixes_prefill: bool = True  # prefill chunks share a step with the decodes; else a prompt's steps run alone
     kv_windows: tuple[int | None, ...] = (None,)  # each KV group's window (planner/kv_groups.py)
+    num_drafts: int = 0  # speculative decoding: the drafts each decoding request verifies per step
+    tokens_per_step: float = 1.0  # the tokens a decoding request gains per step (1 + a + ... + a^k)
 
     def max_running(self, w: Workload) -> float:
         """Requests the KV cache holds at once, each at its mean length over its life."""
-        per_request = max(1.0, w.input_len - w.prefix_len + w.output_len / 2)
+        per_request = max(1.0, w.input_len - w.prefix_len + w.output_len / 2 + self.num_drafts)
         prefix = self._held(w.prefix_len)  # one copy of the shared prefix; a windowed group holds its window
         fits = max(0.0, self.kv_cache_tokens - prefix) / max(1.0, self._held(w.prefix_len + per_request) - prefix)
         return max(1.0, min(float(self.max_num_seqs), fits))
@@ -92,7 +96,7 @@ class Replica:
     def _chunks(self, b: int, w: Workload) -> list[Chunk]:
         """The chunks a new prompt (its uncached part, at least one token) is computed in when b
         requests decode beside it."""
-        budget = max(1, self.max_num_batched_tokens - b)
+        budget = max(1, self.max_num_batched_tokens - b * (1 + self.num_drafts))
         chunks: list[Chunk] = []
         done = w.prefix_len
         while done < w.input_len or not chunks:
@@ -103,7 +107,8 @@ class Replica:
 
     def decode_step_ms(self, w: Workload, b: float) -> float:
         """A step of b requests decoding over the workload's mean context, no prompt beside them."""
-        return self.cycle_ms(max(1, math.ceil(b)), (), _decode_context(w))
+        bi = max(1, math.ceil(b))
+        return self.cycle_ms(bi, (), _decode_context(w), bi * self.num_drafts)
 
     def _prompt_steps(self, bi: int, w: Workload, together: float) -> tuple[list[float], float]:
         """(the steps that carry a new prompt, the time each prompt adds to the decodes' cycle) with bi
@@ -112,7 +117,7 @@ class Replica:
         least) while the decodes wait; prompts arriving together share one step's weight reads."""
         context = _decode_context(w)
         if self.mixes_prefill:
-            own = [self.cycle_ms(bi, (c,), context) for c in self._chunks(bi, w)]
+            own = [self.cycle_ms(bi, (c,), context, bi * self.num_drafts) for c in self._chunks(bi, w)]
             return own, sum(own) - self.decode_step_ms(w, bi) * len(own)
         chunks = self._chunks(0, w)
         k = 1 if len(chunks) > 1 else max(1, min(math.ceil(together),
@@ -130,7 +135,7 @@ class Replica:
         decode_only = self.decode_step_ms(w, bi)
         own, extra = self._prompt_steps(bi, w, 1.0 if per_cycle is None else per_cycle)
         new = max(1, w.input_len - w.prefix_len)
-        room = max(1, self.max_num_batched_tokens - (bi if self.mixes_prefill else 0))
+        room = max(1, self.max_num_batched_tokens - (bi * (1 + self.num_drafts) if self.mixes_prefill else 0))
         busy = 0.0
         if rate_per_ms is not None:  # arrivals per cycle while cycles stretch by the prefills they carry;
             for _ in range(2):  # past saturation (every step's budget full of prefill) overload; a second
@@ -159,10 +164,11 @@ class Replica:
     def closed_loop(self, w: Workload) -> ReplicaSpeed:
         c = w.concurrency or 1.0
         b = min(c, self.max_running(w))
-        cycle, ttft, rho = self._steady(b, w, per_cycle=b / max(1, w.output_len))
+        cycle, ttft, rho = self._steady(b, w, per_cycle=b * self.tokens_per_step / max(1, w.output_len))
+        tpot = cycle / self.tokens_per_step
         if c > b:  # the rest wait their turn: (c - b) ahead, b finishing per request lifetime
-            ttft += (c - b) / b * (ttft + (w.output_len - 1) * cycle)
-        return ReplicaSpeed(ttft, cycle, b / cycle * 1e3, b, rho >= 1)
+            ttft += (c - b) / b * (ttft + (w.output_len - 1) * tpot)
+        return ReplicaSpeed(ttft, tpot, b / tpot * 1e3, b, rho >= 1)
 
     def saturated(self, w: Workload) -> ReplicaSpeed:
         """The replica kept full: as many requests running as max_num_seqs and the KV cache allow, the
@@ -176,7 +182,7 @@ class Replica:
         b = max(1e-3, rate * w.output_len)
         for _ in range(60):
             cycle, ttft, rho = self._steady(b, w, rate_per_ms=rate)
-            nxt = rate * (ttft + (w.output_len - 1) * cycle)
+            nxt = rate * (ttft + (w.output_len - 1) * cycle / self.tokens_per_step)
             if rho >= 1 or nxt > cap:
                 return self._overloaded(w)
             if abs(nxt - b) <= 1e-3 * max(1.0, b):
@@ -186,7 +192,7 @@ class Replica:
         cycle, ttft, rho = self._steady(b, w, rate_per_ms=rate)
         if rho >= 1:
             return self._overloaded(w)
-        return ReplicaSpeed(ttft, cycle, rate * w.output_len * 1e3, b, False)
+        return ReplicaSpeed(ttft, cycle / self.tokens_per_step, rate * w.output_len * 1e3, b, False)
 
     def _overloaded(self, w: Workload) -> ReplicaSpeed:
         """Arrivals outrun the replica: it runs full (saturated) while the queue, and so TTFT, grows

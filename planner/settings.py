@@ -218,8 +218,8 @@ SETTINGS: tuple[Setting, ...] = (
     _s("speculative_config", str, None, "Speculative decoding, vLLM's JSON: {\"method\": \"ngram\", "
        "\"num_speculative_tokens\": K, \"prompt_lookup_max\": N, \"prompt_lookup_min\": M}. Each decoding request "
        "drafts up to K tokens by prompt lookup and the model verifies them in one forward (greedy and seeded "
-       "output unchanged). MTP and EAGLE-3 are not served yet; refused with async_scheduling, pipeline "
-       "parallel and models with recurrent layers.", "engine"),
+       "output unchanged); the plan prices it at --draft-acceptance-rate. MTP and EAGLE-3 are not served yet; "
+       "refused with async_scheduling, pipeline parallel and models with recurrent layers.", "plan engine"),
     _s("seed", int, 0, "Seed for requests that bring none.", "engine"),
     _s("chat_template", str, None, "A Jinja chat template, or the path of a file holding one, used instead of "
        "the tokenizer's.", "engine"),
@@ -248,6 +248,10 @@ SETTINGS: tuple[Setting, ...] = (
        "(closed loop; not with --request-rate). Default: full batches.", "plan server", above=0.0),
     _s("request_rate", float, None, "Requests per second arriving across the deployment (Poisson; not "
        "with --concurrency).", "plan server", above=0.0),
+    _s("draft_acceptance_rate", float, None, "With --speculative-config: the chance the model keeps a drafted "
+       "token once it kept the drafts before it, so a verify step of K drafts yields 1 + a + ... + a^K tokens "
+       "(vLLM's acceptance at position 0 estimates it). Default per method: ngram 0.70, vLLM's measurement on "
+       "code edits; chat traffic accepts far fewer.", "plan", above=0.0, maximum=0.99),
     _s("ttft_ms", float, None, "Target time to first token in milliseconds, at --target-percentile: the "
        "plan picks the fewest GPUs that meet the targets.", "plan server", above=0.0),
     _s("tpot_ms", float, None, "Target time per output token (after the first) in milliseconds, at "

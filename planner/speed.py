@@ -123,43 +123,44 @@ def replica_model(spec: ModelSpec, split: list[int], tp: int, expert_parallel: b
     hops = [_hop_cost(spec, settings, h, hardware) for h in _hop_links(hardware, tp, len(split))]
     cache: dict = {}
     cycles: dict = {}
-    # steps without CUDA graphs (a prefill or mixed step, every step with --enforce-eager or LoRA, a
-    # CPU's every step): the host issues every kernel
+    # steps without CUDA graphs (a prefill or mixed step, a step verifying drafts, every step with --enforce-eager
+    # or LoRA, a CPU's every step): the host issues every kernel
     always_eager = hardware.is_cpu or not settings.graphs_captured
 
-    def stage(i: int, b: int, chunks: tuple[Chunk, ...], context: int) -> float:
-        key = (i, b, chunks, context)
+    def stage(i: int, b: int, chunks: tuple[Chunk, ...], context: int, drafts: int) -> float:
+        key = (i, b, chunks, context, drafts)
         if key not in cache:
-            device = stage_step_ms(ops, shapes[i], b, context, chunks)
-            issue = shapes[i].num_layers * db.host.eager_layer_ms if always_eager or chunks else 0.0
+            device = stage_step_ms(ops, shapes[i], b, context, chunks, drafts)
+            issue = shapes[i].num_layers * db.host.eager_layer_ms if always_eager or chunks or drafts else 0.0
             # a GPU computes while its host issues the next kernels; a CPU's one thread does both in turn
             cache[key] = device + issue if hardware.is_cpu else max(device, issue)
         return cache[key]
 
-    def cycle(b: int, chunks: tuple[Chunk, ...], context: int) -> float:
-        key = (b, chunks, context)
+    def cycle(b: int, chunks: tuple[Chunk, ...], context: int, drafts: int = 0) -> float:
+        key = (b, chunks, context, drafts)
         if key not in cycles:
-            cycles[key] = _cycle(b, chunks, context)
+            cycles[key] = _cycle(b, chunks, context, drafts)
         return cycles[key]
 
-    def _cycle(b: int, chunks: tuple[Chunk, ...], context: int) -> float:
+    def _cycle(b: int, chunks: tuple[Chunk, ...], context: int, drafts: int) -> float:
         host = db.host.ms(b)
         if len(shapes) == 1:
-            return stage(0, b, chunks, context) + host
+            return stage(0, b, chunks, context, drafts) + host
         # NOTE: pp micro-batches in flight (one per stage while b allows): a request's next token
         # comes after one pass through every stage, or after every micro-batch took the slowest
-        # stage, whichever is longer.
+        # stage, whichever is longer. (Speculation is refused with pipeline parallel: no drafts here.)
         micro = max(1, min(len(shapes), b))  # (a step of prefill chunks alone: one micro-batch)
         mb = math.ceil(b / micro)
         tokens = mb + sum(c.tokens for c in chunks)
-        one_pass = sum(stage(i, mb, chunks, context) for i in range(len(shapes)))
+        one_pass = sum(stage(i, mb, chunks, context, 0) for i in range(len(shapes)))
         one_pass += sum(fixed + per_token * tokens for fixed, per_token in hops)
-        slowest = max(stage(i, mb, (), context) for i in range(len(shapes)))
-        busiest = max(stage(i, mb, chunks, context) for i in range(len(shapes)))
+        slowest = max(stage(i, mb, (), context, 0) for i in range(len(shapes)))
+        busiest = max(stage(i, mb, chunks, context, 0) for i in range(len(shapes)))
         return max(one_pass, (micro - 1) * slowest + busiest) + host * micro
 
     return Replica(cycle, settings.max_num_seqs, settings.max_num_batched_tokens, kv_cache_tokens,
-                   db.host.request_ms, _source(db, hardware.gpu.name), kv_windows=spec.kv_groups.windows)
+                   db.host.request_ms, _source(db, hardware.gpu.name), kv_windows=spec.kv_groups.windows,
+                   num_drafts=settings.num_drafts, tokens_per_step=settings.tokens_per_step)
 
 
 def _source(db: Database, gpu: str) -> str:
@@ -176,10 +177,10 @@ def estimate(replica: Replica, workload: Workload, targets: Targets, dp: int, nu
     if workload.concurrency is None and workload.request_rate is None:  # full batches
         workload = replace(workload, concurrency=round(replica.max_running(workload) * dp, 1))
     speed: ReplicaSpeed = replica.speed(workload.per_replica(dp))
-    batch1_ms = replica.decode_step_ms(workload, 1)  # one request decoding alone
+    batch1_ms = replica.decode_step_ms(workload, 1)  # one request decoding alone (its drafts verified too)
     total = speed.output_tokens_per_s * dp
     return Estimates(workload, speed.ttft_ms, speed.tpot_ms, total, total / num_gpus,
-                     1e3 / speed.tpot_ms, replica_max_rate * dp, 1e3 / batch1_ms,
+                     1e3 / speed.tpot_ms, replica_max_rate * dp, 1e3 * replica.tokens_per_step / batch1_ms,
                      speed.is_overloaded, replica.source)
 
 

@@ -13,9 +13,9 @@ from shardserve.planner.rules import (offload_groups_problem, offload_problem, p
                                      resolved_prefix_caching)
 from shardserve.planner.settings import (ENGINE, SettingError, check_fields, check_names, default,
                                          resolved_max_num_batched_tokens)
+from shardserve.planner.speculative import SpeculativeConfig, speculative_problem
 from shardserve.runtime.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig,
                                        SchedulerConfig, load_model_config, resolve_device)
-from shardserve.runtime.core.spec_decode import SpeculativeConfig
 from shardserve.runtime.pooling_params import PoolerConfig, pooler_config
 
 
@@ -141,17 +141,10 @@ class EngineArgs:
             spec = SpeculativeConfig.parse(self.speculative_config)
         except ValueError as e:
             raise SettingError(str(e)) from None
-        if spec is None:
-            return None
-        blocker = next((why for why, present in (
-            ("async_scheduling (its steps are queued before the drafts they would verify are known)",
-             self.async_scheduling),
-            ("pipeline_parallel_size above 1", (self.pipeline_parallel_size or 1) > 1),
-            (f"a model with {model.recurrent_kind} layers (their state cannot step back past a rejected draft)",
-             model.recurrent_kind is not None),
-            ("a pooling model (it samples nothing)", model.runner == "pooling")) if present), None)
-        if blocker:
-            raise SettingError(f"speculative_config cannot run with {blocker}; drop one of them")
+        problem = None if spec is None else speculative_problem(
+            self.pipeline_parallel_size or 1, model.recurrent_kind, self.async_scheduling, model.runner == "pooling")
+        if problem:
+            raise SettingError(problem)
         return spec
 
     def _lora_config(self, model: ModelConfig) -> LoRAConfig | None:

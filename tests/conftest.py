@@ -50,3 +50,10 @@ def pytest_runtest_protocol(item, nextitem):
         return (yield)
     with starting_no_process(item.nodeid):
         return (yield)
+
+
+def pytest_sessionstart(session):
+    """matplotlib (`plan --plot`) builds its font cache on first use by running fc-list: on a machine that never
+    ran it, that first use is now, before any test, rather than inside one that the rule above would fail."""
+    with contextlib.suppress(ImportError):
+        import matplotlib.font_manager  # noqa: F401

@@ -4,7 +4,9 @@ model instead of run on a GPU: what `plan --trace` predicts, down to the schedul
 
 Each request is a prompt of its input_len tokens (the first prefix_len of them those of its prefix_id, so the prefix
 cache finds what the requests share) that generates output_len tokens. A step's time is the replica's cycle for
-its decoding requests (over their mean context) and prefill chunks. With several replicas, a request with a prefix
+its decoding requests (over their mean context), their drafts and prefill chunks. With speculative decoding the
+scheduler drafts as the engine's does, by prompt lookup, and each draft is kept at the plan's draft_acceptance_rate
+(seeded: the same replay every run). With several replicas, a request with a prefix
 goes to the replica its prefix_id hashes to (the server's cache-aware router keeps a shared prefix on one replica),
 the others in turn; each replica runs on its own clock.
 
@@ -15,6 +17,7 @@ arrival times are not read, and a request's times count from when it is sent).""
 from __future__ import annotations
 
 import heapq
+import random
 import zlib
 from dataclasses import dataclass, field
 
@@ -29,7 +32,6 @@ from shardserve.runtime.core.scheduler_config import SchedulerConfig
 from shardserve.runtime.sampling_params import SamplingParams
 
 CONTEXT_STEP = 64  # decode contexts are rounded up to this, so steps of like batches share one timing
-OUTPUT_TOKEN = 1  # every generated token (requests ignore EOS: they stop at output_len)
 
 
 @dataclass
@@ -65,6 +67,7 @@ class EngineShape:
     max_model_len: int
     num_replicas: int = 1
     windows: tuple[int | None, ...] = (None,)  # each KV group's window (planner/kv_groups.py), as the engine's
+    draft_acceptance_rate: float = 0.0  # speculative decoding: the chance each draft is kept once those before were
 
 
 def replay(requests: tuple[TraceRequest, ...], replica: Replica, shape: EngineShape,
@@ -104,6 +107,9 @@ class _Engine:
     def __init__(self, shape: EngineShape, replica: Replica):
         pool = BlockManager(shape.num_blocks, shape.block_size, shape.enable_prefix_caching, shape.windows)
         self.scheduler, self.replica = Scheduler(shape.scheduler, pool, shape.max_model_len), replica
+        self.acceptance, self.draws = shape.draft_acceptance_rate, random.Random(0)  # (the same replay every run)
+        spec = shape.scheduler.speculative  # generated tokens cycle with period k + 1: prompt lookup then drafts k
+        self.period = 1 + (spec.num_speculative_tokens if spec else 0)  # a step (steps without a match: in the rate)
         self.clock = 0.0
         self.arriving: list[tuple[float, int, TraceRequest]] = []  # a heap by arrival
         self.served: dict[str, Served] = {}
@@ -133,14 +139,27 @@ class _Engine:
         if not output.num_scheduled_tokens:
             raise RuntimeError("the replay's scheduler scheduled nothing with requests unfinished")
         self.clock += _step_ms(scheduler, output.num_scheduled_tokens, self.replica) / 1000
-        sampled = {rid: OUTPUT_TOKEN for rid in output.num_scheduled_tokens
-                   if scheduler.requests[rid].num_pending_tokens > 0}
+        accepted = {rid: drafts[:self._num_accepted(len(drafts))] for rid, drafts in output.spec_token_ids.items()}
+        sampled = {rid: self._output_token(scheduler.requests[rid].num_output_tokens + len(accepted.get(rid, ())))
+                   for rid in output.num_scheduled_tokens if scheduler.requests[rid].num_pending_tokens > 0}
         finished = 0
-        for update in scheduler.update_from_output(output, ModelRunnerOutput(sampled_token_ids=sampled)):
-            if update.new_token_ids:
-                self.served[update.request_id].token_times.append(self.clock)
+        for update in scheduler.update_from_output(output, ModelRunnerOutput(sampled_token_ids=sampled,
+                                                                             accepted_drafts=accepted)):
+            self.served[update.request_id].token_times += [self.clock] * len(update.new_token_ids)
             finished += update.finish_reason is not None
         return finished
+
+
+    def _output_token(self, index: int) -> int:
+        """The request's generated token at `index` (requests ignore EOS: they stop at output_len)."""
+        return 1 + index % self.period
+
+    def _num_accepted(self, num_drafts: int) -> int:
+        """The drafts the model keeps: each with the acceptance rate, up to the first it does not."""
+        num = 0
+        while num < num_drafts and self.draws.random() < self.acceptance:
+            num += 1
+        return num
 
 
 def _engine_request(index: int, request: TraceRequest) -> Request:
@@ -153,12 +172,13 @@ def _engine_request(index: int, request: TraceRequest) -> Request:
 
 def _step_ms(scheduler: Scheduler, scheduled: dict[str, int], replica: Replica) -> float:
     """The replica's cycle for this step: its decoding requests and its prefill chunks."""
-    decoding, chunks = [], []
+    decoding, chunks, drafts = [], [], 0
     for request_id, num_new in scheduled.items():
         request = scheduler.requests[request_id]
         if request.num_computed_tokens - num_new >= request.num_prompt_tokens:  # past its prompt: one token
-            decoding.append(request.num_computed_tokens)
+            decoding.append(request.num_computed_tokens)  # (and its drafts, verified beside it)
+            drafts += num_new - 1
         else:
             chunks.append(Chunk(num_new, request.num_computed_tokens))
     context = 0 if not decoding else -(-sum(decoding) // len(decoding) // CONTEXT_STEP) * CONTEXT_STEP
-    return replica.cycle_ms(len(decoding), tuple(chunks), context)
+    return replica.cycle_ms(len(decoding), tuple(chunks), context, drafts)

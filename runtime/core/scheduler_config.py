@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardserve.runtime.core.spec_decode import SpeculativeConfig
+from shardserve.planner.speculative import SpeculativeConfig
 
 
 @dataclass(frozen=True)

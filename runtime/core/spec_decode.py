@@ -1,5 +1,5 @@
-"""Speculative decoding's engine side (torch-free): vLLM's --speculative-config, the n-gram proposer, and the
-acceptance counters behind vLLM's spec-decode metrics.
+"""Speculative decoding's engine side (torch-free): the n-gram proposer, the acceptance rule and the counters
+behind vLLM's spec-decode metrics (the setting itself, --speculative-config, is planner/speculative.py's).
 
 A step verifies a request's k drafted tokens in one forward: the worker scores the last known token and the
 drafts (k + 1 rows), samples every row as a plain step would (the same seeded draw for the same output index),
@@ -10,65 +10,11 @@ greedy output is the same as without speculation, and seeded sampling too, token
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from shardserve.runtime.core.messages import TokenLogprobs
-
-METHODS = ("ngram",)
-NOT_YET = {"mtp": "MTP", "deepseek_mtp": "MTP", "qwen3_next_mtp": "MTP", "eagle": "EAGLE", "eagle3": "EAGLE-3",
-           "medusa": "Medusa", "draft_model": "a draft model", "suffix": "suffix decoding"}
-KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """vLLM's speculative_config, as far as it is served: method "ngram" (prompt lookup)."""
-
-    method: str
-    num_speculative_tokens: int
-    prompt_lookup_max: int
-    prompt_lookup_min: int
-
-    @classmethod
-    def parse(cls, value: str | dict | None) -> SpeculativeConfig | None:
-        """From the JSON of --speculative-config (or its dict); a ValueError names the key to change."""
-        if value is None or value == "":
-            return None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config: not JSON ({e.msg} at character {e.pos}); give e.g. "
-                                 '\'{"method": "ngram", "num_speculative_tokens": 3}\'') from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config: a JSON object is needed, got {type(value).__name__}")
-        unknown = sorted(set(value) - set(KEYS))
-        if unknown:
-            raise ValueError(f"speculative_config: {', '.join(unknown)} not served (keys served: {', '.join(KEYS)})")
-        method = value.get("method", "ngram" if "prompt_lookup_max" in value else None)
-        if method in NOT_YET:
-            raise ValueError(f"speculative_config: method {method!r} ({NOT_YET[method]}) is not served yet; "
-                             "method 'ngram' (prompt lookup) is")
-        if method not in METHODS:
-            raise ValueError(f"speculative_config: method must be one of {', '.join(METHODS)}, got {method!r}")
-        k = _int(value, "num_speculative_tokens", None)
-        high = _int(value, "prompt_lookup_max", 5)
-        low = _int(value, "prompt_lookup_min", min(high, 2))
-        if low > high:
-            raise ValueError(f"speculative_config: prompt_lookup_min ({low}) is above prompt_lookup_max ({high})")
-        return cls(method, k, high, low)
-
-
-def _int(value: dict, key: str, default: int | None) -> int:
-    number = value.get(key, default)
-    if number is None:
-        raise ValueError(f"speculative_config: {key} is required (the tokens drafted per step, e.g. 3)")
-    if isinstance(number, bool) or not isinstance(number, int) or not 1 <= number <= 64:
-        raise ValueError(f"speculative_config: {key} must be an integer from 1 to 64, got {number!r}")
-    return number
 
 
 def propose_ngram(tokens: list[int], k: int, low: int, high: int) -> tuple[int, ...]:

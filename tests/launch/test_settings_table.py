@@ -19,7 +19,7 @@ from shardserve.launch.launcher import engine_kwargs, settle
 from shardserve.planner.plan_file import PlanFile
 from shardserve.planner.settings import ENGINE, PLAN, SERVER, SETTINGS, SettingError, names
 from shardserve.runtime import LLM, AsyncEngine
-from shardserve.runtime.core.spec_decode import SpeculativeConfig
+from shardserve.planner.speculative import SpeculativeConfig
 
 DEMO = str(DEMO_MODEL_DIR)
 SMALL_POOL = 1 << 25  # 32 MiB: room for 3 requests of the demo's 2048 tokens
@@ -51,12 +51,13 @@ VALUES = {
     "description": "a note",
     # the traffic and targets a plan is for (the demo on CPU meets these loose targets)
     "input_len": 300, "output_len": 100, "prefix_len": 50, "concurrency": 4.0, "request_rate": 2.0,
-    "ttft_ms": 100000.0, "tpot_ms": 10000.0, "target_percentile": 90,
+    "ttft_ms": 100000.0, "tpot_ms": 10000.0, "target_percentile": 90, "draft_acceptance_rate": 0.5,
 }
 # settings that only make sense together (a split needs its stages)
 COMPANIONS = {"pooling_type": {"runner": "pooling"}, "normalize": {"runner": "pooling"},
               "layer_split": {"pipeline_parallel_size": 2}, "distributed_executor_backend": {"tensor_parallel_size": 2},
               "ttft_ms": {"concurrency": 2.0}, "tpot_ms": {"request_rate": 1.0},
+              "draft_acceptance_rate": {"speculative_config": VALUES["speculative_config"]},
               **{name: {"enable_lora": True} for name in ("max_loras", "max_lora_rank", "max_cpu_loras",
                                                           "lora_modules", "enable_runtime_lora_updating")}}
 PLAN_READBACK = {
@@ -77,11 +78,14 @@ PLAN_READBACK = {
     "enforce_eager": lambda p: p.runtime.enforce_eager,
     "enable_lora": lambda p: p.runtime.enable_lora, "max_loras": lambda p: p.runtime.max_loras,
     "max_lora_rank": lambda p: p.runtime.max_lora_rank,
+    "speculative_config": lambda p: VALUES["speculative_config"]  # every key written, as the JSON given reads
+    if SpeculativeConfig.parse(p.runtime.speculative_config) == SpeculativeConfig.parse(VALUES["speculative_config"])
+    else p.runtime.speculative_config,
     # the plan keeps KV room for target_concurrency full-length requests
     "target_concurrency": lambda p: min(3, int(p.memory.max_concurrency)),
     **{name: (lambda n: lambda p: getattr(p.service, n))(name) for name in (
         "input_len", "output_len", "prefix_len", "concurrency", "request_rate", "ttft_ms", "tpot_ms",
-        "target_percentile")},
+        "target_percentile", "draft_acceptance_rate")},
 }
 ENGINE_READBACK = {
     "model": lambda c: c.model.model, "device": lambda c: c.device,

@@ -68,8 +68,8 @@ def test_prefill_chunk_does_its_share_of_the_causal_work():
 
 def _replica(per_token_ms=0.01, base_ms=10.0, **kw) -> Replica:
     """A replica whose step costs base_ms plus per_token_ms for each token it computes."""
-    def cycle(b, chunks, context):
-        return base_ms + per_token_ms * (b + sum(c.tokens for c in chunks))
+    def cycle(b, chunks, context, drafts=0):
+        return base_ms + per_token_ms * (b + drafts + sum(c.tokens for c in chunks))
     return Replica(cycle, kw.get("max_num_seqs", 256), kw.get("max_num_batched_tokens", 8192),
                    kw.get("kv_cache_tokens", 10**6), kw.get("request_ms", 0.0),
                    scheduler_steps=kw.get("scheduler_steps", 1), mixes_prefill=kw.get("mixes_prefill", True))

@@ -14,8 +14,8 @@ from shardserve.runtime.core.replay import EngineShape, replay
 from shardserve.runtime.core.scheduler_config import SchedulerConfig
 
 
-def cycle_ms(b: int, chunks: tuple[Chunk, ...], context: int) -> float:
-    return 10.0 + 0.1 * sum(c.tokens for c in chunks) + 1.0 * b
+def cycle_ms(b: int, chunks: tuple[Chunk, ...], context: int, drafts: int = 0) -> float:
+    return 10.0 + 0.1 * sum(c.tokens for c in chunks) + 1.0 * b + 0.1 * drafts
 
 
 REPLICA = Replica(cycle_ms, max_num_seqs=8, max_num_batched_tokens=64, kv_cache_tokens=4096)
@@ -96,7 +96,7 @@ def test_the_replay_schedules_as_the_engine_does():
         preemptions = llm.engine.scheduler.num_preemptions
     finally:
         llm.shutdown()
-    one_ms_a_step = Replica(lambda b, chunks, context: 1.0, 4, 48, info.num_blocks * info.block_size)
+    one_ms_a_step = Replica(lambda b, chunks, context, drafts=0: 1.0, 4, 48, info.num_blocks * info.block_size)
     shape_ = EngineShape(SchedulerConfig(4, 48), info.num_blocks, info.block_size, True, 128)
     replayed = [[round(t * 1000) for t in s.token_times] for s in replay(requests, one_ms_a_step, shape_)]
     assert preemptions > 0  # (the pool is small enough that the test covers preemption)

@@ -13,7 +13,8 @@ from runtime_checkpoints import VOCAB_SIZE, save_checkpoint
 from shardserve.launch.server.metrics import spec_decode_families
 from shardserve.planner.settings import SettingError
 from shardserve.runtime import LLM, SamplingParams
-from shardserve.runtime.core.spec_decode import SpeculativeConfig, propose_ngram, verify
+from shardserve.planner.speculative import SpeculativeConfig
+from shardserve.runtime.core.spec_decode import propose_ngram, verify
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7], [11, 12, 13, 11, 12, 13, 11, 12], [20, 21, 22, 23],

@@ -1,0 +1,107 @@
+"""Speculative decoding's settings and its arithmetic, torch-free: vLLM's --speculative-config as far as it is
+served, what rules it out, and the tokens a verify step yields at an acceptance rate. The engine parses the setting
+here (runtime/core/spec_decode.py drafts and verifies); the planner prices it (planner/serving.py).
+
+A step verifies a request's k drafts in one forward and keeps them up to the first the model did not sample, then
+the model's own token. With each draft kept with probability a once the ones before it were (a constant per
+position: the geometric model speculative-decoding papers and vLLM's synthetic acceptance use), a verify step
+yields 1 + a + a^2 + ... + a^k tokens."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+METHODS = ("ngram",)
+NOT_YET = {"mtp": "MTP", "deepseek_mtp": "MTP", "qwen3_next_mtp": "MTP", "eagle": "EAGLE", "eagle3": "EAGLE-3",
+           "medusa": "Medusa", "draft_model": "a draft model", "suffix": "suffix decoding"}
+KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's speculative_config, as far as it is served: method "ngram" (prompt lookup)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+
+    @classmethod
+    def parse(cls, value: str | dict | None) -> SpeculativeConfig | None:
+        """From the JSON of --speculative-config (or its dict); a ValueError names the key to change."""
+        if value is None or value == "":
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config: not JSON ({e.msg} at character {e.pos}); give e.g. "
+                                 '\'{"method": "ngram", "num_speculative_tokens": 3}\'') from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config: a JSON object is needed, got {type(value).__name__}")
+        unknown = sorted(set(value) - set(KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config: {', '.join(unknown)} not served (keys served: {', '.join(KEYS)})")
+        method = value.get("method", "ngram" if "prompt_lookup_max" in value else None)
+        if method in NOT_YET:
+            raise ValueError(f"speculative_config: method {method!r} ({NOT_YET[method]}) is not served yet; "
+                             "method 'ngram' (prompt lookup) is")
+        if method not in METHODS:
+            raise ValueError(f"speculative_config: method must be one of {', '.join(METHODS)}, got {method!r}")
+        k = _int(value, "num_speculative_tokens", None)
+        high = _int(value, "prompt_lookup_max", 5)
+        low = _int(value, "prompt_lookup_min", min(high, 2))
+        if low > high:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({low}) is above prompt_lookup_max ({high})")
+        return cls(method, k, high, low)
+
+    def to_json(self) -> str:
+        """vLLM's JSON for this config, every key written (what a plan records and an export passes on)."""
+        return json.dumps({"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
+                           "prompt_lookup_max": self.prompt_lookup_max, "prompt_lookup_min": self.prompt_lookup_min})
+
+
+def _int(value: dict, key: str, default: int | None) -> int:
+    number = value.get(key, default)
+    if number is None:
+        raise ValueError(f"speculative_config: {key} is required (the tokens drafted per step, e.g. 3)")
+    if isinstance(number, bool) or not isinstance(number, int) or not 1 <= number <= 64:
+        raise ValueError(f"speculative_config: {key} must be an integer from 1 to 64, got {number!r}")
+    return number
+
+
+# NOTE: n-gram's default acceptance is vLLM's own measurement of its prompt-lookup proposer (5 drafts, lookup 2 to 5
+# tokens) on code edits, vllm-project/vllm#24344: 5,376 tokens from 1,814 target forwards (2.96 per forward, steps
+# without a match included), which 1 + a + ... + a^5 = 2.96 gives as a = 0.70. Prompt lookup pays on edits, code and
+# retrieval answers, the traffic it is for; free chat accepts far fewer: measure yours (the plan says how).
+DEFAULT_ACCEPTANCE = {"ngram": 0.70}
+
+
+def tokens_per_step(k: int, acceptance: float) -> float:
+    """The tokens a request gains from one verify step of k drafts: 1 + a + ... + a^k."""
+    return sum(acceptance ** i for i in range(k + 1))
+
+
+def acceptance_for(tokens: float, k: int) -> float:
+    """The acceptance rate at which a verify step of k drafts yields `tokens` tokens (the inverse of
+    tokens_per_step, by bisection): what a measured tokens-per-forward means for --draft-acceptance-rate."""
+    if not 1.0 <= tokens <= k + 1:
+        raise ValueError(f"{tokens:g} tokens per forward: between 1 and {k + 1} with {k} drafts")
+    low, high = 0.0, 1.0
+    for _ in range(50):
+        mid = (low + high) / 2
+        low, high = (mid, high) if tokens_per_step(k, mid) < tokens else (low, mid)
+    return low
+
+
+def speculative_problem(pipeline_parallel_size: int, recurrent_kind: str | None, async_scheduling: bool = False,
+                        pooling: bool = False) -> str | None:
+    """Why speculative_config cannot run with these (the plan and the engine alike), or None."""
+    blocker = next((why for why, present in (
+        ("async_scheduling (its steps are queued before the drafts they would verify are known)", async_scheduling),
+        ("pipeline_parallel_size above 1", pipeline_parallel_size > 1),
+        (f"a model with {recurrent_kind} layers (their state cannot step back past a rejected draft)",
+         recurrent_kind is not None),
+        ("a pooling model (it samples nothing)", pooling)) if present), None)
+    return None if blocker is None else f"speculative_config cannot run with {blocker}; drop one of them"
