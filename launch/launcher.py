@@ -316,7 +316,9 @@ def serve_once(config: DeployConfig, plan: PlanFile, listener: socket.socket, ap
     compare_kv(plan, info)
 
     share = FairShare(setting(config, "max_num_seqs") * len(engines), setting(config, "queue_timeout"))
-    replicas = ReplicaSet(engines, plan_check=PlanCheck(Prediction.from_plan(plan), for_traffic=expected),
+    check = PlanCheck(Prediction.from_plan(plan), for_traffic=expected, accepted_tokens=lambda: sum(
+        s.spec_decode.num_accepted_tokens for s in replicas.stats() if s.spec_decode is not None))
+    replicas = ReplicaSet(engines, plan_check=check,
                           routing_policy=setting(config, "routing_policy"), restart=restart, fair_share=share,
                           max_num_seqs=setting(config, "max_num_seqs"))
     metrics = ServerMetrics(name, replicas.stats, replicas.max_model_len)

@@ -7,7 +7,9 @@ TTFT and TPOT and the workload seen (mean prompt and output tokens, requests/s, 
 flight by Little's law) beside the plan's estimates and the workload they were made for; a measured
 latency at the plan's percentile more than TOLERANCE away from the estimate adds a WARNING line. A plan made from
 a trace (`plan --trace`, `--traffic`) has the replay's p50, p90 and p99 of TTFT and TPOT: they are compared at each
-percentile instead, where the window holds requests enough to measure it (a p99 needs 100).
+percentile instead, where the window holds requests enough to measure it (a p99 needs 100). With speculative
+decoding the window's tokens per target forward (its output tokens over those less the drafts accepted in it) are
+compared with what the plan's draft_acceptance_rate gives, and a rate far from it is named for the next plan.
 `rederived()` makes sure those estimates are the plan's layout's: a plan file edited by hand is planned again
 with its layout pinned."""
 
@@ -24,6 +26,7 @@ from dataclasses import dataclass, replace
 from shardserve.planner.errors import PlanError
 from shardserve.planner.model_source import ModelInfo
 from shardserve.planner.plan_file import PlanFile
+from shardserve.planner.speculative import DEFAULT_ACCEPTANCE, SpeculativeConfig, acceptance_for, tokens_per_step
 
 logger = logging.getLogger("shardserve.launch.server.plan_check")
 
@@ -57,14 +60,27 @@ class Prediction:
     # a replayed trace's latencies (estimates.percentiles), percentile -> ms; None: the plan has none
     ttft_percentiles: dict[int, float] | None = None
     tpot_percentiles: dict[int, float] | None = None
+    num_speculative_tokens: int = 0  # speculative decoding's drafts a step; 0: none
+    draft_acceptance_rate: float | None = None  # the rate the plan's speeds assume
 
     @staticmethod
     def from_plan(plan: PlanFile) -> Prediction:
         e, w = plan.estimates, plan.estimates.workload
         spread = e.percentiles
+        spec = SpeculativeConfig.parse(plan.runtime.speculative_config)
+        rate = plan.service.draft_acceptance_rate
         return Prediction(e.ttft_ms, e.tpot_ms, w.percentile, w.input_len, w.output_len, w.concurrency,
                           w.request_rate, _by_percentile(spread.ttft_ms) if spread else None,
-                          _by_percentile(spread.tpot_ms) if spread and spread.tpot_ms else None)
+                          _by_percentile(spread.tpot_ms) if spread and spread.tpot_ms else None,
+                          spec.num_speculative_tokens if spec else 0,
+                          None if spec is None else DEFAULT_ACCEPTANCE[spec.method] if rate is None else rate)
+
+    @property
+    def tokens_per_forward(self) -> float | None:
+        """The tokens a decoding request gains per target forward in the plan; None without speculation."""
+        if self.draft_acceptance_rate is None:
+            return None
+        return tokens_per_step(self.num_speculative_tokens, self.draft_acceptance_rate)
 
     def describe_workload(self) -> str:
         load = (f"{self.concurrency:g} in flight" if self.concurrency is not None
@@ -84,6 +100,7 @@ class WindowReport:
     mean_output_tokens: float
     mean_in_flight: float
     warnings: tuple[str, ...]
+    tokens_per_forward: float | None = None  # speculative decoding: the window's; None without or unmeasured
 
     @property
     def requests_per_s(self) -> float:
@@ -103,9 +120,12 @@ ForTraffic = Callable[[int, int, float], tuple[float, float]]
 
 class PlanCheck:
     def __init__(self, prediction: Prediction, clock: Callable[[], float] = time.monotonic,
-                 window_seconds: float = WINDOW_SECONDS, for_traffic: ForTraffic | None = None):
+                 window_seconds: float = WINDOW_SECONDS, for_traffic: ForTraffic | None = None,
+                 accepted_tokens: Callable[[], int] | None = None):
+        """`accepted_tokens`: the drafts the engines accepted since they started (speculative decoding's counter),
+        read at each window's end."""
         self.prediction, self.clock, self.window_seconds = prediction, clock, window_seconds
-        self.for_traffic = for_traffic
+        self.for_traffic, self.accepted_tokens, self._accepted_mark = for_traffic, accepted_tokens, 0
         self._finished: deque[FinishedRequest] = deque()
         self._window_start = clock()
 
@@ -122,15 +142,26 @@ class PlanCheck:
             return None
         finished = [self._finished.popleft() for _ in range(len(self._finished))]
         self._window_start = now
+        accepted = self._accepted_in_window()
         if len(finished) < MIN_REQUESTS:
             return None
-        report = self.report(finished, seconds)
+        report = self.report(finished, seconds, accepted)
         logger.info("%s", self.describe(report))
         for warning in report.warnings:
             logger.warning("%s", warning)
         return report
 
-    def report(self, finished: list[FinishedRequest], seconds: float) -> WindowReport:
+    def _accepted_in_window(self) -> int | None:
+        """The drafts accepted since the last window's end; None without the counter, or when it went back (an
+        engine restarted)."""
+        if self.accepted_tokens is None:
+            return None
+        now, before = self.accepted_tokens(), self._accepted_mark
+        self._accepted_mark = now
+        return now - before if now >= before else None
+
+    def report(self, finished: list[FinishedRequest], seconds: float, accepted: int | None = None) -> WindowReport:
+        """`accepted`: the drafts the engines accepted in the window (speculative decoding)."""
         p = self.prediction
         points = sorted({50, 90, p.percentile, *(p.ttft_percentiles or {})})
         ttft = [r.ttft_s * 1e3 for r in finished]
@@ -141,9 +172,22 @@ class PlanCheck:
                               sum(r.num_prompt_tokens for r in finished) / len(finished),
                               sum(r.num_output_tokens for r in finished) / len(finished),
                               sum(r.e2e_s for r in finished) / seconds, ())
+        generated = sum(r.num_output_tokens for r in finished)
+        if accepted is not None and p.tokens_per_forward is not None and generated > accepted:
+            report = replace(report, tokens_per_forward=generated / (generated - accepted))
         warnings = [self._off(name, q, measured.get(q), predicted, report)
-                    for name, q, measured, predicted in self._comparisons(report)]
+                    for name, q, measured, predicted in self._comparisons(report)] + [self._drafts_off(report)]
         return replace(report, warnings=tuple(w for w in warnings if w))
+
+    def _drafts_off(self, report: WindowReport) -> str | None:
+        """A warning when the window's tokens per forward are more than TOLERANCE from the plan's."""
+        measured, planned, k = report.tokens_per_forward, self.prediction.tokens_per_forward, self.prediction.num_speculative_tokens
+        if measured is None or planned is None or abs(measured - planned) <= TOLERANCE * planned:
+            return None
+        rate = acceptance_for(min(measured, k + 1.0), k)
+        return (f"measured {measured:.2f} tokens per forward with speculative decoding (draft acceptance "
+                f"{rate:.2f}) against the plan's {planned:.2f} (draft_acceptance_rate "
+                f"{self.prediction.draft_acceptance_rate:g}): plan again with --draft-acceptance-rate {rate:.2f}")
 
     def _comparisons(self, report: WindowReport) -> list[tuple[str, int, dict[int, float], float | None]]:
         """(latency, percentile, measured, planned at that percentile): the plan's replayed percentiles each
@@ -186,9 +230,11 @@ class PlanCheck:
                 if self.for_traffic is not None and p.ttft_percentiles is None else "")
         ttft_plan = _spread(p.ttft_percentiles) if p.ttft_percentiles else f"p{p.percentile} {_ms(p.ttft_ms)}"
         tpot_plan = _spread(p.tpot_percentiles) if p.tpot_percentiles else f"p{p.percentile} {p.tpot_ms:.1f} ms"
+        drafts = ("" if report.tokens_per_forward is None or p.tokens_per_forward is None else
+                  f"; {report.tokens_per_forward:.2f} tokens per forward (plan {p.tokens_per_forward:.2f})")
         return (f"plan check, last {report.seconds:.0f} s: {report.num_requests} requests, {_workload(report)}; "
                 f"TTFT {' '.join(f'p{q} {v:.1f} ms' for q, v in report.ttft_ms.items())} (plan {ttft_plan}), "
-                f"TPOT {tpot} (plan {tpot_plan}); the plan is for {p.describe_workload()}{here}")
+                f"TPOT {tpot} (plan {tpot_plan}){drafts}; the plan is for {p.describe_workload()}{here}")
 
     async def run(self) -> None:
         """Tick at each window's end until cancelled (the launcher cancels it on shutdown)."""

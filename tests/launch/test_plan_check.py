@@ -211,3 +211,41 @@ def test_the_percentiles_come_from_the_plan_file(tmp_path):
     p = Prediction.from_plan(replayed)
     assert p.ttft_percentiles == {50: 100.0, 90: 150.0, 99: 300.0} and p.tpot_percentiles == {50: 10.0, 90: 12.0,
                                                                                                99: 20.0}
+
+
+def test_speculation_far_from_the_plans_acceptance_is_named_with_the_rate_to_plan_with(caplog):
+    """The window's tokens per forward (its output tokens over those less the drafts accepted in it) against the
+    plan's 1 + a + ... + a^k; the engines' counter is read at each window's end."""
+    from tests.planner.factories import plan_for
+
+    record = plan_for("meta-llama/Llama-3.1-8B-Instruct", "1xH100-80GB", concurrency=4.0,
+                      speculative_config='{"method": "ngram", "num_speculative_tokens": 3}').record()
+    plan = Prediction.from_plan(record)
+    assert (plan.num_speculative_tokens, plan.draft_acceptance_rate) == (3, 0.7)
+    clock, counter = Clock(), [0]
+    check = PlanCheck(dataclasses.replace(plan, ttft_ms=200.0, tpot_ms=20.0), clock, accepted_tokens=lambda: counter[0])
+    counter[0], clock.now = 500, clock.now + 60  # a quiet window (too few requests to report) still moves the mark
+    assert check.tick() is None
+    for r in finished(200, 20, 10):  # 1,000 tokens, 250 of them accepted drafts: 4/3 tokens per forward
+        check.record(r)
+    counter[0] += 250
+    clock.now += 60
+    with caplog.at_level(logging.INFO, logger="shardserve.launch.server.plan_check"):
+        report = check.tick()
+    assert report.tokens_per_forward == pytest.approx(1000 / 750)
+    (warning,) = [w for w in report.warnings if "tokens per forward" in w]
+    assert "1.33 tokens per forward" in warning and "plan's 2.53" in warning
+    assert "--draft-acceptance-rate 0.25" in warning  # 1 + a + a^2 + a^3 = 4/3
+    assert "1.33 tokens per forward (plan 2.53)" in caplog.text
+    # as planned: no warning; an engine restarted (its counter went back): nothing measured
+    for r in finished(200, 20, 10):
+        check.record(r)
+    counter[0] += 605
+    clock.now += 60
+    report = check.tick()
+    assert not [w for w in report.warnings if "tokens per forward" in w]
+    counter[0] = 3
+    for r in finished(200, 20, 10):
+        check.record(r)
+    clock.now += 60
+    assert check.tick().tokens_per_forward is None
