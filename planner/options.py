@@ -160,7 +160,7 @@ def _speculation(options: PlanOptions, spec: ModelSpec) -> dict:
             raise PlanError("draft_acceptance_rate prices speculative decoding, and speculative_config is not set: "
                             "set both, or neither")
         return {}
-    problem = speculative_problem(1, spec.recurrent_kind)
+    problem = speculative_problem(spec.recurrent_kind)
     if problem:
         raise PlanError(problem)
     rate = options.draft_acceptance_rate

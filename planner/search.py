@@ -12,7 +12,6 @@ from shardserve.planner.rules import (Layout, expert_parallel_problem, expert_pa
                                       offload_size_problem, placement_problem, replica_spans_nodes,
                                       tensor_parallel_problem)
 from shardserve.planner.serving import Replica
-from shardserve.planner.speculative import speculative_problem
 from shardserve.planner.speed import Estimates, estimate, replica_model
 from shardserve.planner.workload import Targets, Workload
 
@@ -117,8 +116,7 @@ class Search:
         layout = Layout(tp, pp, 1)
         rule8_ep = uses_expert_parallel(model, tp, self.options)
         ep = rule8_ep if expert_parallel is None else expert_parallel
-        problem = (tensor_parallel_problem(spec, tp, ep) or placement_problem(layout, spec, self.hardware)
-                   or (speculative_problem(pp, None) if settings.speculative is not None else None))
+        problem = tensor_parallel_problem(spec, tp, ep) or placement_problem(layout, spec, self.hardware)
         rule8 = ep == rule8_ep
         if problem:
             return Candidate(layout, problem, expert_parallel=ep, is_rule8_choice=rule8), None, 0.0

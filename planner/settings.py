@@ -219,7 +219,7 @@ SETTINGS: tuple[Setting, ...] = (
        "\"num_speculative_tokens\": K, \"prompt_lookup_max\": N, \"prompt_lookup_min\": M}. Each decoding request "
        "drafts up to K tokens by prompt lookup and the model verifies them in one forward (greedy and seeded "
        "output unchanged); the plan prices it at --draft-acceptance-rate. MTP and EAGLE-3 are not served yet; "
-       "refused with async_scheduling, pipeline parallel and models with recurrent layers.", "plan engine"),
+       "refused with async_scheduling and models with recurrent layers.", "plan engine"),
     _s("seed", int, 0, "Seed for requests that bring none.", "engine"),
     _s("chat_template", str, None, "A Jinja chat template, or the path of a file holding one, used instead of "
        "the tokenizer's.", "engine"),

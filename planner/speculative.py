@@ -95,12 +95,10 @@ def acceptance_for(tokens: float, k: int) -> float:
     return low
 
 
-def speculative_problem(pipeline_parallel_size: int, recurrent_kind: str | None, async_scheduling: bool = False,
-                        pooling: bool = False) -> str | None:
+def speculative_problem(recurrent_kind: str | None, async_scheduling: bool = False, pooling: bool = False) -> str | None:
     """Why speculative_config cannot run with these (the plan and the engine alike), or None."""
     blocker = next((why for why, present in (
         ("async_scheduling (its steps are queued before the drafts they would verify are known)", async_scheduling),
-        ("pipeline_parallel_size above 1", pipeline_parallel_size > 1),
         (f"a model with {recurrent_kind} layers (their state cannot step back past a rejected draft)",
          recurrent_kind is not None),
         ("a pooling model (it samples nothing)", pooling)) if present), None)

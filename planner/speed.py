@@ -148,14 +148,14 @@ def replica_model(spec: ModelSpec, split: list[int], tp: int, expert_parallel: b
             return stage(0, b, chunks, context, drafts) + host
         # NOTE: pp micro-batches in flight (one per stage while b allows): a request's next token
         # comes after one pass through every stage, or after every micro-batch took the slowest
-        # stage, whichever is longer. (Speculation is refused with pipeline parallel: no drafts here.)
+        # stage, whichever is longer. Each micro-batch verifies its requests' drafts.
         micro = max(1, min(len(shapes), b))  # (a step of prefill chunks alone: one micro-batch)
-        mb = math.ceil(b / micro)
-        tokens = mb + sum(c.tokens for c in chunks)
-        one_pass = sum(stage(i, mb, chunks, context, 0) for i in range(len(shapes)))
+        mb, md = math.ceil(b / micro), math.ceil(drafts / micro)
+        tokens = mb + md + sum(c.tokens for c in chunks)
+        one_pass = sum(stage(i, mb, chunks, context, md) for i in range(len(shapes)))
         one_pass += sum(fixed + per_token * tokens for fixed, per_token in hops)
-        slowest = max(stage(i, mb, (), context, 0) for i in range(len(shapes)))
-        busiest = max(stage(i, mb, chunks, context, 0) for i in range(len(shapes)))
+        slowest = max(stage(i, mb, (), context, md) for i in range(len(shapes)))
+        busiest = max(stage(i, mb, chunks, context, md) for i in range(len(shapes)))
         return max(one_pass, (micro - 1) * slowest + busiest) + host * micro
 
     return Replica(cycle, settings.max_num_seqs, settings.max_num_batched_tokens, kv_cache_tokens,

@@ -85,12 +85,19 @@ def test_what_the_engine_refuses_the_plan_refuses():
         plan_for(LLAMA, H100, draft_acceptance_rate=0.5)
     with pytest.raises(PlanError, match="recurrent|linear_attention|cannot step back"):
         plan_for("Qwen/Qwen3.5-9B", H100, speculative_config=NGRAM3)
-    with pytest.raises(PlanError, match="pipeline_parallel_size above 1"):
-        plan_for(LLAMA, "2xH100-80GB", pipeline_parallel_size=2, speculative_config=NGRAM3)
     with pytest.raises(PlanError, match="method 'eagle3' .* not served yet"):
         plan_for(LLAMA, H100, speculative_config='{"method": "eagle3", "num_speculative_tokens": 3}')
     with pytest.raises(ValueError, match="draft_acceptance_rate"):
         PlanOptions(draft_acceptance_rate=1.0)
+
+
+def test_pipeline_stages_verify_the_drafts_of_their_micro_batches():
+    """pp 2: each micro-batch verifies its requests' drafts on every stage and hands them on."""
+    spec = plan_for(LLAMA, "2xH100-80GB", pipeline_parallel_size=2, concurrency=8.0, enforce_eager=True,
+                    speculative_config=NGRAM3)
+    assert spec.chosen.layout.pipeline_parallel_size == 2
+    section = spec.record().estimates.speculation
+    assert section is not None and spec.chosen.estimates.tpot_ms < section.without.tpot_ms
 
 
 def test_the_cli_refuses_an_acceptance_without_speculation_in_one_line():

@@ -92,8 +92,6 @@ def test_speculation_is_refused_where_it_cannot_run(checkpoint_factory):
     folder, _ = checkpoint_factory("llama3")
     with pytest.raises(SettingError, match="speculative_config cannot run with async_scheduling"):
         LLM(folder, device="cpu", kv_cache_memory_bytes=1 << 22, speculative_config=NGRAM, async_scheduling=True)
-    with pytest.raises(SettingError, match="speculative_config cannot run with pipeline_parallel_size above 1"):
-        LLM(folder, device="cpu", kv_cache_memory_bytes=1 << 22, speculative_config=NGRAM, pipeline_parallel_size=2)
 
 
 @pytest.mark.parametrize("params", [
@@ -157,6 +155,25 @@ def test_tensor_parallel_ranks_verify_the_same_drafts(cycle_checkpoint, checkpoi
         plain, _, _ = generate(folder, params)
         tokens, _, stats = generate(folder, params, NGRAM, tensor_parallel_size=2, distributed_executor_backend="mp")
         assert tokens == plain and stats.spec_decode.num_drafts > 0
+
+
+@pytest.mark.slow
+def test_pipeline_stages_carry_the_drafts_to_the_stage_that_verifies_them(cycle_checkpoint, checkpoint_factory,
+                                                                         kv_bytes_for):
+    """pp 2 over mp ranks (batches in flight at once): the first stage embeds the drafts' rows, the last verifies
+    them; the same tokens as one rank without speculation, across preemption too."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=1)
+    pp = dict(pipeline_parallel_size=2, distributed_executor_backend="mp")
+    for folder in (cycle_checkpoint, checkpoint_factory("llama3")[0]):
+        plain, plain_logprobs, _ = generate(folder, params)
+        tokens, logprobs, stats = generate(folder, params, NGRAM, **pp)
+        assert tokens == plain and stats.spec_decode.num_accepted_tokens > 0
+        assert same_logprobs(logprobs, plain_logprobs, tokens)
+    prompts = PROMPTS + [p[::-1] for p in PROMPTS]
+    plain, _, _ = generate(cycle_checkpoint, params, prompts=prompts)
+    tokens, _, stats = generate(cycle_checkpoint, params, NGRAM, prompts=prompts, max_model_len=80,
+                                kv_cache_memory_bytes=kv_bytes_for(cycle_checkpoint, 40, 4), **pp)
+    assert tokens == plain and stats.num_preemptions > 0
 
 
 def test_requests_under_a_grammar_decode_without_drafts_beside_drafting_ones():
