@@ -3,6 +3,7 @@ repetitive prompts (a text given, then asked for again), greedy, the same engine
 
     python bench/spec_decode.py                # 16 prompts x 96 tokens, k = 4
     python bench/spec_decode.py --num-speculative-tokens 2 --json
+    python bench/spec_decode.py --lookup       # the prompt-lookup search alone, beside its plain loop
 
 Reported per side: wall time, output tokens, engine steps (one target forward each, for the whole batch),
 output tokens per request per step, and the drafts' acceptance; both sides' tokens must be the same (greedy).
@@ -14,11 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import time
+
+import numpy as np
 
 from shardserve.planner import PlanOptions, load_model, make_plan, parse_declared
 from shardserve.planner.model_source import DEMO_MODEL_NAME, model_path
 from shardserve.planner.speculative import acceptance_for
+from shardserve.runtime.core.spec_decode import propose_ngram, propose_ngram_reference
 from shardserve.runtime import LLM, SamplingParams
 
 TEXTS = (
@@ -68,7 +73,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--lookup", action="store_true", help="time the prompt-lookup search alone")
     args = parser.parse_args()
+    if args.lookup:
+        print(json.dumps(lookup_times(), indent=1))
+        return
     texts = prompts(args.num_prompts)
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens})
     plain, ngram = run(None, texts, args.max_tokens), run(spec, texts, args.max_tokens)
@@ -85,6 +94,26 @@ def main() -> None:
     for name in ("plain", "ngram"):
         print(name, json.dumps(report[name]))
     print("speedup", report["speedup"], "plan", json.dumps(report["plan"]))
+
+
+def lookup_times(repeat: int = 20) -> list[dict]:
+    """The scheduler's prompt lookup for one request, per step, against its plain loop: random histories (no
+    suffix recurs, so both search it all, the worst case), k = 4, lookup 2 to 5 tokens."""
+    rng = random.Random(0)
+    out = []
+    for num in (512, 4096, 32768):
+        tokens = [rng.randrange(100_000) for _ in range(num)]
+        history = np.asarray(tokens, dtype=np.int64)  # (the scheduler keeps it: TokenHistory)
+        times = {}
+        for name, search, given in (("vectorized", propose_ngram, history),
+                                    ("plain_loop", propose_ngram_reference, tokens)):
+            start = time.perf_counter()
+            for _ in range(repeat):
+                search(given, 4, 2, 5)
+            times[name] = (time.perf_counter() - start) / repeat * 1e3
+        out.append({"history_tokens": num, **{f"{k}_ms": round(v, 4) for k, v in times.items()},
+                    "speedup": round(times["plain_loop"] / times["vectorized"], 1)})
+    return out
 
 
 def planned(spec: str, args: argparse.Namespace, tokens: float, input_len: int) -> dict:

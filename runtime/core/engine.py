@@ -195,14 +195,15 @@ class EngineCore:
         output = self.scheduler.schedule(max_num_requests=max_num_requests)
         requests = self.scheduler.requests
         bitmask = grammar_bitmask([requests[r] for r in output.num_scheduled_tokens], self.config.model,
-                                  self.tokenizer)
+                                  self.tokenizer, output.spec_token_ids)
         return output if bitmask is None else dataclasses.replace(output, grammar_bitmask=bitmask)
 
     def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestUpdate]:
         if runner_output.failed_loras:  # their requests' tokens from this step are dropped below
             self._fail_adapters(scheduler_output, runner_output.failed_loras)
         if scheduler_output.grammar_bitmask is not None:  # before a finished request leaves the scheduler
-            accept_tokens(scheduler_output.grammar_bitmask, self.scheduler.requests, runner_output.sampled_token_ids)
+            accept_tokens(scheduler_output.grammar_bitmask, self.scheduler.requests, runner_output.sampled_token_ids,
+                          runner_output.accepted_drafts)
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         if not scheduler_output.is_empty:
             self.iteration_tokens.observe(self.scheduler.last_step_tokens)

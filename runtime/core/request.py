@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from shardserve.runtime.lora_request import LoRARequest
 from shardserve.runtime.outputs import SampleTimes
 from shardserve.runtime.pooling_params import PoolingParams
 from shardserve.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from shardserve.runtime.core.spec_decode import TokenHistory
 
 
 def sample_request_ids(prompt_id: str, params: SamplingParams | PoolingParams) -> list[str]:
@@ -45,7 +49,7 @@ class Request:
                  "eos_token_ids", "stop_token_ids", "status", "stop_reason", "num_computed_tokens",
                  "num_pending_tokens", "num_synced_tokens", "num_synced_blocks", "block_hashes", "num_preemptions",
                  "arrival_time", "first_scheduled_time", "num_prompt_logprobs_sent", "grammar_matcher",
-                 "pooling_params", "num_cached_tokens", "lora", "lora_slot")
+                 "pooling_params", "num_cached_tokens", "lora", "lora_slot", "token_history")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  seed: int, eos_token_ids: frozenset[int] = frozenset(),
@@ -77,6 +81,7 @@ class Request:
         self.pooling_params = pooling_params
         self.lora = lora  # the adapter it is served with; None: the base model
         self.lora_slot = -1  # its adapter's slot while running (the scheduler's LoRASlots)
+        self.token_history: TokenHistory | None = None  # speculative decoding: its tokens as an array, for lookup
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -10,25 +10,91 @@ greedy output is the same as without speculation, and seeded sampling too, token
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 if TYPE_CHECKING:
     from shardserve.runtime.core.messages import TokenLogprobs
+    from shardserve.runtime.core.request import Request
 
 
-def propose_ngram(tokens: list[int], k: int, low: int, high: int) -> tuple[int, ...]:
+def propose_ngram(tokens: Sequence[int] | np.ndarray, k: int, low: int, high: int) -> tuple[int, ...]:
     """Prompt lookup: the longest suffix of `tokens` (high down to low tokens) that occurred earlier, and the
-    up to k tokens that followed its latest earlier occurrence; () when no suffix recurs."""
+    up to k tokens that followed its latest earlier occurrence; () when no suffix recurs.
+
+    Vectorized: the places where the last token occurred before (one comparison over the history), narrowed
+    to those where the token before matches too, and so on; a match of n tokens is one of n - 1 that goes
+    on, so the longest is the last length any place survives to."""
+    history = np.asarray(tokens, dtype=np.int64)
+    num = len(history)
+    ends = np.flatnonzero(history[:num - 1] == history[num - 1]) if num > 1 else history[:0]
+    best = None  # (n, the latest end of an earlier occurrence of the last n tokens)
+    for n in range(1, min(high, num - 1) + 1):
+        if n > 1:
+            ends = ends[ends >= n - 1]
+            ends = ends[history[ends - (n - 1)] == history[num - n]]
+        if not len(ends):
+            break
+        if n >= low:
+            best = n, int(ends[-1])
+    if best is None:
+        return ()
+    end = best[1]
+    return tuple(int(t) for t in history[end + 1:end + 1 + k])
+
+
+def allowed_drafts(matcher, drafts: tuple[int, ...]) -> tuple[int, ...]:
+    """A request under a grammar: its drafts up to the first the grammar refuses or that would end it, the
+    matcher (xgrammar's) left where it was."""
+    num = 0
+    for token in drafts:
+        if not matcher.accept_token(token):
+            break
+        num += 1
+        if matcher.is_terminated():  # (a draft that ends the grammar is not kept: the next row has no state)
+            break
+    if num and matcher.is_terminated():
+        matcher.rollback(1)
+        num -= 1
+    if num:
+        matcher.rollback(num)
+    return drafts[:num]
+
+
+def propose_ngram_reference(tokens: list[int], k: int, low: int, high: int) -> tuple[int, ...]:
+    """propose_ngram as a plain loop over the history (what the tests and bench/spec_decode.py compare it with)."""
     num = len(tokens)
     for n in range(min(high, num - 1), low - 1, -1):
         suffix = tokens[num - n:]
         first = suffix[0]
-        # the latest start before the suffix itself, so the continuation is the most recent one
-        for start in range(num - n - 1, -1, -1):
+        for start in range(num - n - 1, -1, -1):  # the latest start before the suffix itself
             if tokens[start] == first and tokens[start:start + n] == suffix:
                 return tuple(tokens[start + n:start + n + k])
     return ()
+
+
+class TokenHistory:
+    """A request's tokens as one int64 array for prompt lookup, extended by the tokens added since the last
+    step (they are only ever appended), so a step costs its new tokens rather than the whole history."""
+
+    __slots__ = ("array", "size")
+
+    def __init__(self) -> None:
+        self.array, self.size = np.empty(0, dtype=np.int64), 0
+
+    def of(self, request: Request) -> np.ndarray:
+        num = request.num_tokens
+        if num > len(self.array):
+            grown = np.empty(max(num, 2 * len(self.array)), dtype=np.int64)
+            grown[:self.size] = self.array[:self.size]
+            self.array = grown
+        if num > self.size:
+            self.array[self.size:num] = request.token_ids_slice(self.size, num)
+            self.size = num
+        return self.array[:num]
 
 
 @dataclass

@@ -224,14 +224,17 @@ class GrammarCompile:
 @dataclass(frozen=True, slots=True)
 class GrammarBitmask:
     """What each request under a grammar may sample next, filled by the engine for one step: row i is
-    request_ids[i]'s. rows: [len(request_ids), ceil(vocab_size / 32)] int32, a set bit allows a token."""
+    request_ids[i]'s. A request with drafts has a row for each row it samples, in order: the grammar's state
+    before its drafts, then after each (the scheduler kept only drafts the grammar allows).
+    rows: [len(request_ids), ceil(vocab_size / 32)] int32, a set bit allows a token."""
 
     request_ids: tuple[str, ...]
     rows: Any  # a CPU torch.Tensor
 
 
-def grammar_bitmask(requests: list, model_config, tokenizer) -> GrammarBitmask | None:
-    """The engine's side: a row for each of the step's requests under a grammar (its matcher is made the
+def grammar_bitmask(requests: list, model_config, tokenizer,
+                    drafts: dict[str, tuple[int, ...]] | None = None) -> GrammarBitmask | None:
+    """The engine's side: rows for each of the step's requests under a grammar (its matcher is made the
     first time it is scheduled and lives with the Request, so preemption keeps its place). NOTE: the
     matchers live with the scheduler, as in vLLM v1, so a grammar compiles in the engine's process,
     ahead of its request (GrammarCompile, in the core's loop), and never in a step on a worker rank."""
@@ -240,13 +243,23 @@ def grammar_bitmask(requests: list, model_config, tokenizer) -> GrammarBitmask |
         return None
     import xgrammar as xgr
 
-    rows = xgr.allocate_token_bitmask(len(constrained), model_config.vocab_size)
-    for row, request in enumerate(constrained):
+    drafts = drafts or {}
+    rows = xgr.allocate_token_bitmask(sum(1 + len(drafts.get(r.request_id, ())) for r in constrained),
+                                      model_config.vocab_size)
+    request_ids: list[str] = []
+    for request in constrained:
         if request.grammar_matcher is None:
             compiled = compiled_grammar(model_config, tokenizer, request.sampling_params.structured_outputs)
             request.grammar_matcher = xgr.GrammarMatcher(compiled)
-        request.grammar_matcher.fill_next_token_bitmask(rows, row)
-    return GrammarBitmask(tuple(r.request_id for r in constrained), rows)
+        matcher, own = request.grammar_matcher, drafts.get(request.request_id, ())
+        for token in (None, *own):  # the state now, then after each draft
+            if token is not None and not matcher.accept_token(token):
+                raise AssertionError(f"draft {token} of {request.request_id} is one its grammar refuses")
+            matcher.fill_next_token_bitmask(rows, len(request_ids))
+            request_ids.append(request.request_id)
+        if own:
+            matcher.rollback(len(own))
+    return GrammarBitmask(tuple(request_ids), rows)
 
 
 def _has_started(request) -> bool:
@@ -258,21 +271,34 @@ def _has_started(request) -> bool:
     return tuple(request.output_token_ids[-len(after):]) == after
 
 
-def accept_tokens(bitmask: GrammarBitmask, requests: dict, sampled_token_ids: dict[str, int]) -> None:
-    """Advance the matchers of the step's requests under a grammar by the tokens they sampled."""
-    for request_id in bitmask.request_ids:
+def accept_tokens(bitmask: GrammarBitmask, requests: dict, sampled_token_ids: dict[str, int],
+                  accepted_drafts: dict[str, tuple[int, ...]]) -> None:
+    """Advance the matchers of the step's requests under a grammar by the drafts they kept and the token they
+    sampled."""
+    for request_id in dict.fromkeys(bitmask.request_ids):
         request, token = requests.get(request_id), sampled_token_ids.get(request_id)
-        if request is not None and token is not None and not request.grammar_matcher.is_terminated():
-            request.grammar_matcher.accept_token(token)
+        if request is None or token is None:
+            continue
+        for kept in (*accepted_drafts.get(request_id, ()), token):
+            if not request.grammar_matcher.is_terminated():
+                request.grammar_matcher.accept_token(kept)
 
 
 def sampling_bitmask(bitmask: GrammarBitmask | None, request_ids: list[str], vocab_size: int):
-    """The worker's side: [len(request_ids), ceil(vocab_size / 32)] rows in its sampling order, all
-    tokens allowed for requests under no grammar; None when no sampled request has one."""
+    """The worker's side: [len(request_ids), ceil(vocab_size / 32)] rows in its sampling order (a request with
+    drafts takes its rows in order), all tokens allowed for requests under no grammar; None when no sampled
+    request has one."""
     if bitmask is None:
         return None
-    where = {r: i for i, r in enumerate(bitmask.request_ids)}
-    pairs = [(row, where[r]) for row, r in enumerate(request_ids) if r in where]
+    sources: dict[str, list[int]] = {}
+    for source, request_id in enumerate(bitmask.request_ids):
+        sources.setdefault(request_id, []).append(source)
+    taken: dict[str, int] = {}
+    pairs = []
+    for row, request_id in enumerate(request_ids):
+        if request_id in sources:
+            taken[request_id] = taken.get(request_id, -1) + 1
+            pairs.append((row, sources[request_id][taken[request_id]]))
     if not pairs:
         return None
     import xgrammar as xgr

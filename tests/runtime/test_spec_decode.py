@@ -3,6 +3,7 @@ penalties, preemption, prefix caching and tensor parallel; its refusals and its 
 
 from __future__ import annotations
 
+import random
 import re
 
 import pytest
@@ -14,7 +15,9 @@ from shardserve.launch.server.metrics import spec_decode_families
 from shardserve.planner.settings import SettingError
 from shardserve.runtime import LLM, SamplingParams
 from shardserve.planner.speculative import SpeculativeConfig
-from shardserve.runtime.core.spec_decode import propose_ngram, verify
+from shardserve.runtime.core.request import Request
+from shardserve.runtime.core.spec_decode import (TokenHistory, allowed_drafts, propose_ngram, propose_ngram_reference,
+                                                 verify)
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7], [11, 12, 13, 11, 12, 13, 11, 12], [20, 21, 22, 23],
@@ -66,6 +69,27 @@ def same_logprobs(a, b, tokens) -> bool:
 ])
 def test_ngram_proposals(tokens, k, expected):
     assert propose_ngram(tokens, k, 2, 3) == expected
+
+
+def test_the_vectorized_lookup_is_the_plain_loops():
+    """Random histories over small vocabularies (many recurrences, overlapping ones too) and every lookup range."""
+    rng = random.Random(0)
+    for _ in range(3000):
+        vocab = rng.choice([2, 3, 7, 50])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(0, 40))]
+        k, high = rng.randrange(1, 6), rng.randrange(1, 7)
+        low = rng.randrange(1, high + 1)
+        assert propose_ngram(tokens, k, low, high) == propose_ngram_reference(tokens, k, low, high), (tokens, k, low, high)
+
+
+def test_a_requests_token_history_follows_its_tokens():
+    request = Request("r", [3, 4, 5], SamplingParams(max_tokens=10), seed=0)
+    history = TokenHistory()
+    assert history.of(request).tolist() == [3, 4, 5]
+    for token in range(6, 30):  # grown past its first array, a token or several at a time
+        request.output_token_ids.append(token)
+        if token % 3 == 0:
+            assert history.of(request).tolist() == request.all_token_ids
 
 
 def test_verify_keeps_drafts_up_to_the_first_the_target_did_not_sample():
@@ -176,18 +200,40 @@ def test_pipeline_stages_carry_the_drafts_to_the_stage_that_verifies_them(cycle_
     assert tokens == plain and stats.num_preemptions > 0
 
 
-def test_requests_under_a_grammar_decode_without_drafts_beside_drafting_ones():
-    """A grammar's matcher follows sampled tokens one at a time, so its requests get no drafts; the others in
-    the batch still speculate, and the grammar's output obeys it."""
+def test_a_grammar_keeps_the_drafts_it_allows_and_its_matcher_where_it_was():
+    import xgrammar as xgr
+
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo(["a", "b", "c", "</s>"], stop_token_ids=[3])).compile_regex("ab{0,5}c")
+    matcher = xgr.GrammarMatcher(compiled)
+    assert allowed_drafts(matcher, (0, 1, 1, 2, 3)) == (0, 1, 1, 2)  # the stop token would end it: not kept
+    assert allowed_drafts(matcher, (0, 2, 2)) == (0, 2)  # "c" ends the regex: a second is refused
+    assert allowed_drafts(matcher, (1, 0)) == ()  # it must start with "a"
+    mask = xgr.allocate_token_bitmask(1, 4)
+    matcher.fill_next_token_bitmask(mask, 0)
+    assert mask.tolist() == [[1]]  # still at the start: only "a" (bit 0)
+
+
+@pytest.mark.parametrize("seed", [None, 3], ids=["greedy", "seeded"])
+def test_requests_under_a_grammar_draft_what_it_allows_and_sample_as_without(seed):
+    """Each row of a request under a grammar samples under the grammar's state after the drafts before it, so
+    its tokens are those it samples without speculation; a repetitive grammar's drafts land."""
     from shardserve.launch.demo import DEMO_MODEL_DIR
     from shardserve.runtime.core.structured_output import StructuredOutputs
 
-    repeat = "Copy the text. The cache keeps recent blocks. Copy: The cache keeps recent blocks. " * 2
-    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
-              SamplingParams(temperature=1.0, seed=3, max_tokens=24, structured_outputs=StructuredOutputs(
-                  "regex", r"[0-9]{2}:[0-9]{2}"))]
-    with LLM(str(DEMO_MODEL_DIR), device="cpu", kv_cache_memory_bytes=1 << 25, speculative_config=NGRAM) as llm:
-        free, timed = llm.generate([repeat, repeat], params)
-        stats = llm.engine.get_stats().spec_decode
-    assert re.fullmatch(r"[0-9]{2}:[0-9]{2}", timed.outputs[0].text)
-    assert len(free.outputs[0].token_ids) == 24 and stats.num_drafts > 0
+    phrase = "The cache keeps recent blocks. "
+    prompt = f"Copy the text. {phrase * 2}Copy: {phrase}"
+    grammar = StructuredOutputs("regex", f"({re.escape(phrase)}){{4}}")
+    params = [SamplingParams(temperature=0.0 if seed is None else 1.0, seed=seed, max_tokens=160,
+                             structured_outputs=grammar),
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)]
+    def run(spec, which):
+        with LLM(str(DEMO_MODEL_DIR), device="cpu", kv_cache_memory_bytes=1 << 25, speculative_config=spec) as llm:
+            outputs = llm.generate([prompt] * len(which), [params[i] for i in which])
+            return [o.outputs[0] for o in outputs], llm.engine.get_stats().spec_decode
+
+    plain, _ = run(None, (0, 1))
+    both, _ = run(NGRAM, (0, 1))
+    assert [o.token_ids for o in both] == [o.token_ids for o in plain]
+    assert re.fullmatch(f"({re.escape(phrase)}){{4}}", both[0].text)
+    _, alone = run(NGRAM, (0,))  # the phrase again and again: many of the grammar's tokens were drafts
+    assert alone.num_accepted_tokens >= 10
