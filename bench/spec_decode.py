@@ -96,7 +96,7 @@ def main() -> None:
     print("speedup", report["speedup"], "plan", json.dumps(report["plan"]))
 
 
-def lookup_times(repeat: int = 20) -> list[dict]:
+def lookup_times(repeat: int = 200) -> list[dict]:
     """The scheduler's prompt lookup for one request, per step, against its plain loop: random histories (no
     suffix recurs, so both search it all, the worst case), k = 4, lookup 2 to 5 tokens."""
     rng = random.Random(0)

@@ -58,6 +58,20 @@ def test_mixed_adapters_in_one_batch_match_transformers(layout, adapters):
         assert generate(llm, [a1, a2, None, a1, a2]) == expected
 
 
+def test_drafts_are_verified_under_their_requests_adapters(adapters):
+    """Speculative decoding with adapters: each draft row runs (and samples) under its request's adapter, so the
+    tokens are those without speculation."""
+    folder, (a1, a2), _, _ = adapters
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    runs = []
+    for spec in (None, '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'):
+        with LLM(folder, device="cpu", enable_lora=True, max_loras=2, max_lora_rank=16, speculative_config=spec) as llm:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, lora_request=[a1, a2, None, a1, a2])
+            runs.append(([list(o.outputs[0].token_ids) for o in outputs], llm.engine.get_stats().spec_decode))
+    (plain, _), (tokens, stats) = runs
+    assert tokens == plain and stats.num_drafts > 0
+
+
 def test_one_slot_serves_two_adapters_in_turn(adapters):
     """max_loras=1 and max_cpu_loras=1: requests of the other adapter wait for the slot, and each swap reads
     the adapter again; the base model's requests never wait."""
