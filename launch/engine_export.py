@@ -147,12 +147,19 @@ def _hub_flags(plan: PlanFile, draft: _Draft) -> None:
 
 def _speculation(plan: PlanFile, draft: _Draft, engine: str) -> None:
     """speculative_config: vLLM takes the same JSON; SGLang's NGRAM is its own proposer (a cache of every request's
-    tokens, drafts as a tree), given the same number of drafts and lookup lengths."""
+    tokens, drafts as a tree), given the same number of drafts and lookup lengths; a draft model is its STANDALONE
+    algorithm (its draft tokens count the one verified first)."""
     config = SpeculativeConfig.parse(plan.runtime.speculative_config)
     if config is None:
         return
     if engine == "vllm":
         draft.add("--speculative-config", config.to_json())
+    elif config.model is not None:  # a draft model drafting a chain: SGLang's STANDALONE with top-k 1
+        draft.add("--speculative-algorithm", "STANDALONE")
+        draft.add("--speculative-draft-model-path", config.model)
+        draft.add("--speculative-num-steps", config.num_speculative_tokens)
+        draft.add("--speculative-eagle-topk", 1)
+        draft.add("--speculative-num-draft-tokens", config.num_speculative_tokens + 1)
     else:
         draft.add("--speculative-algorithm", "NGRAM")
         draft.add("--speculative-num-draft-tokens", config.num_speculative_tokens)

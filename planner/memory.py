@@ -151,12 +151,15 @@ def graph_shape(spec: ModelSpec, tp: int, settings: RuntimeSettings, num_layers:
 
 
 def plan_memory(spec: ModelSpec, stage_weights: list[float], split: list[int], tp: int,
-                gpu: GpuSpec, settings: RuntimeSettings, expert_parallel: bool = False) -> MemoryPlan:
+                gpu: GpuSpec, settings: RuntimeSettings, expert_parallel: bool = False,
+                draft: tuple[int, int] = (0, 0)) -> MemoryPlan:
+    """`draft`: a draft model's (weights bytes, KV bytes per token) on each rank of the first stage."""
     pp = len(split)
     stages = []
     usable = int(gpu.memory_bytes * settings.gpu_memory_utilization)
     starts = [sum(split[:s]) for s in range(pp)]
     for s, (weights, layers) in enumerate(zip(stage_weights, split)):
+        weights += draft[0] if s == 0 else 0
         owned = range(starts[s], starts[s] + layers)
         state = recurrent_state_bytes(spec, tp, owned, recurrent_state_slots(settings.max_num_seqs),
                                       settings.dtype_bytes)
@@ -171,6 +174,7 @@ def plan_memory(spec: ModelSpec, stage_weights: list[float], split: list[int], t
             budget = min(budget, settings.kv_cache_memory_bytes - state)
         # a page spans the KV tensors of the stage's attention layers (one per layer, or a group's slots)
         per_token = spec.kv_groups.tensors_on(owned) * spec.kv_values_per_layer(tp) * settings.kv_dtype_bytes
+        per_token += draft[1] if s == 0 else 0
         stages.append(StageMemory(gpu.memory_bytes, int(weights), act, over, budget,
                                   per_token, layers, lora, state))
     num_blocks = min(s.num_blocks_fit(settings.block_size) for s in stages)

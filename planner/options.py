@@ -12,7 +12,7 @@ from shardserve.planner.model_spec import DTYPE_BYTES, ModelSpec, canonical_dtyp
 from shardserve.planner.rules import (fp8_kv_problem, offload_groups_problem, offload_problem, offload_size_problem,
                                      prefix_caching_problem,
                                      resolved_prefix_caching)
-from shardserve.planner.speculative import DEFAULT_ACCEPTANCE, SpeculativeConfig, speculative_problem, tokens_per_step
+from shardserve.planner.speculative import SpeculativeConfig, acceptance_rate, speculative_problem, tokens_per_step
 from shardserve.planner.workload import Targets, Workload
 from shardserve.planner.settings import (DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN,
                                          SettingError, check_fields, default, resolved_max_num_batched_tokens)
@@ -163,8 +163,11 @@ def _speculation(options: PlanOptions, spec: ModelSpec) -> dict:
     problem = speculative_problem(spec.recurrent_kind)
     if problem:
         raise PlanError(problem)
-    rate = options.draft_acceptance_rate
-    return {"speculative": config, "draft_acceptance_rate": DEFAULT_ACCEPTANCE[config.method] if rate is None else rate}
+    try:
+        rate = acceptance_rate(config, options.draft_acceptance_rate)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    return {"speculative": config, "draft_acceptance_rate": rate}
 
 
 def _resolve_dtype(requested: str, spec: ModelSpec, gpu: GpuSpec) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from shardserve.planner.draft import load_draft
 from shardserve.planner.errors import InfeasibleError, PlanError
 from shardserve.planner.fixes import cannot_fit, hardware_for, missed_targets, recommend_hardware
 from shardserve.planner.hardware import Hardware
@@ -68,7 +69,7 @@ def make_search(model: ModelInfo, hardware: Hardware, options: PlanOptions) -> S
     if targets.is_set and workload.concurrency is None and workload.request_rate is None:
         raise PlanError("latency targets need the load they hold at: add --request-rate (requests/s) or "
                         "--concurrency (requests in flight)")
-    return Search(model, hardware, options, settings, workload, targets)
+    return Search(model, hardware, options, settings, workload, targets, draft=load_draft(settings, model))
 
 
 def make_plan(model: ModelInfo, hardware: Hardware, options: PlanOptions, recommend: bool = False,
@@ -119,9 +120,11 @@ def _assembled(model: ModelInfo, hardware: Hardware, search: Search, chosen: Can
     notes = warnings(model, hardware, settings, chosen)
     without = None
     if settings.speculative is not None:  # the same layout, settings and load, every step one token a request
-        without = search.with_settings(speculative=None, draft_acceptance_rate=None).again(chosen).estimates
+        plain = replace(search, draft=None).with_settings(speculative=None, draft_acceptance_rate=None)
+        without = plain.again(chosen).estimates
         assert without is not None  # Search.again estimates the layout it sizes
-        line, warning = speculation_note(settings, estimates_of(chosen), without, hardware)
+        line, warning = speculation_note(settings, estimates_of(chosen), without, hardware, search.draft,
+                                         chosen.layout.tensor_parallel_size)
         reasons.append(line)
         notes += [warning] if warning else []
     return Plan(model, hardware, settings, chosen, executor, tuple(reasons), tuple(notes),

@@ -185,7 +185,8 @@ class TraceSection:
 
 @dataclass(frozen=True)
 class SpeedSection:
-    """The speed of the same layout and load under other settings (the plan's without speculative decoding)."""
+    """The speed of the same layout and load under other settings (the plan's without speculative decoding), from
+    the steady-state model (a plan from a trace too)."""
     ttft_ms: float | None  # None: overloaded
     tpot_ms: float
     output_tokens_per_s: float

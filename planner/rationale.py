@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from shardserve.planner.draft import DraftModel
 from shardserve.planner.hardware import GIB, Hardware
 from shardserve.planner.model_source import ModelInfo
 from shardserve.planner.options import RuntimeSettings
@@ -257,21 +258,26 @@ def _overload_line(chosen: Candidate, hardware: Hardware) -> str | None:
     return line if hardware.is_cpu else line + "; --recommend with --ttft-ms/--tpot-ms plans for a latency too"
 
 
-def speculation_note(settings: RuntimeSettings, est: Estimates, without: Estimates,
-                     hardware: Hardware) -> tuple[str, str | None]:
+def speculation_note(settings: RuntimeSettings, est: Estimates, without: Estimates, hardware: Hardware,
+                     draft: DraftModel | None = None, tp: int = 1) -> tuple[str, str | None]:
     """(a rationale line: what speculative decoding does to the chosen layout's TPOT and throughput, a warning
     when it makes them worse) at the plan's draft_acceptance_rate."""
     spec, rate = settings.speculative, settings.draft_acceptance_rate
     assert spec is not None and rate is not None  # the caller's check
     k = spec.num_speculative_tokens
+    drafter = "" if draft is None else (
+        f"; the draft model {draft.info.spec.id} takes {_gib(draft.weights_bytes(tp, settings.dtype))} a "
+        f"{hardware.gpu.unit} and "
+        f"{draft.kv_bytes_per_token(tp, settings.kv_dtype_bytes):,} KV bytes a token beside the model's")
     line = (f"speculative decoding ({spec.method}, {k} drafts at acceptance {rate:g}: "
             f"{settings.tokens_per_step:.2f} tokens per forward): TPOT {est.tpot_ms:,.1f} ms against "
             f"{without.tpot_ms:,.1f} ms without, {est.output_tokens_per_s:,.0f} output tokens/s against "
-            f"{without.output_tokens_per_s:,.0f}")
+            f"{without.output_tokens_per_s:,.0f}{drafter}")
     if est.tpot_ms <= without.tpot_ms and est.output_tokens_per_s >= 0.99 * without.output_tokens_per_s:
         return line, None
-    why = ("a step that verifies drafts runs without CUDA graphs, its kernels issued one by one, "
-           if not hardware.is_cpu and settings.graphs_captured else "")
-    return line, (f"speculative_config makes this plan slower ({why}and each draft adds a row to every "
+    eager = "a step that verifies drafts runs without CUDA graphs, its kernels issued one by one, " \
+        if not hardware.is_cpu and settings.graphs_captured else ""
+    eager += "the draft model runs eagerly, a forward a draft, " if draft is not None else ""
+    return line, (f"speculative_config makes this plan slower ({eager}and each draft adds a row to every "
                   f"projection): drop --speculative-config, or raise --draft-acceptance-rate if your "
                   f"traffic's measured rate is higher")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from shardserve.planner.catalog import find_gpu
+from shardserve.planner.draft import load_draft
 from shardserve.planner.errors import PlanError
 from shardserve.planner.hardware import GpuSpec, Hardware, Node
 from shardserve.planner.model_source import ModelInfo
@@ -17,7 +18,7 @@ from shardserve.planner.options import RuntimeSettings
 from shardserve.planner.plan_file import GpuSection, PlanFile
 from shardserve.planner.serving import Replica
 from shardserve.planner.settings import default
-from shardserve.planner.speculative import DEFAULT_ACCEPTANCE, SpeculativeConfig
+from shardserve.planner.speculative import SpeculativeConfig, acceptance_rate
 from shardserve.planner.speed import Estimates, estimate, replica_model
 from shardserve.planner.workload import Targets, Workload
 
@@ -61,15 +62,20 @@ def _speculation(plan: PlanFile) -> dict:
         raise PlanError(f"runtime.{e}") from None
     if config is None:
         return {}
-    rate = plan.service.draft_acceptance_rate
-    return {"speculative": config, "draft_acceptance_rate": DEFAULT_ACCEPTANCE[config.method] if rate is None else rate}
+    try:
+        rate = acceptance_rate(config, plan.service.draft_acceptance_rate)
+    except ValueError as e:
+        raise PlanError(f"service.{e}") from None
+    return {"speculative": config, "draft_acceptance_rate": rate}
 
 
 def replica_of(plan: PlanFile, model: ModelInfo) -> Replica:
     """The speed model of one of the plan's replicas: its layout, split, GPU, settings and KV cache."""
     par = plan.parallel
+    settings = settings_of(plan)
     return replica_model(model.spec, list(par.layer_split), par.tensor_parallel_size, par.enable_expert_parallel,
-                         hardware_of(plan), settings_of(plan), plan.memory.num_blocks * plan.memory.block_size)
+                         hardware_of(plan), settings, plan.memory.num_blocks * plan.memory.block_size,
+                         load_draft(settings, model))
 
 
 def predict(plan: PlanFile, model: ModelInfo, workload: Workload) -> Estimates:

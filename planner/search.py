@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from shardserve.planner.draft import DraftModel
 from shardserve.planner.hardware import Hardware
 from shardserve.planner.memory import MemoryPlan, plan_memory
 from shardserve.planner.model_source import ModelInfo
@@ -58,6 +59,7 @@ class Search:
     workload: Workload
     targets: Targets
     layer_split: tuple[int, ...] | None = None  # pinned layers per stage (a plan edited by hand); None: balanced
+    draft: DraftModel | None = None  # speculative_config's draft model (method draft_model)
 
     def candidates(self) -> list[Candidate]:
         out = []
@@ -116,7 +118,8 @@ class Search:
         layout = Layout(tp, pp, 1)
         rule8_ep = uses_expert_parallel(model, tp, self.options)
         ep = rule8_ep if expert_parallel is None else expert_parallel
-        problem = tensor_parallel_problem(spec, tp, ep) or placement_problem(layout, spec, self.hardware)
+        problem = (tensor_parallel_problem(spec, tp, ep) or placement_problem(layout, spec, self.hardware)
+                   or (self.draft.problem(tp, pp) if self.draft is not None else None))
         rule8 = ep == rule8_ep
         if problem:
             return Candidate(layout, problem, expert_parallel=ep, is_rule8_choice=rule8), None, 0.0
@@ -125,12 +128,14 @@ class Search:
         if len(split) != pp:
             return Candidate(layout, f"layer_split {split} has {len(split)} stages, not {pp}", expert_parallel=ep,
                              is_rule8_choice=rule8), None, 0.0
-        memory = plan_memory(spec, sharded.stage_bytes(split), split, tp, self.hardware.gpu, settings, ep)
+        draft = (0, 0) if self.draft is None else (self.draft.weights_bytes(tp, settings.dtype),
+                                                   self.draft.kv_bytes_per_token(tp, settings.kv_dtype_bytes))
+        memory = plan_memory(spec, sharded.stage_bytes(split), split, tp, self.hardware.gpu, settings, ep, draft)
         if settings.is_max_model_len_auto:  # this layout's own longest; the model's limit if none fits
             fitting = memory.longest_fitting_len(spec.max_context_len, self.options.target_concurrency)
             settings = replace(settings, max_model_len=fitting or settings.max_model_len)
         problem = _memory_problem(memory, settings, self.options, self.hardware, tp * pp)
-        replica = replica_model(spec, split, tp, ep, self.hardware, settings, memory.kv_cache_tokens)
+        replica = replica_model(spec, split, tp, ep, self.hardware, settings, memory.kv_cache_tokens, self.draft)
         rate = replica.max_request_rate(self.workload.per_replica(1), self._meets) if with_rate else 0.0
         return Candidate(layout, problem, tuple(split), memory, None, ep, settings, rule8), replica, rate
 

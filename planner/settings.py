@@ -216,10 +216,11 @@ SETTINGS: tuple[Setting, ...] = (
        "arrive one step late. One rank in-process only (no tensor or pipeline parallel); requests with "
        "structured outputs, prompt_logprobs or penalties are refused while it is on.", "engine"),
     _s("speculative_config", str, None, "Speculative decoding, vLLM's JSON: {\"method\": \"ngram\", "
-       "\"num_speculative_tokens\": K, \"prompt_lookup_max\": N, \"prompt_lookup_min\": M}. Each decoding request "
-       "drafts up to K tokens by prompt lookup and the model verifies them in one forward (greedy and seeded "
-       "output unchanged); the plan prices it at --draft-acceptance-rate. MTP and EAGLE-3 are not served yet; "
-       "refused with async_scheduling and models with recurrent layers.", "plan engine"),
+       "\"num_speculative_tokens\": K, \"prompt_lookup_max\": N, \"prompt_lookup_min\": M} drafts up to K tokens "
+       "by prompt lookup; {\"method\": \"draft_model\", \"model\": FOLDER, \"num_speculative_tokens\": K} has a "
+       "smaller model of the same vocabulary draft them. The model verifies a request's drafts in one forward "
+       "(greedy and seeded output unchanged); the plan prices it at --draft-acceptance-rate. MTP and EAGLE-3 are not "
+       "served yet; refused with async_scheduling and models with recurrent layers.", "plan engine"),
     _s("seed", int, 0, "Seed for requests that bring none.", "engine"),
     _s("chat_template", str, None, "A Jinja chat template, or the path of a file holding one, used instead of "
        "the tokenizer's.", "engine"),
@@ -250,8 +251,9 @@ SETTINGS: tuple[Setting, ...] = (
        "with --concurrency).", "plan server", above=0.0),
     _s("draft_acceptance_rate", float, None, "With --speculative-config: the chance the model keeps a drafted "
        "token once it kept the drafts before it, so a verify step of K drafts yields 1 + a + ... + a^K tokens "
-       "(vLLM's acceptance at position 0 estimates it). Default per method: ngram 0.70, vLLM's measurement on "
-       "code edits; chat traffic accepts far fewer.", "plan", above=0.0, maximum=0.99),
+       "(vLLM's acceptance at position 0 estimates it). Default: ngram 0.70, vLLM's measurement on code edits "
+       "(chat traffic accepts far fewer); draft_model none, it depends on the pair of models.", "plan",
+       above=0.0, maximum=0.99),
     _s("ttft_ms", float, None, "Target time to first token in milliseconds, at --target-percentile: the "
        "plan picks the fewest GPUs that meet the targets.", "plan server", above=0.0),
     _s("tpot_ms", float, None, "Target time per output token (after the first) in milliseconds, at "

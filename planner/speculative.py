@@ -12,20 +12,23 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 NOT_YET = {"mtp": "MTP", "deepseek_mtp": "MTP", "qwen3_next_mtp": "MTP", "eagle": "EAGLE", "eagle3": "EAGLE-3",
-           "medusa": "Medusa", "draft_model": "a draft model", "suffix": "suffix decoding"}
-KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+           "medusa": "Medusa", "suffix": "suffix decoding"}
+KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model")
+OWN_KEYS = {"ngram": ("prompt_lookup_max", "prompt_lookup_min"), "draft_model": ("model",)}
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's speculative_config, as far as it is served: method "ngram" (prompt lookup)."""
+    """vLLM's speculative_config, as far as it is served: method "ngram" (prompt lookup), or "draft_model" (a
+    smaller model of the same vocabulary drafts greedily; `model` is its folder or Hub id)."""
 
     method: str
     num_speculative_tokens: int
-    prompt_lookup_max: int
-    prompt_lookup_min: int
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 2
+    model: str | None = None
 
     @classmethod
     def parse(cls, value: str | dict | None) -> SpeculativeConfig | None:
@@ -43,13 +46,23 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - set(KEYS))
         if unknown:
             raise ValueError(f"speculative_config: {', '.join(unknown)} not served (keys served: {', '.join(KEYS)})")
-        method = value.get("method", "ngram" if "prompt_lookup_max" in value else None)
+        method = value.get("method", "draft_model" if "model" in value else "ngram" if "prompt_lookup_max" in value
+                           else None)
         if method in NOT_YET:
             raise ValueError(f"speculative_config: method {method!r} ({NOT_YET[method]}) is not served yet; "
-                             "method 'ngram' (prompt lookup) is")
+                             f"methods served: {', '.join(METHODS)}")
         if method not in METHODS:
             raise ValueError(f"speculative_config: method must be one of {', '.join(METHODS)}, got {method!r}")
+        foreign = [key for other, keys in OWN_KEYS.items() if other != method for key in keys if key in value]
+        if foreign:
+            raise ValueError(f"speculative_config: {foreign[0]} applies to method "
+                             f"{next(m for m, keys in OWN_KEYS.items() if foreign[0] in keys)}, not {method}")
         k = _int(value, "num_speculative_tokens", None)
+        if method == "draft_model":
+            model = value.get("model")
+            if not isinstance(model, str) or not model:
+                raise ValueError("speculative_config: method draft_model needs model, the draft's folder or Hub id")
+            return cls(method, k, model=model)
         high = _int(value, "prompt_lookup_max", 5)
         low = _int(value, "prompt_lookup_min", min(high, 2))
         if low > high:
@@ -57,9 +70,9 @@ class SpeculativeConfig:
         return cls(method, k, high, low)
 
     def to_json(self) -> str:
-        """vLLM's JSON for this config, every key written (what a plan records and an export passes on)."""
-        return json.dumps({"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
-                           "prompt_lookup_max": self.prompt_lookup_max, "prompt_lookup_min": self.prompt_lookup_min})
+        """vLLM's JSON for this config, its method's keys written (what a plan records and an export passes on)."""
+        own = {key: getattr(self, key) for key in OWN_KEYS[self.method]}
+        return json.dumps({"method": self.method, "num_speculative_tokens": self.num_speculative_tokens, **own})
 
 
 def _int(value: dict, key: str, default: int | None) -> int:
@@ -75,7 +88,18 @@ def _int(value: dict, key: str, default: int | None) -> int:
 # tokens) on code edits, vllm-project/vllm#24344: 5,376 tokens from 1,814 target forwards (2.96 per forward, steps
 # without a match included), which 1 + a + ... + a^5 = 2.96 gives as a = 0.70. Prompt lookup pays on edits, code and
 # retrieval answers, the traffic it is for; free chat accepts far fewer: measure yours (the plan says how).
-DEFAULT_ACCEPTANCE = {"ngram": 0.70}
+DEFAULT_ACCEPTANCE = {"ngram": 0.70}  # a draft model's depends on the pair of models: no default is guessed
+
+
+def acceptance_rate(config: SpeculativeConfig, given: float | None) -> float:
+    """The acceptance rate to price `config` at: the one given, else its method's default; a ValueError names the
+    setting when the method has none."""
+    if given is not None:
+        return given
+    if config.method not in DEFAULT_ACCEPTANCE:
+        raise ValueError(f"draft_acceptance_rate: method {config.method}'s acceptance depends on the pair of models "
+                         "and the traffic; give --draft-acceptance-rate (launch's self-check measures it)")
+    return DEFAULT_ACCEPTANCE[config.method]
 
 
 def tokens_per_step(k: int, acceptance: float) -> float:

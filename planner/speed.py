@@ -8,8 +8,10 @@ runs the workload through it and scales to the replicas.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from shardserve.planner.draft import DraftModel
 from shardserve.planner.hardware import GpuSpec, Hardware
 from shardserve.planner.model_spec import ModelSpec
 from shardserve.planner.operators import Chunk, Operators, StageShape, stage_step_ms
@@ -115,10 +117,13 @@ def _operators(gpu: GpuSpec, db: Database) -> Operators:
 
 
 def replica_model(spec: ModelSpec, split: list[int], tp: int, expert_parallel: bool,
-                  hardware: Hardware, settings: RuntimeSettings, kv_cache_tokens: int) -> Replica:
-    """`kv_cache_tokens`: the pool's pages x block_size (MemoryPlan.kv_cache_tokens)."""
+                  hardware: Hardware, settings: RuntimeSettings, kv_cache_tokens: int,
+                  draft: DraftModel | None = None) -> Replica:
+    """`kv_cache_tokens`: the pool's pages x block_size (MemoryPlan.kv_cache_tokens); `draft`: speculative_config's
+    draft model, which runs before the target's forward on its one stage."""
     db = database_for(hardware)
     ops = _operators(hardware.gpu, db)
+    draft_step = _draft_step(draft, tp, settings, hardware, ops, db)
     shapes = stage_shapes(spec, split, tp, expert_parallel, settings, hardware)
     hops = [_hop_cost(spec, settings, h, hardware) for h in _hop_links(hardware, tp, len(split))]
     cache: dict = {}
@@ -145,7 +150,7 @@ def replica_model(spec: ModelSpec, split: list[int], tp: int, expert_parallel: b
     def _cycle(b: int, chunks: tuple[Chunk, ...], context: int, drafts: int) -> float:
         host = db.host.ms(b)
         if len(shapes) == 1:
-            return stage(0, b, chunks, context, drafts) + host
+            return stage(0, b, chunks, context, drafts) + draft_step(b, chunks, context, drafts) + host
         # NOTE: pp micro-batches in flight (one per stage while b allows): a request's next token
         # comes after one pass through every stage, or after every micro-batch took the slowest
         # stage, whichever is longer. Each micro-batch verifies its requests' drafts.
@@ -161,6 +166,22 @@ def replica_model(spec: ModelSpec, split: list[int], tp: int, expert_parallel: b
     return Replica(cycle, settings.max_num_seqs, settings.max_num_batched_tokens, kv_cache_tokens,
                    db.host.request_ms, _source(db, hardware.gpu.name), kv_windows=spec.kv_groups.windows,
                    num_drafts=settings.num_drafts, tokens_per_step=settings.tokens_per_step)
+
+
+def _draft_step(draft: DraftModel | None, tp: int, settings: RuntimeSettings, hardware: Hardware, ops: Operators,
+                db: Database) -> Callable[[int, tuple[Chunk, ...], int, int], float]:
+    """A draft model's share of a step: a forward catching it up with the step's tokens, then one a round for
+    drafts 2 to k, each issued kernel by kernel (it runs eagerly) after the host's work for it."""
+    if draft is None:
+        return lambda b, chunks, context, drafts: 0.0
+    shape = stage_shapes(draft.info.spec, [draft.num_layers], tp, False, settings, hardware)[0]
+    issue = draft.num_layers * db.host.eager_layer_ms
+
+    def step(b: int, chunks: tuple[Chunk, ...], context: int, drafts: int) -> float:
+        rounds = max(0, drafts // b - 1) if b else 0
+        forwards = [stage_step_ms(ops, shape, b, context, chunks)] + [stage_step_ms(ops, shape, b, context, ())] * rounds
+        return sum((f + issue if hardware.is_cpu else max(f, issue)) + db.host.ms(b) for f in forwards)
+    return step
 
 
 def _source(db: Database, gpu: str) -> str:

@@ -183,6 +183,7 @@ class EngineConfig:
     device: str  # "cuda" or "cpu", resolved from "auto"
     seed: int = 0
     lora: LoRAConfig | None = None  # enable_lora's slots; None: no adapters
+    draft: ModelConfig | None = None  # speculative_config's draft model (method draft_model); None: none
 
 
 def resolve_device(device: str) -> str:

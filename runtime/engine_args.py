@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from shardserve.planner.errors import PlanError
 from shardserve.planner.hub import HubOptions
 from shardserve.planner.model_source import local_weights, model_path
 from shardserve.planner.lora import lora_problem
@@ -133,7 +134,32 @@ class EngineArgs:
             device=device,
             seed=self.seed,
             lora=self._lora_config(model),
+            draft=self._draft_model(model, device),
         )
+
+    def _draft_model(self, model: ModelConfig, device: str) -> ModelConfig | None:
+        """speculative_config's draft model (method draft_model): its config read as the target's, in the target's
+        dtype, for its max_model_len; a SettingError names what keeps it from drafting for this target."""
+        spec = SpeculativeConfig.parse(self.speculative_config)
+        if spec is None or spec.model is None:
+            return None
+        if (self.pipeline_parallel_size or 1) > 1:
+            raise SettingError("speculative_config: method draft_model runs beside the first pipeline stage only "
+                               "when there is one; pipeline_parallel_size above 1 is not served with it")
+        try:
+            folder = str(local_weights(spec.model, self.hub, self.load_format))
+            draft = load_model_config(folder, str(model.dtype).removeprefix("torch."), model.max_model_len,
+                                      True, True, device)
+        except (ValueError, PlanError) as e:
+            raise SettingError(f"speculative_config: the draft model {spec.model}: {e}") from None
+        problem = (f"its vocabulary has {draft.vocab_size} tokens, the model's {model.vocab_size}"
+                   if draft.vocab_size != model.vocab_size else
+                   "a draft or model with more than one kind of attention layer (windows) or recurrent layers"
+                   if draft.kv_groups.num_groups > 1 or model.kv_groups.num_groups > 1 or draft.recurrent_kind
+                   else None)
+        if problem:
+            raise SettingError(f"speculative_config: the draft model {spec.model} cannot draft here: {problem}")
+        return replace(draft, load_format=self.load_format, hub=self.hub)
 
     def _speculative(self, model: ModelConfig) -> SpeculativeConfig | None:
         """speculative_config, or a SettingError naming what it cannot run with."""

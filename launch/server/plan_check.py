@@ -73,7 +73,7 @@ class Prediction:
                           w.request_rate, _by_percentile(spread.ttft_ms) if spread else None,
                           _by_percentile(spread.tpot_ms) if spread and spread.tpot_ms else None,
                           spec.num_speculative_tokens if spec else 0,
-                          None if spec is None else DEFAULT_ACCEPTANCE[spec.method] if rate is None else rate)
+                          None if spec is None else rate if rate is not None else DEFAULT_ACCEPTANCE.get(spec.method))
 
     @property
     def tokens_per_forward(self) -> float | None:

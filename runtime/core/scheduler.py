@@ -13,7 +13,7 @@ from shardserve.runtime.lora_request import LoRARequest
 from shardserve.runtime.core.messages import (CachedRequestData, ModelRunnerOutput, NewRequestData, RequestUpdate,
                                          SchedulerOutput)
 from shardserve.runtime.core.request import Request, RequestStatus, first_token_times, unsent_prompt_logprobs
-from shardserve.runtime.core.spec_decode import SpecDecodeStats, TokenHistory, allowed_drafts, propose_ngram
+from shardserve.runtime.core.spec_decode import SpecDecodeStats, propose
 
 
 class Scheduler:
@@ -139,20 +139,14 @@ class Scheduler:
         the token the step samples anyway; under a grammar, those it allows (none before its matcher is made)."""
         spec = self.config.speculative
         assert spec is not None  # the caller's check
-        matcher = request.grammar_matcher
         if (request.num_computed_tokens != request.num_tokens - 1 or request.num_pending_tokens
-                or (request.sampling_params.structured_outputs is not None and matcher is None)):
+                or (request.sampling_params.structured_outputs is not None and request.grammar_matcher is None)):
             return ()
         max_tokens = request.sampling_params.max_tokens
         left = self.max_model_len - request.num_tokens if max_tokens is None else min(
             self.max_model_len - request.num_tokens, max_tokens - request.num_output_tokens)
         k = min(spec.num_speculative_tokens, budget - 1, left - 1)
-        if k <= 0:
-            return ()
-        if request.token_history is None:
-            request.token_history = TokenHistory()
-        drafts = propose_ngram(request.token_history.of(request), k, spec.prompt_lookup_min, spec.prompt_lookup_max)
-        return drafts if matcher is None or not drafts else allowed_drafts(matcher, drafts)
+        return propose(request, spec, k) if k > 0 else ()
 
     def _can_schedule_again(self, request: Request) -> bool:
         """Without async_scheduling: not while in flight. With it: unless its last token is pending."""

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
+    from shardserve.planner.speculative import SpeculativeConfig
     from shardserve.runtime.core.messages import TokenLogprobs
     from shardserve.runtime.core.request import Request
 
@@ -44,6 +45,23 @@ def propose_ngram(tokens: Sequence[int] | np.ndarray, k: int, low: int, high: in
         return ()
     end = best[1]
     return tuple(int(t) for t in history[end + 1:end + 1 + k])
+
+
+# a draft the ranks make (method draft_model): the scheduler counts it and the worker's draft model fills it in
+PLACEHOLDER = -1
+
+
+def propose(request: Request, spec: SpeculativeConfig, k: int) -> tuple[int, ...]:
+    """Up to k drafts for a request about to decode its next token: by prompt lookup over its tokens (under a
+    grammar, those it allows), or k placeholders for the ranks' draft model to fill (none under a grammar: the
+    engine could not check drafts it has not seen)."""
+    matcher = request.grammar_matcher
+    if spec.method == "draft_model":
+        return () if request.sampling_params.structured_outputs is not None else (PLACEHOLDER,) * k
+    if request.token_history is None:
+        request.token_history = TokenHistory()
+    drafts = propose_ngram(request.token_history.of(request), k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    return drafts if matcher is None or not drafts else allowed_drafts(matcher, drafts)
 
 
 def allowed_drafts(matcher, drafts: tuple[int, ...]) -> tuple[int, ...]:

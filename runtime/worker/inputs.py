@@ -39,6 +39,7 @@ class RequestState:
     lora_slot: int = -1  # the adapter slot its tokens use (enable_lora); -1: the base model
     state_slot: int = -1  # its row of the recurrent layers' states (worker/state_slots.py); -1: none
     group_block_ids: list[np.ndarray] = field(default_factory=list)  # the other KV groups' tables, as block_ids
+    draft_computed: int = 0  # a draft model's (worker/draft_model.py): the tokens its KV holds for the request
 
     def __post_init__(self) -> None:
         self.block_ids = np.asarray(self.block_ids, dtype=np.int32)
@@ -49,7 +50,8 @@ class RequestState:
         return cls(data.request_id, list(data.token_ids), data.num_prompt_tokens, data.sampling_params,
                    data.seed, data.stop_token_ids, np.asarray(data.block_ids, dtype=np.int32), data.num_computed_tokens,
                    pooling_params=data.pooling_params, lora_slot=data.lora_slot,
-                   group_block_ids=[np.asarray(t, dtype=np.int32) for t in data.group_block_ids])
+                   group_block_ids=[np.asarray(t, dtype=np.int32) for t in data.group_block_ids],
+                   draft_computed=data.num_computed_tokens)  # (a cached prefix's blocks hold the draft's KV too)
 
     @property
     def num_output_tokens(self) -> int:

@@ -18,6 +18,7 @@ from shardserve.runtime.attention.torch_backend import TorchAttentionBackend
 from shardserve.runtime.config import EngineConfig
 from shardserve.runtime.worker.cuda_graph_plan import agreed_decision, local_decision, log_graph_memory, reserved_graph_bytes
 from shardserve.runtime.worker.cuda_graphs import DecodeGraphRunner, static_intermediate
+from shardserve.runtime.worker.draft_model import DraftModelRunner
 from shardserve.runtime.worker.forward_context import ForwardContext, forward_context
 from shardserve.runtime.worker.inputs import (HostInputs, RequestState, apply_scheduler_output, build_host_inputs,
                                        count_samples, to_device)
@@ -114,6 +115,8 @@ class Worker:
         self.adapters = None if config.lora is None else \
             RankAdapters(self.model, config.lora, config.model.dtype, self.device)
         self.backend = select_attention_backend(self.device)
+        self.drafter = None if config.draft is None else \
+            DraftModelRunner(config.draft, self.device, self.backend, config.cache.block_size)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.recurrent_layers = [m for m in self.model.modules() if isinstance(m, RecurrentLayer)]
         # a row of every recurrent layer's states per running request (None: the model has no such layer)
@@ -151,8 +154,9 @@ class Worker:
 
     @property
     def bytes_per_block(self) -> int:
-        """One block across this worker's layers."""
-        return math.prod(self.kv_pool_shape(1)) * self.kv_cache_dtype.itemsize
+        """One block across this worker's layers (and its draft model's)."""
+        drafts = 0 if self.drafter is None else self.drafter.bytes_per_block(self.kv_cache_dtype)
+        return math.prod(self.kv_pool_shape(1)) * self.kv_cache_dtype.itemsize + drafts
 
     def _check_kv_cache_dtype(self) -> None:
         """The planner's fp8 KV rule, on this worker's own device."""
@@ -244,6 +248,8 @@ class Worker:
                                     device=self.device)
         for attention, tensor in self.kv_tensors:
             attention.kv_cache = self.kv_cache[tensor]  # [planes, num_blocks, block_size, kv_heads, head_dim]
+        if self.drafter is not None:
+            self.drafter.bind(num_blocks + num_scratch, self.kv_cache_dtype, self.device)
         self._bind_states()
         if num_offload_blocks:
             self.offload_cache = host_tier(self.kv_cache, num_offload_blocks)
@@ -280,6 +286,8 @@ class Worker:
         for layer in self.recurrent_layers:
             layer.states = None
         self.attention_layers, self.recurrent_layers, self.kv_tensors = [], [], []
+        if self.drafter is not None:
+            self.drafter.release()
         self.states.clear()
         self.kv_cache = self.cuda_graphs = self.offload_cache = None
         self.model = None  # type: ignore[assignment]  # released: no step runs after this
@@ -313,10 +321,12 @@ class Worker:
         batch = apply_scheduler_output(self.states, output, self.state_slots)
         if not batch:
             return StepOutput(failed_loras=failed_loras) if self.parallel_state.is_output_rank else None
-        if output.spec_token_ids:  # (they leave the states again in draft_rows)
-            add_drafts(self.states, output.spec_token_ids)
+        spec_ids = output.spec_token_ids if self.drafter is None else \
+            self.drafter.propose(batch, output.num_scheduled_tokens, output.spec_token_ids)  # (fills placeholders)
+        if spec_ids:  # (they leave the states again in draft_rows)
+            add_drafts(self.states, spec_ids)
         host = build_host_inputs(batch, output.num_scheduled_tokens, self.config.cache.block_size)
-        drafts = draft_rows(host, output.spec_token_ids) if output.spec_token_ids else {}
+        drafts = draft_rows(host, spec_ids) if spec_ids else {}
         result = self._run(host, batch, output.grammar_bitmask, drafts)
         count_samples(host)
         if result is not None:  # the output rank's

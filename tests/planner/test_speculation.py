@@ -151,3 +151,43 @@ def test_exports_carry_speculation():
     sglang = dict(export_plan(record, "sglang").flags)
     assert sglang["--speculative-algorithm"] == "NGRAM" and sglang["--speculative-num-draft-tokens"] == "3"
     assert not [u for u in vllm.unsupported if "speculative" in u or "draft_acceptance" in u]
+
+
+QWEN, QWEN_DRAFT = "Qwen/Qwen3-8B", "Qwen/Qwen3-0.6B"
+DRAFT3 = json.dumps({"method": "draft_model", "model": QWEN_DRAFT, "num_speculative_tokens": 3})
+
+
+def test_a_draft_model_takes_memory_beside_the_model_and_its_forwards_beside_each_step():
+    spec = plan_for(QWEN, H100, concurrency=1.0, speculative_config=DRAFT3, draft_acceptance_rate=0.8)
+    plain = plan_for(QWEN, H100, concurrency=1.0)
+    draft = spec.search.draft
+    assert draft is not None and draft.info.spec.id == QWEN_DRAFT
+    (stage,), (plain_stage,) = spec.chosen.memory.stages, plain.chosen.memory.stages
+    assert stage.weights_bytes == plain_stage.weights_bytes + draft.weights_bytes(1, "bfloat16")
+    assert stage.kv_bytes_per_token == plain_stage.kv_bytes_per_token + 28 * 2 * 8 * 128 * 2  # 28 layers of 8 heads
+    section = spec.record().estimates.speculation
+    assert section.without.tpot_ms == round(plain.chosen.estimates.tpot_ms, 2)  # without: no draft either
+    line = next(r for r in spec.rationale if r.startswith("speculative decoding"))
+    assert f"the draft model {QWEN_DRAFT} takes 1.1 GiB a GPU" in line
+    # the draft runs eagerly, a forward a draft: slower than the model's graphs at this rate, and said
+    assert any("the draft model runs eagerly" in w for w in spec.warnings)
+
+
+def test_a_draft_model_is_refused_as_the_engine_refuses_it():
+    with pytest.raises(PlanError, match="method draft_model's acceptance depends on the pair of models"):
+        plan_for(QWEN, H100, speculative_config=DRAFT3)
+    with pytest.raises(PlanError, match="cannot draft here: its vocabulary has 151936 tokens, the model's 128256"):
+        plan_for(LLAMA, H100, speculative_config=DRAFT3, draft_acceptance_rate=0.5)
+    with pytest.raises(PlanError, match="pipeline_parallel_size above 1 is not served with it"):
+        plan_for(QWEN, "2xH100-80GB", pipeline_parallel_size=2, speculative_config=DRAFT3, draft_acceptance_rate=0.5)
+    with pytest.raises(PlanError, match="the draft model no/such-model"):
+        plan_for(QWEN, H100, speculative_config=DRAFT3.replace(QWEN_DRAFT, "no/such-model"), draft_acceptance_rate=0.5)
+
+
+def test_exports_carry_a_draft_model():
+    record = plan_for(QWEN, H100, concurrency=4.0, speculative_config=DRAFT3, draft_acceptance_rate=0.6).record()
+    assert SpeculativeConfig.parse(dict(export_plan(record, "vllm").flags)["--speculative-config"]).model == QWEN_DRAFT
+    sglang = dict(export_plan(record, "sglang").flags)
+    assert (sglang["--speculative-algorithm"], sglang["--speculative-draft-model-path"],
+            sglang["--speculative-num-steps"], sglang["--speculative-num-draft-tokens"]) == (
+        "STANDALONE", QWEN_DRAFT, "3", "4")

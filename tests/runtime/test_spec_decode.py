@@ -100,7 +100,7 @@ def test_verify_keeps_drafts_up_to_the_first_the_target_did_not_sample():
 
 @pytest.mark.parametrize("value, message", [
     ("{", "not JSON"),
-    ('{"method": "eagle3", "model": "x", "num_speculative_tokens": 3}', "model not served"),
+    ('{"method": "ngram", "quantization": "fp8", "num_speculative_tokens": 3}', "quantization not served"),
     ('{"method": "eagle3", "num_speculative_tokens": 3}', "'eagle3' (EAGLE-3) is not served yet"),
     ('{"method": "mtp", "num_speculative_tokens": 1}', "(MTP) is not served yet"),
     ('{"method": "ngram"}', "num_speculative_tokens is required"),
