@@ -4,6 +4,7 @@ repetitive prompts (a text given, then asked for again), greedy, the same engine
     python bench/spec_decode.py                # 16 prompts x 96 tokens, k = 4
     python bench/spec_decode.py --num-speculative-tokens 2 --json
     python bench/spec_decode.py --lookup       # the prompt-lookup search alone, beside its plain loop
+    python bench/spec_decode.py --draft shardserve-demo   # a draft model instead (here the model itself)
 
 Reported per side: wall time, output tokens, engine steps (one target forward each, for the whole batch),
 output tokens per request per step, and the drafts' acceptance; both sides' tokens must be the same (greedy).
@@ -74,24 +75,27 @@ def main() -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--lookup", action="store_true", help="time the prompt-lookup search alone")
+    parser.add_argument("--draft", help="speculate with this draft model (method draft_model) instead of n-gram")
     args = parser.parse_args()
     if args.lookup:
         print(json.dumps(lookup_times(), indent=1))
         return
     texts = prompts(args.num_prompts)
-    spec = json.dumps({"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens})
-    plain, ngram = run(None, texts, args.max_tokens), run(spec, texts, args.max_tokens)
-    if plain.pop("tokens") != ngram.pop("tokens"):
+    method = "ngram" if args.draft is None else "draft_model"
+    spec = json.dumps({"method": method, "num_speculative_tokens": args.num_speculative_tokens,
+                       **({} if args.draft is None else {"model": args.draft})})
+    plain, speculating = run(None, texts, args.max_tokens), run(spec, texts, args.max_tokens)
+    if plain.pop("tokens") != speculating.pop("tokens"):
         raise SystemExit("greedy tokens differ with speculation: a bug")
-    for side in (plain, ngram):  # the batch runs all its requests in each step, one target forward
+    for side in (plain, speculating):  # the batch runs all its requests in each step, one target forward
         side["tokens_per_request_step"] = round(side["output_tokens"] / side["engine_steps"] / args.num_prompts, 3)
-    report = {"settings": vars(args), "plain": plain, "ngram": ngram,
-              "speedup": round(plain["elapsed_s"] / ngram["elapsed_s"], 3),
-              "plan": planned(spec, args, ngram["tokens_per_request_step"], ngram["mean_prompt_tokens"])}
+    report = {"settings": vars(args), "plain": plain, method: speculating,
+              "speedup": round(plain["elapsed_s"] / speculating["elapsed_s"], 3),
+              "plan": planned(spec, args, speculating["tokens_per_request_step"], speculating["mean_prompt_tokens"])}
     if args.json:
         print(json.dumps(report, indent=1))
         return
-    for name in ("plain", "ngram"):
+    for name in ("plain", method):
         print(name, json.dumps(report[name]))
     print("speedup", report["speedup"], "plan", json.dumps(report["plan"]))
 
@@ -119,7 +123,7 @@ def lookup_times(repeat: int = 200) -> list[dict]:
 def planned(spec: str, args: argparse.Namespace, tokens: float, input_len: int) -> dict:
     """The plan's speedup for the same requests on this CPU, at the acceptance the measured tokens per forward
     give: TPOT without speculation over TPOT with it (the plan's `estimates.speculation`)."""
-    rate = round(acceptance_for(tokens, args.num_speculative_tokens), 3)
+    rate = min(0.99, round(acceptance_for(tokens, args.num_speculative_tokens), 3))
     options = PlanOptions(input_len=input_len, output_len=args.max_tokens, concurrency=float(args.num_prompts),
                           speculative_config=spec, draft_acceptance_rate=max(rate, 0.01))
     plan = make_plan(load_model(DEMO_MODEL_NAME), parse_declared("cpu"), options).record()
