@@ -9,6 +9,7 @@ from shardserve.planner.errors import PlanError
 from shardserve.planner.model_source import ModelInfo, load_model
 from shardserve.planner.options import RuntimeSettings
 from shardserve.planner.rules import tensor_parallel_problem
+from shardserve.planner.speculative import draft_layout_problem
 
 
 @dataclass(frozen=True)
@@ -27,11 +28,11 @@ class DraftModel:
         """What one token caches in its layers on one rank (a page holds the draft's layers beside the target's)."""
         return self.num_layers * self.info.spec.kv_values_per_layer(tp) * kv_dtype_bytes
 
-    def problem(self, tp: int, pp: int) -> str | None:
+    def problem(self, tp: int, pp: int, kv_offloading_size: float | None) -> str | None:
         """Why it cannot draft beside this layout, in the engine's words, or None."""
-        if pp > 1:
-            return ("speculative_config: method draft_model runs beside the first pipeline stage only when there is "
-                    "one; pipeline_parallel_size above 1 is not served with it")
+        layout = draft_layout_problem(pp, kv_offloading_size)
+        if layout:
+            return layout
         problem = tensor_parallel_problem(self.info.spec, tp, False)
         return f"speculative_config's draft model {self.info.spec.id}: {problem}" if problem else None
 

@@ -119,7 +119,7 @@ class Search:
         rule8_ep = uses_expert_parallel(model, tp, self.options)
         ep = rule8_ep if expert_parallel is None else expert_parallel
         problem = (tensor_parallel_problem(spec, tp, ep) or placement_problem(layout, spec, self.hardware)
-                   or (self.draft.problem(tp, pp) if self.draft is not None else None))
+                   or (self.draft.problem(tp, pp, settings.kv_offloading_size) if self.draft is not None else None))
         rule8 = ep == rule8_ep
         if problem:
             return Candidate(layout, problem, expert_parallel=ep, is_rule8_choice=rule8), None, 0.0

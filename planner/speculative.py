@@ -119,6 +119,17 @@ def acceptance_for(tokens: float, k: int) -> float:
     return low
 
 
+def draft_layout_problem(pipeline_parallel_size: int, kv_offloading_size: float | None) -> str | None:
+    """Why a draft model (method draft_model) cannot run beside these, or None (the plan and the engine alike)."""
+    if pipeline_parallel_size > 1:
+        return ("speculative_config: method draft_model runs beside the first pipeline stage only when there is "
+                "one; pipeline_parallel_size above 1 is not served with it")
+    if kv_offloading_size is not None:
+        return ("speculative_config: method draft_model with kv_offloading_size: the CPU tier keeps the model's "
+                "layers of a block, not the draft's, whose drafts would then read stale keys; drop one of them")
+    return None
+
+
 def speculative_problem(recurrent_kind: str | None, async_scheduling: bool = False, pooling: bool = False) -> str | None:
     """Why speculative_config cannot run with these (the plan and the engine alike), or None."""
     blocker = next((why for why, present in (

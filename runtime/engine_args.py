@@ -14,7 +14,7 @@ from shardserve.planner.rules import (offload_groups_problem, offload_problem, p
                                      resolved_prefix_caching)
 from shardserve.planner.settings import (ENGINE, SettingError, check_fields, check_names, default,
                                          resolved_max_num_batched_tokens)
-from shardserve.planner.speculative import SpeculativeConfig, speculative_problem
+from shardserve.planner.speculative import SpeculativeConfig, draft_layout_problem, speculative_problem
 from shardserve.runtime.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig,
                                        SchedulerConfig, load_model_config, resolve_device)
 from shardserve.runtime.pooling_params import PoolerConfig, pooler_config
@@ -143,9 +143,9 @@ class EngineArgs:
         spec = SpeculativeConfig.parse(self.speculative_config)
         if spec is None or spec.model is None:
             return None
-        if (self.pipeline_parallel_size or 1) > 1:
-            raise SettingError("speculative_config: method draft_model runs beside the first pipeline stage only "
-                               "when there is one; pipeline_parallel_size above 1 is not served with it")
+        problem = draft_layout_problem(self.pipeline_parallel_size or 1, self.kv_offloading_size)
+        if problem:
+            raise SettingError(problem)
         try:
             folder = str(local_weights(spec.model, self.hub, self.load_format))
             draft = load_model_config(folder, str(model.dtype).removeprefix("torch."), model.max_model_len,

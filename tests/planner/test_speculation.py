@@ -180,6 +180,8 @@ def test_a_draft_model_is_refused_as_the_engine_refuses_it():
         plan_for(LLAMA, H100, speculative_config=DRAFT3, draft_acceptance_rate=0.5)
     with pytest.raises(PlanError, match="pipeline_parallel_size above 1 is not served with it"):
         plan_for(QWEN, "2xH100-80GB", pipeline_parallel_size=2, speculative_config=DRAFT3, draft_acceptance_rate=0.5)
+    with pytest.raises(PlanError, match="method draft_model with kv_offloading_size"):
+        plan_for(QWEN, H100, speculative_config=DRAFT3, draft_acceptance_rate=0.5, kv_offloading_size=4.0)
     with pytest.raises(PlanError, match="the draft model no/such-model"):
         plan_for(QWEN, H100, speculative_config=DRAFT3.replace(QWEN_DRAFT, "no/such-model"), draft_acceptance_rate=0.5)
 

@@ -97,6 +97,8 @@ def test_a_draft_model_that_cannot_draft_here_is_refused_by_name(target, tmp_pat
         LLM(target, speculative_config=draft_config("/no/such/folder"), **settings)
     with pytest.raises(SettingError, match="pipeline_parallel_size above 1 is not served with it"):
         LLM(target, speculative_config=draft_config(target), pipeline_parallel_size=2, **settings)
+    with pytest.raises(SettingError, match="method draft_model with kv_offloading_size: the CPU tier keeps"):
+        LLM(target, speculative_config=draft_config(target), kv_offloading_size=0.01, **settings)
 
 
 @pytest.mark.parametrize("value, message", [
