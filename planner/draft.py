@@ -9,7 +9,7 @@ from shardserve.planner.errors import PlanError
 from shardserve.planner.model_source import ModelInfo, load_model
 from shardserve.planner.options import RuntimeSettings
 from shardserve.planner.rules import tensor_parallel_problem
-from shardserve.planner.speculative import draft_layout_problem
+from shardserve.planner.speculative import draft_layout_problem, draft_pair_problem
 
 
 @dataclass(frozen=True)
@@ -48,12 +48,10 @@ def load_draft(settings: RuntimeSettings, target: ModelInfo) -> DraftModel | Non
     except PlanError as e:
         raise PlanError(f"speculative_config: the draft model {spec.model}: {e}") from None
     draft, model = info.spec, target.spec
-    problem = (f"its vocabulary has {draft.vocab_size} tokens, the model's {model.vocab_size}"
-               if draft.vocab_size != model.vocab_size else
-               "a draft or model with more than one kind of attention layer (windows) or recurrent layers"
-               if draft.kv_groups.num_groups > 1 or model.kv_groups.num_groups > 1 or draft.recurrent_kind
-               else f"it has {draft.max_context_len} positions, max_model_len is {settings.max_model_len}"
-               if draft.max_context_len < settings.max_model_len else None)
+    problem = draft_pair_problem(draft.vocab_size, model.vocab_size,
+                                 max(draft.kv_groups.num_groups, model.kv_groups.num_groups), draft.recurrent_kind)
+    if problem is None and draft.max_context_len < settings.max_model_len:
+        problem = f"it has {draft.max_context_len} positions, max_model_len is {settings.max_model_len}"
     if problem:
         raise PlanError(f"speculative_config: the draft model {spec.model} cannot draft here: {problem}")
     return DraftModel(info)

@@ -12,7 +12,7 @@ from shardserve.planner.model_spec import DTYPE_BYTES, ModelSpec, canonical_dtyp
 from shardserve.planner.rules import (fp8_kv_problem, offload_groups_problem, offload_problem, offload_size_problem,
                                      prefix_caching_problem,
                                      resolved_prefix_caching)
-from shardserve.planner.speculative import SpeculativeConfig, acceptance_rate, speculative_problem, tokens_per_step
+from shardserve.planner.speculative import SpeculativeConfig, resolve, speculative_problem, tokens_per_step
 from shardserve.planner.workload import Targets, Workload
 from shardserve.planner.settings import (DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN,
                                          SettingError, check_fields, default, resolved_max_num_batched_tokens)
@@ -152,21 +152,12 @@ def resolve_settings(options: PlanOptions, spec: ModelSpec, gpu: GpuSpec) -> Run
 def _speculation(options: PlanOptions, spec: ModelSpec) -> dict:
     """RuntimeSettings' speculative and draft_acceptance_rate, or a PlanError naming the setting to change."""
     try:
-        config = SpeculativeConfig.parse(options.speculative_config)
+        config, rate = resolve(options.speculative_config, options.draft_acceptance_rate)
     except ValueError as e:
         raise PlanError(str(e)) from None
-    if config is None:
-        if options.draft_acceptance_rate is not None:
-            raise PlanError("draft_acceptance_rate prices speculative decoding, and speculative_config is not set: "
-                            "set both, or neither")
-        return {}
-    problem = speculative_problem(spec.recurrent_kind)
+    problem = None if config is None else speculative_problem(spec.recurrent_kind)
     if problem:
         raise PlanError(problem)
-    try:
-        rate = acceptance_rate(config, options.draft_acceptance_rate)
-    except ValueError as e:
-        raise PlanError(str(e)) from None
     return {"speculative": config, "draft_acceptance_rate": rate}
 
 

@@ -18,7 +18,7 @@ from shardserve.planner.options import RuntimeSettings
 from shardserve.planner.plan_file import GpuSection, PlanFile
 from shardserve.planner.serving import Replica
 from shardserve.planner.settings import default
-from shardserve.planner.speculative import SpeculativeConfig, acceptance_rate
+from shardserve.planner.speculative import resolve
 from shardserve.planner.speed import Estimates, estimate, replica_model
 from shardserve.planner.workload import Targets, Workload
 
@@ -55,17 +55,11 @@ def settings_of(plan: PlanFile) -> RuntimeSettings:
 
 
 def _speculation(plan: PlanFile) -> dict:
-    """RuntimeSettings' speculative and draft_acceptance_rate from the plan, or a PlanError naming its key."""
+    """RuntimeSettings' speculative and draft_acceptance_rate from the plan, or a PlanError naming the setting."""
     try:
-        config = SpeculativeConfig.parse(plan.runtime.speculative_config)
+        config, rate = resolve(plan.runtime.speculative_config, plan.service.draft_acceptance_rate)
     except ValueError as e:
-        raise PlanError(f"runtime.{e}") from None
-    if config is None:
-        return {}
-    try:
-        rate = acceptance_rate(config, plan.service.draft_acceptance_rate)
-    except ValueError as e:
-        raise PlanError(f"service.{e}") from None
+        raise PlanError(f"the plan's {e}") from None
     return {"speculative": config, "draft_acceptance_rate": rate}
 
 

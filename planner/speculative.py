@@ -119,6 +119,29 @@ def acceptance_for(tokens: float, k: int) -> float:
     return low
 
 
+def resolve(value: str | dict | None, given_rate: float | None) -> tuple[SpeculativeConfig | None, float | None]:
+    """speculative_config parsed, and the acceptance rate it is priced at ((None, None) without it); a ValueError
+    names the setting to change."""
+    config = SpeculativeConfig.parse(value)
+    if config is None:
+        if given_rate is not None:
+            raise ValueError("draft_acceptance_rate prices speculative decoding, and speculative_config is not set: "
+                             "set both, or neither")
+        return None, None
+    return config, acceptance_rate(config, given_rate)
+
+
+def draft_pair_problem(draft_vocab: int, vocab: int, num_groups: int, recurrent_kind: str | None) -> str | None:
+    """Why a draft model cannot draft for a model (the plan and the engine alike): their vocabularies differ, or one
+    has more than one kind of attention layer (`num_groups`: the larger of the two), or the draft has recurrent
+    layers."""
+    if draft_vocab != vocab:
+        return f"its vocabulary has {draft_vocab} tokens, the model's {vocab}"
+    if num_groups > 1 or recurrent_kind:
+        return "a draft or model with more than one kind of attention layer (windows) or recurrent layers"
+    return None
+
+
 def draft_layout_problem(pipeline_parallel_size: int, kv_offloading_size: float | None) -> str | None:
     """Why a draft model (method draft_model) cannot run beside these, or None (the plan and the engine alike)."""
     if pipeline_parallel_size > 1:

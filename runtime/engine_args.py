@@ -14,7 +14,8 @@ from shardserve.planner.rules import (offload_groups_problem, offload_problem, p
                                      resolved_prefix_caching)
 from shardserve.planner.settings import (ENGINE, SettingError, check_fields, check_names, default,
                                          resolved_max_num_batched_tokens)
-from shardserve.planner.speculative import SpeculativeConfig, draft_layout_problem, speculative_problem
+from shardserve.planner.speculative import (SpeculativeConfig, draft_layout_problem, draft_pair_problem,
+                                            speculative_problem)
 from shardserve.runtime.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig,
                                        SchedulerConfig, load_model_config, resolve_device)
 from shardserve.runtime.pooling_params import PoolerConfig, pooler_config
@@ -113,6 +114,7 @@ class EngineArgs:
         model = replace(loaded, chat_template=self.chat_template, generation_config=self.generation_config,
                         load_format=self.load_format, hub=self.hub,
                         pooler=self._pooler_config(loaded.model))
+        speculative = self._speculative(model)
         return EngineConfig(
             model=model,
             cache=CacheConfig(block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
@@ -125,7 +127,7 @@ class EngineArgs:
                                           self.max_num_batched_tokens, self.max_num_seqs),
                                       async_scheduling=self.async_scheduling,
                                       enable_chunked_prefill=self.enable_chunked_prefill,
-                                      speculative=self._speculative(model)),
+                                      speculative=speculative),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size or 1,
                                     pipeline_parallel_size=self.pipeline_parallel_size or 1,
                                     distributed_executor_backend=self.distributed_executor_backend,
@@ -134,13 +136,12 @@ class EngineArgs:
             device=device,
             seed=self.seed,
             lora=self._lora_config(model),
-            draft=self._draft_model(model, device),
+            draft=self._draft_model(speculative, model, device),
         )
 
-    def _draft_model(self, model: ModelConfig, device: str) -> ModelConfig | None:
+    def _draft_model(self, spec: SpeculativeConfig | None, model: ModelConfig, device: str) -> ModelConfig | None:
         """speculative_config's draft model (method draft_model): its config read as the target's, in the target's
         dtype, for its max_model_len; a SettingError names what keeps it from drafting for this target."""
-        spec = SpeculativeConfig.parse(self.speculative_config)
         if spec is None or spec.model is None:
             return None
         problem = draft_layout_problem(self.pipeline_parallel_size or 1, self.kv_offloading_size)
@@ -152,11 +153,8 @@ class EngineArgs:
                                       True, True, device)
         except (ValueError, PlanError) as e:
             raise SettingError(f"speculative_config: the draft model {spec.model}: {e}") from None
-        problem = (f"its vocabulary has {draft.vocab_size} tokens, the model's {model.vocab_size}"
-                   if draft.vocab_size != model.vocab_size else
-                   "a draft or model with more than one kind of attention layer (windows) or recurrent layers"
-                   if draft.kv_groups.num_groups > 1 or model.kv_groups.num_groups > 1 or draft.recurrent_kind
-                   else None)
+        problem = draft_pair_problem(draft.vocab_size, model.vocab_size,
+                                     max(draft.kv_groups.num_groups, model.kv_groups.num_groups), draft.recurrent_kind)
         if problem:
             raise SettingError(f"speculative_config: the draft model {spec.model} cannot draft here: {problem}")
         return replace(draft, load_format=self.load_format, hub=self.hub)

@@ -149,7 +149,6 @@ class _Engine:
             finished += update.finish_reason is not None
         return finished
 
-
     def _output_token(self, index: int) -> int:
         """The request's generated token at `index` (requests ignore EOS: they stop at output_len)."""
         return 1 + index % self.period

@@ -303,7 +303,7 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted (or preempted) while the step ran
-            num_drafts = len(output.spec_token_ids.get(request_id, ())) if output.spec_token_ids else 0
+            num_drafts = len(output.spec_token_ids.get(request_id, ()))
             if num_drafts:  # the rejected drafts' KV is left behind: it is overwritten
                 accepted = len(runner_output.accepted_drafts.get(request_id, ()))
                 request.num_computed_tokens -= num_drafts - accepted
@@ -334,7 +334,7 @@ class Scheduler:
             self._finish(request, RequestStatus.FINISHED_LENGTH)
             return RequestUpdate(request_id, (), (), "length", new_prompt_logprobs=prompt_logprobs,
                                  num_cached_tokens=request.num_cached_tokens)
-        drafts = runner_output.accepted_drafts.get(request_id, ()) if runner_output.accepted_drafts else ()
+        drafts = runner_output.accepted_drafts.get(request_id, ())
         tokens, finish = (*drafts, token), None
         for num_appended, next_token in enumerate(tokens, 1):  # (one, but for accepted drafts)
             request.output_token_ids.append(next_token)

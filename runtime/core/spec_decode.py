@@ -55,12 +55,12 @@ def propose(request: Request, spec: SpeculativeConfig, k: int) -> tuple[int, ...
     """Up to k drafts for a request about to decode its next token: by prompt lookup over its tokens (under a
     grammar, those it allows), or k placeholders for the ranks' draft model to fill (none under a grammar: the
     engine could not check drafts it has not seen)."""
-    matcher = request.grammar_matcher
     if spec.method == "draft_model":
         return () if request.sampling_params.structured_outputs is not None else (PLACEHOLDER,) * k
     if request.token_history is None:
         request.token_history = TokenHistory()
     drafts = propose_ngram(request.token_history.of(request), k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    matcher = request.grammar_matcher
     return drafts if matcher is None or not drafts else allowed_drafts(matcher, drafts)
 
 
@@ -71,12 +71,10 @@ def allowed_drafts(matcher, drafts: tuple[int, ...]) -> tuple[int, ...]:
     for token in drafts:
         if not matcher.accept_token(token):
             break
-        num += 1
         if matcher.is_terminated():  # (a draft that ends the grammar is not kept: the next row has no state)
+            matcher.rollback(1)
             break
-    if num and matcher.is_terminated():
-        matcher.rollback(1)
-        num -= 1
+        num += 1
     if num:
         matcher.rollback(num)
     return drafts[:num]

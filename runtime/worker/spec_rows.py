@@ -41,4 +41,3 @@ def draft_rows(host: HostInputs, drafts: dict[str, tuple[int, ...]]) -> dict[str
     host.logits_indices = np.asarray(indices, dtype=np.int64)
     host.sampled_states = states
     return first
-
