@@ -1,28 +1,56 @@
-"""speculative_config's draft model (method draft_model) as a plan counts it: its weights and KV on every rank of
-the (single) stage beside the target's, the tensor-parallel sizes its heads allow, and what the runtime refuses."""
+"""speculative_config's draft model (method draft_model) or EAGLE-3 head (eagle3) as a plan counts it: its weights
+and KV on every rank of the (single) stage beside the target's, the tensor-parallel sizes its heads allow, and what
+the runtime refuses.
+
+An EAGLE-3 head is priced as the one-layer Llama it mostly is (its layer, norm and head over the draft vocabulary),
+plus what that leaves out: fc (three hidden states to one, whole on every rank), the q/k/v projections' second
+input half, and the model's embedding it shares when it has none of its own. Its weights are counted from the
+checkpoint's own tensor headers."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from shardserve.planner.errors import PlanError
-from shardserve.planner.model_source import ModelInfo, load_model
+from shardserve.planner.hf_config import read_config_json
+from shardserve.planner.hub import cached_snapshot
+from shardserve.planner.model_source import ModelInfo, load_model, model_path
+from shardserve.planner.model_spec import DTYPE_BYTES, ModelSpec, TensorInfo
 from shardserve.planner.options import RuntimeSettings
 from shardserve.planner.rules import tensor_parallel_problem
-from shardserve.planner.speculative import draft_layout_problem, draft_pair_problem
+from shardserve.planner.speculative import draft_layout_problem, draft_pair_problem, eagle3_problem
+from shardserve.planner.tensors import derive_tensors, read_safetensors_headers
+
+# an EAGLE-3 head's tensors kept whole on every rank: fc, the norms, d2t (t2d is not loaded)
+_REPLICATED = ("fc.weight", "norm.weight", "layernorm.weight", "hidden_norm.weight", "d2t")
 
 
 @dataclass(frozen=True)
 class DraftModel:
     info: ModelInfo
+    method: str = "draft_model"
+    head_tensors: tuple[TensorInfo, ...] = ()  # an EAGLE-3 head's checkpoint tensors (its weights are theirs)
 
     @property
     def num_layers(self) -> int:
         return self.info.spec.num_layers
 
+    @property
+    def name(self) -> str:
+        return f"{'the EAGLE-3 head' if self.method == 'eagle3' else 'the draft model'} {self.info.spec.id}"
+
     def weights_bytes(self, tp: int, dtype: str) -> int:
         """One rank's share of its weights (all its layers, embedding and head)."""
-        return int(self.info.sharded(tp, dtype, 1).stage_bytes([self.num_layers])[0])
+        if not self.head_tensors:
+            return int(self.info.sharded(tp, dtype, 1).stage_bytes([self.num_layers])[0])
+        total = 0.0
+        for t in self.head_tensors:
+            if t.name.endswith("t2d"):
+                continue
+            size = t.stored_bytes if not t.is_float else t.numel * DTYPE_BYTES[dtype]
+            total += size if t.name.endswith(_REPLICATED) else size / tp
+        return int(total)
 
     def kv_bytes_per_token(self, tp: int, kv_dtype_bytes: int) -> int:
         """What one token caches in its layers on one rank (a page holds the draft's layers beside the target's)."""
@@ -30,19 +58,21 @@ class DraftModel:
 
     def problem(self, tp: int, pp: int, kv_offloading_size: float | None) -> str | None:
         """Why it cannot draft beside this layout, in the engine's words, or None."""
-        layout = draft_layout_problem(pp, kv_offloading_size)
+        layout = draft_layout_problem(self.method, pp, kv_offloading_size)
         if layout:
             return layout
         problem = tensor_parallel_problem(self.info.spec, tp, False)
-        return f"speculative_config's draft model {self.info.spec.id}: {problem}" if problem else None
+        return f"speculative_config's {self.name}: {problem}" if problem else None
 
 
 def load_draft(settings: RuntimeSettings, target: ModelInfo) -> DraftModel | None:
-    """The draft model the settings name, read as a plan reads a model; a PlanError names what keeps it from
-    drafting for `target` (as the engine checks it)."""
+    """The draft model or EAGLE-3 head the settings name, read as a plan reads a model; a PlanError names what keeps
+    it from drafting for `target` (as the engine checks it)."""
     spec = settings.speculative
     if spec is None or spec.model is None:
         return None
+    if spec.method == "eagle3":
+        return _load_head(spec.model, target)
     try:
         info = load_model(spec.model)
     except PlanError as e:
@@ -55,3 +85,29 @@ def load_draft(settings: RuntimeSettings, target: ModelInfo) -> DraftModel | Non
     if problem:
         raise PlanError(f"speculative_config: the draft model {spec.model} cannot draft here: {problem}")
     return DraftModel(info)
+
+
+def _load_head(name: str, target: ModelInfo) -> DraftModel:
+    """An EAGLE-3 head from its folder (or the Hugging Face cache): its config.json and tensor headers."""
+    path = Path(model_path(name)).expanduser()
+    folder = path if path.is_dir() else cached_snapshot(name, target.hub)
+    if folder is None or not (folder / "config.json").is_file():
+        raise PlanError(f"speculative_config: the EAGLE-3 head {name}: not a folder with config.json nor in the "
+                        f"Hugging Face cache; download it first (`hf download {name}`)")
+    config = read_config_json(folder / "config.json", str(folder / "config.json"))
+    model = target.spec
+    problem = eagle3_problem(config, model.vocab_size, model.hidden_size, model.num_layers, model.architecture,
+                             model.kv_groups.num_groups)
+    headers = read_safetensors_headers(folder)
+    if problem is None and not headers:
+        problem = "its folder has no safetensors weights"
+    if problem:
+        raise PlanError(f"speculative_config: the draft model {name} cannot draft here: {problem}")
+    layer = {**config, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1, "tie_word_embeddings": False,
+             "vocab_size": config.get("draft_vocab_size") or config["vocab_size"]}
+    try:
+        spec = ModelSpec.from_config(name, layer)
+    except PlanError as e:
+        raise PlanError(f"speculative_config: the EAGLE-3 head {name}: {e}") from None
+    info = ModelInfo(spec, tuple(derive_tensors(spec)), "folder", str(folder), "config", config)
+    return DraftModel(info, "eagle3", tuple(headers or ()))

@@ -97,8 +97,10 @@ class RuntimeSettings:
 
     @property
     def graphs_captured(self) -> bool:
-        """Decode CUDA graphs on a GPU (LoRA steps run eagerly: their adapters change per batch)."""
-        return not self.enforce_eager and not self.enable_lora
+        """Decode CUDA graphs on a GPU (LoRA steps run eagerly: their adapters change per batch; with an EAGLE-3
+        head every step does: it reads the hidden states each step's layers take)."""
+        eagle = self.speculative is not None and self.speculative.method == "eagle3"
+        return not self.enforce_eager and not self.enable_lora and not eagle
 
     @property
     def dtype_bytes(self) -> int:

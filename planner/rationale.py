@@ -266,7 +266,7 @@ def speculation_note(settings: RuntimeSettings, est: Estimates, without: Estimat
     assert spec is not None and rate is not None  # the caller's check
     k = spec.num_speculative_tokens
     drafter = "" if draft is None else (
-        f"; the draft model {draft.info.spec.id} takes {_gib(draft.weights_bytes(tp, settings.dtype))} a "
+        f"; {draft.name} takes {_gib(draft.weights_bytes(tp, settings.dtype))} a "
         f"{hardware.gpu.unit} and "
         f"{draft.kv_bytes_per_token(tp, settings.kv_dtype_bytes):,} KV bytes a token beside the model's")
     line = (f"speculative decoding ({spec.method}, {k} drafts at acceptance {rate:g}: "
@@ -275,9 +275,12 @@ def speculation_note(settings: RuntimeSettings, est: Estimates, without: Estimat
             f"{without.output_tokens_per_s:,.0f}{drafter}")
     if est.tpot_ms <= without.tpot_ms and est.output_tokens_per_s >= 0.99 * without.output_tokens_per_s:
         return line, None
-    eager = "a step that verifies drafts runs without CUDA graphs, its kernels issued one by one, " \
-        if not hardware.is_cpu and settings.graphs_captured else ""
-    eager += "the draft model runs eagerly, a forward a draft, " if draft is not None else ""
+    eager = ""
+    if not hardware.is_cpu and spec.method == "eagle3" and not settings.enforce_eager:
+        eager = "every step runs without CUDA graphs, as the EAGLE-3 head reads each step's hidden states, "
+    elif not hardware.is_cpu and settings.graphs_captured:
+        eager = "a step that verifies drafts runs without CUDA graphs, its kernels issued one by one, "
+    eager += f"{draft.name} runs eagerly, a forward a draft, " if draft is not None else ""
     return line, (f"speculative_config makes this plan slower ({eager}and each draft adds a row to every "
                   f"projection): drop --speculative-config, or raise --draft-acceptance-rate if your "
                   f"traffic's measured rate is higher")

@@ -12,17 +12,22 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-METHODS = ("ngram", "draft_model")
-NOT_YET = {"mtp": "MTP", "deepseek_mtp": "MTP", "qwen3_next_mtp": "MTP", "eagle": "EAGLE", "eagle3": "EAGLE-3",
+METHODS = ("ngram", "draft_model", "eagle3")
+NOT_YET = {"mtp": "MTP", "deepseek_mtp": "MTP", "qwen3_next_mtp": "MTP", "eagle": "EAGLE (EAGLE-3 is served)",
            "medusa": "Medusa", "suffix": "suffix decoding"}
 KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model")
-OWN_KEYS = {"ngram": ("prompt_lookup_max", "prompt_lookup_min"), "draft_model": ("model",)}
+OWN_KEYS = {"ngram": ("prompt_lookup_max", "prompt_lookup_min"), "draft_model": ("model",), "eagle3": ("model",)}
+# config.json architectures of EAGLE-3 draft heads (the EAGLE authors' name and vLLM's)
+EAGLE3_HEADS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+# targets whose decoder layers do not hand the hidden states an EAGLE-3 head reads (they are not Llama-style)
+NO_EAGLE3_TARGETS = ("GPT2LMHeadModel", "OPTForCausalLM")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's speculative_config, as far as it is served: method "ngram" (prompt lookup), or "draft_model" (a
-    smaller model of the same vocabulary drafts greedily; `model` is its folder or Hub id)."""
+    """vLLM's speculative_config, as far as it is served: method "ngram" (prompt lookup), "draft_model" (a
+    smaller model of the same vocabulary drafts greedily; `model` is its folder or Hub id), or "eagle3" (an
+    EAGLE-3 draft head, `model`, drafts from the model's own hidden states)."""
 
     method: str
     num_speculative_tokens: int
@@ -53,15 +58,16 @@ class SpeculativeConfig:
                              f"methods served: {', '.join(METHODS)}")
         if method not in METHODS:
             raise ValueError(f"speculative_config: method must be one of {', '.join(METHODS)}, got {method!r}")
-        foreign = [key for other, keys in OWN_KEYS.items() if other != method for key in keys if key in value]
+        foreign = [key for other, keys in OWN_KEYS.items() if other != method for key in keys
+                   if key in value and key not in OWN_KEYS[method]]
         if foreign:
-            raise ValueError(f"speculative_config: {foreign[0]} applies to method "
-                             f"{next(m for m, keys in OWN_KEYS.items() if foreign[0] in keys)}, not {method}")
+            owners = " or ".join(m for m, keys in OWN_KEYS.items() if foreign[0] in keys)
+            raise ValueError(f"speculative_config: {foreign[0]} applies to method {owners}, not {method}")
         k = _int(value, "num_speculative_tokens", None)
-        if method == "draft_model":
+        if "model" in OWN_KEYS[method]:
             model = value.get("model")
             if not isinstance(model, str) or not model:
-                raise ValueError("speculative_config: method draft_model needs model, the draft's folder or Hub id")
+                raise ValueError(f"speculative_config: method {method} needs model, the draft's folder or Hub id")
             return cls(method, k, model=model)
         high = _int(value, "prompt_lookup_max", 5)
         low = _int(value, "prompt_lookup_min", min(high, 2))
@@ -142,14 +148,51 @@ def draft_pair_problem(draft_vocab: int, vocab: int, num_groups: int, recurrent_
     return None
 
 
-def draft_layout_problem(pipeline_parallel_size: int, kv_offloading_size: float | None) -> str | None:
-    """Why a draft model (method draft_model) cannot run beside these, or None (the plan and the engine alike)."""
+def draft_layout_problem(method: str, pipeline_parallel_size: int, kv_offloading_size: float | None) -> str | None:
+    """Why a draft model or head (method draft_model, eagle3) cannot run beside these, or None (the plan and the
+    engine alike)."""
     if pipeline_parallel_size > 1:
-        return ("speculative_config: method draft_model runs beside the first pipeline stage only when there is "
+        return (f"speculative_config: method {method} runs beside the first pipeline stage only when there is "
                 "one; pipeline_parallel_size above 1 is not served with it")
     if kv_offloading_size is not None:
-        return ("speculative_config: method draft_model with kv_offloading_size: the CPU tier keeps the model's "
+        return (f"speculative_config: method {method} with kv_offloading_size: the CPU tier keeps the model's "
                 "layers of a block, not the draft's, whose drafts would then read stale keys; drop one of them")
+    return None
+
+
+def eagle3_aux_layers(head_config: dict, num_layers: int) -> tuple[int, ...]:
+    """The decoder layers whose inputs (the hidden states entering them) an EAGLE-3 head reads: its config's
+    eagle_config.eagle_aux_hidden_state_layer_ids, else layers 2, L/2 and L-3 of an L-layer model (the EAGLE-3
+    training recipe's, and vLLM's default); index L is the last layer's output. A ValueError names a bad one."""
+    given = (head_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    layers = tuple(given) if given is not None else (2, num_layers // 2, num_layers - 3)
+    bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= num_layers]
+    if bad or len(layers) != 3:
+        where = "eagle_config.eagle_aux_hidden_state_layer_ids" if given is not None else "the default layers"
+        raise ValueError(f"{where} {list(layers)}: three layer indices from 0 to {num_layers} are needed for a "
+                         f"model of {num_layers} layers")
+    return layers
+
+
+def eagle3_problem(head_config: dict, vocab: int, hidden_size: int, num_layers: int, architecture: str,
+                   num_groups: int) -> str | None:
+    """Why an EAGLE-3 head (its config.json) cannot draft for a model, or None (the plan and the engine alike)."""
+    architectures = head_config.get("architectures") or []
+    if architectures[:1] not in ([a] for a in EAGLE3_HEADS):
+        return f"its architectures are {architectures}, not an EAGLE-3 head's ({' or '.join(EAGLE3_HEADS)})"
+    if architecture in NO_EAGLE3_TARGETS:
+        return f"{architecture} does not hand its layers' hidden states to a draft head"
+    if head_config.get("vocab_size") != vocab:
+        return f"it drafts for a vocabulary of {head_config.get('vocab_size')} tokens, the model's has {vocab}"
+    target_hidden = head_config.get("target_hidden_size") or head_config.get("hidden_size")
+    if target_hidden != hidden_size:
+        return f"it reads hidden states of size {target_hidden}, the model's are {hidden_size}"
+    if num_groups > 1:
+        return "a model with more than one kind of attention layer (windows)"
+    try:
+        eagle3_aux_layers(head_config, num_layers)
+    except ValueError as e:
+        return str(e)
     return None
 
 

@@ -15,7 +15,7 @@ from shardserve.planner.rules import (offload_groups_problem, offload_problem, p
 from shardserve.planner.settings import (ENGINE, SettingError, check_fields, check_names, default,
                                          resolved_max_num_batched_tokens)
 from shardserve.planner.speculative import (SpeculativeConfig, draft_layout_problem, draft_pair_problem,
-                                            speculative_problem)
+                                            eagle3_problem, speculative_problem)
 from shardserve.runtime.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig,
                                        SchedulerConfig, load_model_config, resolve_device)
 from shardserve.runtime.pooling_params import PoolerConfig, pooler_config
@@ -140,24 +140,31 @@ class EngineArgs:
         )
 
     def _draft_model(self, spec: SpeculativeConfig | None, model: ModelConfig, device: str) -> ModelConfig | None:
-        """speculative_config's draft model (method draft_model): its config read as the target's, in the target's
-        dtype, for its max_model_len; a SettingError names what keeps it from drafting for this target."""
+        """speculative_config's draft model (method draft_model) or EAGLE-3 head (eagle3): its config read as the
+        target's, in the target's dtype, for its max_model_len; a SettingError names what keeps it from drafting
+        for this target."""
         if spec is None or spec.model is None:
             return None
-        problem = draft_layout_problem(self.pipeline_parallel_size or 1, self.kv_offloading_size)
+        problem = draft_layout_problem(spec.method, self.pipeline_parallel_size or 1, self.kv_offloading_size)
         if problem:
             raise SettingError(problem)
+        is_head = spec.method == "eagle3"
         try:
             folder = str(local_weights(spec.model, self.hub, self.load_format))
-            draft = load_model_config(folder, str(model.dtype).removeprefix("torch."), model.max_model_len,
-                                      True, True, device)
+            # (a head's own positions do not bound the model's: its one layer rotates with its config's rope)
+            draft = load_model_config(folder, str(model.dtype).removeprefix("torch."),
+                                      None if is_head else model.max_model_len, True, True, device)
         except (ValueError, PlanError) as e:
             raise SettingError(f"speculative_config: the draft model {spec.model}: {e}") from None
-        problem = draft_pair_problem(draft.vocab_size, model.vocab_size,
-                                     max(draft.kv_groups.num_groups, model.kv_groups.num_groups), draft.recurrent_kind)
+        if is_head:
+            problem = eagle3_problem(draft.hf_config.to_dict(), model.vocab_size, model.hf_config.hidden_size,
+                                     model.num_layers, model.architecture, model.kv_groups.num_groups)
+        else:
+            problem = draft_pair_problem(draft.vocab_size, model.vocab_size, max(
+                draft.kv_groups.num_groups, model.kv_groups.num_groups), draft.recurrent_kind)
         if problem:
             raise SettingError(f"speculative_config: the draft model {spec.model} cannot draft here: {problem}")
-        return replace(draft, load_format=self.load_format, hub=self.hub)
+        return replace(draft, load_format=self.load_format, hub=self.hub, max_model_len=model.max_model_len)
 
     def _speculative(self, model: ModelConfig) -> SpeculativeConfig | None:
         """speculative_config, or a SettingError naming what it cannot run with."""

@@ -18,6 +18,7 @@ from shardserve.runtime.layers.norm import RMSNorm
 from shardserve.runtime.layers.rotary import RotaryEmbedding, rope_parameters
 from shardserve.runtime.models.weight_map import WeightTarget, fold_packed, tied_head_target
 from shardserve.runtime.distributed.parallel_state import get_parallel_state
+from shardserve.runtime.worker.forward_context import get_forward_context
 from shardserve.runtime.worker.pipeline import IntermediateTensors, make_layers
 
 
@@ -159,8 +160,13 @@ def run_stage(model: DecoderStage, embedded: torch.Tensor | None, positions: tor
     else:
         assert intermediate is not None  # a later stage receives the previous one's hand-off
         hidden, residual = intermediate.hidden_states, intermediate.residual
-    for layer in model.layers[model.start_layer:model.end_layer]:
-        hidden, residual = layer(positions, hidden, residual)
+    capture = get_forward_context().capture
+    for index in range(model.start_layer, model.end_layer):
+        if capture is not None and index in capture.layers:  # (vLLM's aux hidden states: the layer's input)
+            capture.captured.append(hidden if residual is None else hidden + residual)
+        hidden, residual = model.layers[index](positions, hidden, residual)
+    if capture is not None and model.end_layer in capture.layers:
+        capture.captured.append(hidden if residual is None else hidden + residual)
     if not model.is_last_stage:
         return IntermediateTensors(hidden, residual)
     return model.norm(hidden, residual)[0] if residual is not None else model.norm(hidden)

@@ -46,6 +46,8 @@ def local_decision(config: EngineConfig, device: torch.device, model: torch.nn.M
         return CaptureDecision("enforce_eager=True")
     if config.lora is not None:
         return CaptureDecision("enable_lora: each batch's adapters are chosen on the host")
+    if config.scheduler.speculative is not None and config.scheduler.speculative.method == "eagle3":
+        return CaptureDecision("speculative_config method eagle3: every step keeps the hidden states its head reads")
     if config.model.runner == "pooling":
         return CaptureDecision("runner='pooling' prefills prompts and never decodes")
     if not getattr(model, "supports_cuda_graphs", False):

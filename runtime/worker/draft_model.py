@@ -28,8 +28,10 @@ from shardserve.runtime.worker.staging import StagingBuffer
 
 
 class DraftModelRunner:
-    def __init__(self, config: ModelConfig, device: torch.device, backend, block_size: int):
-        self.model = load_model(config, device)
+    def __init__(self, config: ModelConfig, device: torch.device, backend, block_size: int,
+                 model: torch.nn.Module | None = None):
+        """`model`: the draft module already loaded (an EAGLE-3 head); None: the draft model `config` names."""
+        self.model = model if model is not None else load_model(config, device)
         self.layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.layers:
             layer.fix_kv_scales()

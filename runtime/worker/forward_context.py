@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 import torch
@@ -63,10 +63,20 @@ class AttentionBackend(Protocol):
 
 
 @dataclass(slots=True)
+class HiddenCapture:
+    """The hidden states entering these decoder layers (index L: the last one's output), appended in layer order
+    by a forward (models/llama.run_stage) for whoever reads them after it (an EAGLE-3 head, worker/eagle.py)."""
+
+    layers: tuple[int, ...]
+    captured: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class ForwardContext:
     attn_metadata: AttentionMetadata | None  # None during weight-free dry runs
     backend: AttentionBackend
     lora: LoRABatch | None = None  # each token's adapter slot (enable_lora); None: no adapter this step
+    capture: HiddenCapture | None = None  # the model's hidden states some layers take; None: none kept
 
 
 # NOTE: per thread, so engines stepping in different threads of one process (data-parallel

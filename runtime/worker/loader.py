@@ -33,9 +33,11 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
+def load_model(model_config: ModelConfig, device: torch.device,
+               build: Callable[[ModelConfig], nn.Module] = build_model) -> nn.Module:
+    """`build`: the module for the config (the registry's architecture by default; an EAGLE-3 head's builder)."""
     with _default_dtype(model_config.dtype), torch.device(device), quantized_layers(model_config.quantization):
-        model = build_model(model_config)
+        model = build(model_config)
     if model_config.runner == "pooling":  # an embedding model: no head; its checkpoint may be the base model's
         drop_lm_head(model)
     if model_config.load_format == "dummy":  # no checkpoint read: config.json and the tokenizer suffice

@@ -18,7 +18,7 @@ from shardserve.runtime.attention.torch_backend import TorchAttentionBackend
 from shardserve.runtime.config import EngineConfig
 from shardserve.runtime.worker.cuda_graph_plan import agreed_decision, local_decision, log_graph_memory, reserved_graph_bytes
 from shardserve.runtime.worker.cuda_graphs import DecodeGraphRunner, static_intermediate
-from shardserve.runtime.worker.draft_model import DraftModelRunner
+from shardserve.runtime.worker.eagle import Eagle3Runner, make_drafter
 from shardserve.runtime.worker.forward_context import ForwardContext, forward_context
 from shardserve.runtime.worker.inputs import (HostInputs, RequestState, apply_scheduler_output, build_host_inputs,
                                        count_samples, to_device)
@@ -115,8 +115,8 @@ class Worker:
         self.adapters = None if config.lora is None else \
             RankAdapters(self.model, config.lora, config.model.dtype, self.device)
         self.backend = select_attention_backend(self.device)
-        self.drafter = None if config.draft is None else \
-            DraftModelRunner(config.draft, self.device, self.backend, config.cache.block_size)
+        self.states: dict[str, RequestState] = {}
+        self.drafter = make_drafter(config, self.model, self.device, self.backend, self.states)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.recurrent_layers = [m for m in self.model.modules() if isinstance(m, RecurrentLayer)]
         # a row of every recurrent layer's states per running request (None: the model has no such layer)
@@ -124,7 +124,6 @@ class Worker:
         for attention in self.attention_layers:
             attention.fix_kv_scales()
         self.kv_tensors = kv_tensor_of_layers(self.model, config.model.kv_groups)  # (layer, its KV tensor)
-        self.states: dict[str, RequestState] = {}
         self.kv_cache: torch.Tensor | None = None
         self.offload_cache: torch.Tensor | None = None  # the CPU tier's share of this rank (host memory)
         self.cuda_graphs: DecodeGraphRunner | None = None  # built with the KV cache
@@ -341,6 +340,8 @@ class Worker:
         bitmask = sampling_bitmask(grammar, sampled_ids, self.config.model.vocab_size) if state.is_output_rank else None
         lora = None if self.adapters is None else step_lora_batch(batch, host, self.adapters.num_slots, self.device)
         hidden, logits_indices = self._forward(host, lora)  # [num_tokens, hidden_size]
+        if isinstance(self.drafter, Eagle3Runner):  # (every step runs eagerly: the head reads its hidden states)
+            self.drafter.keep(batch, host)
         if not state.is_last_stage:
             assert isinstance(hidden, IntermediateTensors)  # the hand-off to the next stage
             send_intermediate(hidden)
@@ -385,5 +386,6 @@ class Worker:
             assert self.last_sampled is not None  # pending ids are the last step's samples
             inputs.pending.fill(inputs.input_ids, self.last_sampled)
         intermediate = None if state.is_first_stage else recv_intermediate(self.config.model.dtype, self.device)
-        with forward_context(ForwardContext(inputs.attn_metadata, self.backend, lora)):
+        capture = self.drafter.capture if isinstance(self.drafter, Eagle3Runner) else None
+        with forward_context(ForwardContext(inputs.attn_metadata, self.backend, lora, capture)):
             return self.model(inputs.input_ids, inputs.positions, intermediate), inputs.logits_indices

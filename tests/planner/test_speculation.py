@@ -85,8 +85,13 @@ def test_what_the_engine_refuses_the_plan_refuses():
         plan_for(LLAMA, H100, draft_acceptance_rate=0.5)
     with pytest.raises(PlanError, match="recurrent|linear_attention|cannot step back"):
         plan_for("Qwen/Qwen3.5-9B", H100, speculative_config=NGRAM3)
-    with pytest.raises(PlanError, match="method 'eagle3' .* not served yet"):
+    with pytest.raises(PlanError, match="method 'mtp' .* not served yet"):
+        plan_for(LLAMA, H100, speculative_config='{"method": "mtp", "num_speculative_tokens": 1}')
+    with pytest.raises(PlanError, match="method eagle3 needs model"):
         plan_for(LLAMA, H100, speculative_config='{"method": "eagle3", "num_speculative_tokens": 3}')
+    with pytest.raises(PlanError, match="the EAGLE-3 head /no/head: not a folder with config.json"):
+        plan_for(LLAMA, H100, speculative_config='{"method": "eagle3", "model": "/no/head", "num_speculative_tokens": 3}',
+                 draft_acceptance_rate=0.6)
     with pytest.raises(ValueError, match="draft_acceptance_rate"):
         PlanOptions(draft_acceptance_rate=1.0)
 
@@ -170,7 +175,7 @@ def test_a_draft_model_takes_memory_beside_the_model_and_its_forwards_beside_eac
     line = next(r for r in spec.rationale if r.startswith("speculative decoding"))
     assert f"the draft model {QWEN_DRAFT} takes 1.1 GiB a GPU" in line
     # the draft runs eagerly, a forward a draft: slower than the model's graphs at this rate, and said
-    assert any("the draft model runs eagerly" in w for w in spec.warnings)
+    assert any(f"the draft model {QWEN_DRAFT} runs eagerly" in w for w in spec.warnings)
 
 
 def test_a_draft_model_is_refused_as_the_engine_refuses_it():

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from runtime_checkpoints import bytes_per_block, save_checkpoint
+from runtime_checkpoints import bytes_per_block, save_checkpoint, save_cycle_checkpoint
 
 torch.set_num_threads(1)  # the CI machine has two shared cores; more threads only contend
 
@@ -31,6 +31,14 @@ def checkpoint_factory(tmp_path_factory):
 def kv_bytes_for():
     """(folder, num_blocks, block_size) -> kv_cache_memory_bytes giving exactly num_blocks."""
     return lambda folder, num_blocks, block_size: num_blocks * bytes_per_block(folder, block_size)
+
+
+@pytest.fixture(scope="session")
+def cycle_checkpoint(tmp_path_factory) -> str:
+    """A Llama whose greedy tokens go round cycles of CYCLE_PERIOD ids (runtime_checkpoints.save_cycle_checkpoint)."""
+    folder = str(tmp_path_factory.mktemp("cycle"))
+    save_cycle_checkpoint(folder)
+    return folder
 
 
 def pytest_configure(config):

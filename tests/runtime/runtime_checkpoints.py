@@ -9,6 +9,7 @@ import os
 import torch
 
 VOCAB_SIZE = 320
+CYCLE_PERIOD = 5  # save_cycle_checkpoint's (VOCAB_SIZE is a multiple)
 BOS, EOS, PAD = 0, 1, 2
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
@@ -206,6 +207,27 @@ def save_checkpoint(folder: str, family: str, with_tokenizer: bool = True, seed:
     if with_tokenizer:
         build_tokenizer(folder)
     return model.eval()
+
+
+def save_cycle_checkpoint(folder: str, period: int = CYCLE_PERIOD, slice_size: int = 16) -> None:
+    """A Llama whose next token follows its current one around cycles of `period` ids (attention and MLP write
+    nothing; the head maps each embedding to its successor's row), so its outputs repeat and drafts land. Each
+    `slice_size` features of an embedding (an attention head's share) have the same norm, so a head's query
+    matches its own token's key best (tests/runtime/test_eagle3.py's token-reading head)."""
+    model = save_checkpoint(folder, "llama3")
+    ids = torch.arange(VOCAB_SIZE)
+    successor = ids - ids % period + (ids % period + 1) % period
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embed = model.model.embed_tokens.weight
+        slices = embed.view(VOCAB_SIZE, -1, slice_size)
+        slices.div_(slices.norm(dim=2, keepdim=True)).mul_(0.6)
+        head = torch.empty_like(model.lm_head.weight)
+        head[successor] = embed / embed.norm(dim=1, keepdim=True) * 3.0
+        model.lm_head.weight.copy_(head)
+    model.save_pretrained(folder)
 
 
 def bytes_per_block(folder: str, block_size: int) -> int:

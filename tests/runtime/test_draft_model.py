@@ -105,7 +105,7 @@ def test_a_draft_model_that_cannot_draft_here_is_refused_by_name(target, tmp_pat
     ({"method": "draft_model", "num_speculative_tokens": 3}, "method draft_model needs model"),
     ({"method": "draft_model", "model": "m", "num_speculative_tokens": 3, "prompt_lookup_max": 4},
      "prompt_lookup_max applies to method ngram, not draft_model"),
-    ({"method": "ngram", "model": "m", "num_speculative_tokens": 3}, "model applies to method draft_model, not ngram"),
+    ({"method": "ngram", "model": "m", "num_speculative_tokens": 3}, "model applies to method draft_model or eagle3, not ngram"),
 ])
 def test_each_method_takes_its_own_keys(value, message):
     with pytest.raises(ValueError, match=message):

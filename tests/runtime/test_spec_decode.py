@@ -7,10 +7,8 @@ import random
 import re
 
 import pytest
-import torch
 from prometheus_client.core import CounterMetricFamily
 
-from runtime_checkpoints import VOCAB_SIZE, save_checkpoint
 from shardserve.launch.server.metrics import spec_decode_families
 from shardserve.planner.settings import SettingError
 from shardserve.runtime import LLM, SamplingParams
@@ -22,27 +20,6 @@ from shardserve.runtime.core.spec_decode import (TokenHistory, allowed_drafts, p
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7], [11, 12, 13, 11, 12, 13, 11, 12], [20, 21, 22, 23],
            [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51]]
-PERIOD = 5  # (VOCAB_SIZE is a multiple)
-
-
-@pytest.fixture(scope="module")
-def cycle_checkpoint(tmp_path_factory) -> str:
-    """A model whose next token follows its current one around cycles of PERIOD ids (attention and MLP write
-    nothing; the head maps each embedding to its successor's row), so its outputs repeat and drafts land."""
-    folder = str(tmp_path_factory.mktemp("cycle"))
-    model = save_checkpoint(folder, "llama3")
-    ids = torch.arange(VOCAB_SIZE)
-    successor = ids - ids % PERIOD + (ids % PERIOD + 1) % PERIOD
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        embed = model.model.embed_tokens.weight
-        head = torch.empty_like(model.lm_head.weight)
-        head[successor] = embed / embed.norm(dim=1, keepdim=True) * 3.0
-        model.lm_head.weight.copy_(head)
-    model.save_pretrained(folder)
-    return folder
 
 
 def generate(folder: str, params: SamplingParams, spec: str | None = None, prompts=PROMPTS, **kwargs):
@@ -101,7 +78,8 @@ def test_verify_keeps_drafts_up_to_the_first_the_target_did_not_sample():
 @pytest.mark.parametrize("value, message", [
     ("{", "not JSON"),
     ('{"method": "ngram", "quantization": "fp8", "num_speculative_tokens": 3}', "quantization not served"),
-    ('{"method": "eagle3", "num_speculative_tokens": 3}', "'eagle3' (EAGLE-3) is not served yet"),
+    ('{"method": "eagle3", "num_speculative_tokens": 3}', "method eagle3 needs model"),
+    ('{"method": "eagle", "num_speculative_tokens": 3}', "'eagle' (EAGLE (EAGLE-3 is served)) is not served yet"),
     ('{"method": "mtp", "num_speculative_tokens": 1}', "(MTP) is not served yet"),
     ('{"method": "ngram"}', "num_speculative_tokens is required"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "from 1 to 64"),

@@ -1,0 +1,53 @@
+"""EAGLE-3 draft-head checkpoints for the tests, written as the EAGLE authors' heads are laid out (config.json with
+architectures LlamaForCausalLMEagle3, draft_vocab_size and eagle_config; tensors midlayer.*, fc, norm, lm_head,
+d2t and t2d; an embed_tokens or none)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors.torch import save_file
+
+AUX_LAYERS = [0, 1, 2]  # the tests' targets have 2 layers: both layers' inputs and the last one's output
+
+
+def save_eagle3_head(folder: str, target: str, tensors: dict[str, torch.Tensor], draft_vocab_size: int | None = None,
+                     **config_changes) -> str:
+    """`tensors` complete (random_head_tensors or a test's own); config.json from the target's, as a head's."""
+    with open(os.path.join(target, "config.json")) as f:
+        config = json.load(f)
+    config.update(architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1,
+                  draft_vocab_size=draft_vocab_size or config["vocab_size"],
+                  eagle_config={"eagle_aux_hidden_state_layer_ids": AUX_LAYERS}, **config_changes)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    save_file({name: t.contiguous() for name, t in tensors.items()}, os.path.join(folder, "model.safetensors"))
+    return folder
+
+
+def head_shapes(target: str, draft_vocab_size: int | None = None) -> dict[str, tuple[int, ...]]:
+    with open(os.path.join(target, "config.json")) as f:
+        c = json.load(f)
+    h, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    head_dim = c.get("head_dim") or h // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
+    return {"midlayer.self_attn.q_proj.weight": (q, 2 * h), "midlayer.self_attn.k_proj.weight": (kv, 2 * h),
+            "midlayer.self_attn.v_proj.weight": (kv, 2 * h), "midlayer.self_attn.o_proj.weight": (h, q),
+            "midlayer.mlp.gate_proj.weight": (inter, h), "midlayer.mlp.up_proj.weight": (inter, h),
+            "midlayer.mlp.down_proj.weight": (h, inter), "midlayer.input_layernorm.weight": (h,),
+            "midlayer.hidden_norm.weight": (h,), "midlayer.post_attention_layernorm.weight": (h,),
+            "fc.weight": (h, 3 * h), "norm.weight": (h,), "lm_head.weight": (draft_vocab_size or vocab, h),
+            "embed_tokens.weight": (vocab, h)}
+
+
+def random_head_tensors(target: str, seed: int, own_embedding: bool = True) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {name: (1.0 + 0.1 * torch.randn(shape, generator=generator)) if len(shape) == 1
+               else 0.15 * torch.randn(shape, generator=generator)
+               for name, shape in head_shapes(target).items()}
+    if not own_embedding:
+        del tensors["embed_tokens.weight"]
+    return tensors
