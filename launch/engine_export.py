@@ -148,15 +148,17 @@ def _hub_flags(plan: PlanFile, draft: _Draft) -> None:
 def _speculation(plan: PlanFile, draft: _Draft, engine: str) -> None:
     """speculative_config: vLLM takes the same JSON; SGLang's NGRAM is its own proposer (a cache of every request's
     tokens, drafts as a tree), given the same number of drafts and lookup lengths; a draft model is its STANDALONE
-    algorithm and an EAGLE-3 head its EAGLE3 (their draft tokens count the one verified first)."""
+    algorithm, an EAGLE-3 head its EAGLE3 and DeepSeek's MTP layer its EAGLE (their draft tokens count the one
+    verified first)."""
     config = SpeculativeConfig.parse(plan.runtime.speculative_config)
     if config is None:
         return
     if engine == "vllm":
         draft.add("--speculative-config", config.to_json())
-    elif config.model is not None:  # a draft model or head drafting a chain: STANDALONE or EAGLE3, with top-k 1
-        draft.add("--speculative-algorithm", "EAGLE3" if config.method == "eagle3" else "STANDALONE")
-        draft.add("--speculative-draft-model-path", config.model)
+    elif config.method != "ngram":  # a draft model, head or MTP layer drafting a chain, with top-k 1
+        draft.add("--speculative-algorithm", {"eagle3": "EAGLE3", "mtp": "EAGLE"}.get(config.method, "STANDALONE"))
+        if config.model is not None:  # (SGLang reads DeepSeek's MTP layer from the model's own folder)
+            draft.add("--speculative-draft-model-path", config.model)
         draft.add("--speculative-num-steps", config.num_speculative_tokens)
         draft.add("--speculative-eagle-topk", 1)
         draft.add("--speculative-num-draft-tokens", config.num_speculative_tokens + 1)

@@ -1,6 +1,6 @@
-"""speculative_config's draft model (method draft_model) or EAGLE-3 head (eagle3) as a plan counts it: its weights
-and KV on every rank of the (single) stage beside the target's, the tensor-parallel sizes its heads allow, and what
-the runtime refuses.
+"""speculative_config's draft model (method draft_model), EAGLE-3 head (eagle3) or MTP layer (mtp) as a plan counts
+it: its weights and KV on every rank of the (single) stage beside the target's, the tensor-parallel sizes its heads
+allow, and what the runtime refuses.
 
 An EAGLE-3 head is priced as the one-layer Llama it mostly is (its layer, norm and head over the draft vocabulary),
 plus what that leaves out: fc (three hidden states to one, whole on every rank), the q/k/v projections' second
@@ -19,7 +19,7 @@ from shardserve.planner.model_source import ModelInfo, load_model, model_path
 from shardserve.planner.model_spec import DTYPE_BYTES, ModelSpec, TensorInfo
 from shardserve.planner.options import RuntimeSettings
 from shardserve.planner.rules import tensor_parallel_problem
-from shardserve.planner.speculative import draft_layout_problem, draft_pair_problem, eagle3_problem
+from shardserve.planner.speculative import draft_layout_problem, draft_pair_problem, eagle3_problem, mtp_problem
 from shardserve.planner.tensors import derive_tensors, read_safetensors_headers
 
 # an EAGLE-3 head's tensors kept whole on every rank: fc, the norms, d2t (t2d is not loaded)
@@ -38,10 +38,16 @@ class DraftModel:
 
     @property
     def name(self) -> str:
+        if self.method == "mtp":
+            return f"the MTP layer of {self.info.spec.id}"
         return f"{'the EAGLE-3 head' if self.method == 'eagle3' else 'the draft model'} {self.info.spec.id}"
 
     def weights_bytes(self, tp: int, dtype: str) -> int:
         """One rank's share of its weights (all its layers, embedding and head)."""
+        if self.method == "mtp":  # a one-layer model less the embedding it shares, plus eh_proj (whole on each rank)
+            spec, size = self.info.spec, DTYPE_BYTES[dtype]
+            stage = self.info.sharded(tp, dtype, 1).stage_bytes([1])[0]
+            return int(stage - spec.vocab_size * spec.hidden_size * size / tp + 2 * spec.hidden_size ** 2 * size)
         if not self.head_tensors:
             return int(self.info.sharded(tp, dtype, 1).stage_bytes([self.num_layers])[0])
         total = 0.0
@@ -69,10 +75,14 @@ def load_draft(settings: RuntimeSettings, target: ModelInfo) -> DraftModel | Non
     """The draft model or EAGLE-3 head the settings name, read as a plan reads a model; a PlanError names what keeps
     it from drafting for `target` (as the engine checks it)."""
     spec = settings.speculative
-    if spec is None or spec.model is None:
+    if spec is None or spec.method == "ngram":
         return None
+    if spec.method == "mtp":
+        return _mtp_layer(target)
     if spec.method == "eagle3":
+        assert spec.model is not None  # (parse requires it)
         return _load_head(spec.model, target)
+    assert spec.model is not None  # (parse requires it of draft_model)
     try:
         info = load_model(spec.model)
     except PlanError as e:
@@ -111,3 +121,14 @@ def _load_head(name: str, target: ModelInfo) -> DraftModel:
         raise PlanError(f"speculative_config: the EAGLE-3 head {name}: {e}") from None
     info = ModelInfo(spec, tuple(derive_tensors(spec)), "folder", str(folder), "config", config)
     return DraftModel(info, "eagle3", tuple(headers or ()))
+
+
+def _mtp_layer(target: ModelInfo) -> DraftModel:
+    """The model's own multi-token-prediction layer (method mtp), priced as its one sparse layer with MLA."""
+    model = target.spec
+    problem = mtp_problem(model.architecture, int(target.config.get("num_nextn_predict_layers") or 0))
+    if problem:
+        raise PlanError(problem)
+    spec = ModelSpec.from_config(model.id, {**target.config, "num_hidden_layers": 1, "first_k_dense_replace": 0})
+    return DraftModel(ModelInfo(spec, tuple(derive_tensors(spec)), target.source, target.path, "config", target.config),
+                      "mtp")

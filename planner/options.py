@@ -12,7 +12,8 @@ from shardserve.planner.model_spec import DTYPE_BYTES, ModelSpec, canonical_dtyp
 from shardserve.planner.rules import (fp8_kv_problem, offload_groups_problem, offload_problem, offload_size_problem,
                                      prefix_caching_problem,
                                      resolved_prefix_caching)
-from shardserve.planner.speculative import SpeculativeConfig, resolve, speculative_problem, tokens_per_step
+from shardserve.planner.speculative import (HEAD_METHODS, SpeculativeConfig, resolve, speculative_problem,
+                                            tokens_per_step)
 from shardserve.planner.workload import Targets, Workload
 from shardserve.planner.settings import (DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN,
                                          SettingError, check_fields, default, resolved_max_num_batched_tokens)
@@ -98,9 +99,9 @@ class RuntimeSettings:
     @property
     def graphs_captured(self) -> bool:
         """Decode CUDA graphs on a GPU (LoRA steps run eagerly: their adapters change per batch; with an EAGLE-3
-        head every step does: it reads the hidden states each step's layers take)."""
-        eagle = self.speculative is not None and self.speculative.method == "eagle3"
-        return not self.enforce_eager and not self.enable_lora and not eagle
+        head or MTP layer every step does: it reads the hidden states each step's layers take)."""
+        head = self.speculative is not None and self.speculative.method in HEAD_METHODS
+        return not self.enforce_eager and not self.enable_lora and not head
 
     @property
     def dtype_bytes(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from shardserve.planner.draft import DraftModel
+from shardserve.planner.speculative import HEAD_METHODS
 from shardserve.planner.hardware import GIB, Hardware
 from shardserve.planner.model_source import ModelInfo
 from shardserve.planner.options import RuntimeSettings
@@ -276,8 +277,9 @@ def speculation_note(settings: RuntimeSettings, est: Estimates, without: Estimat
     if est.tpot_ms <= without.tpot_ms and est.output_tokens_per_s >= 0.99 * without.output_tokens_per_s:
         return line, None
     eager = ""
-    if not hardware.is_cpu and spec.method == "eagle3" and not settings.enforce_eager:
-        eager = "every step runs without CUDA graphs, as the EAGLE-3 head reads each step's hidden states, "
+    if not hardware.is_cpu and spec.method in HEAD_METHODS and not settings.enforce_eager:
+        eager = f"every step runs without CUDA graphs, as {draft.name if draft else 'its head'} reads each step's " \
+            "hidden states, "
     elif not hardware.is_cpu and settings.graphs_captured:
         eager = "a step that verifies drafts runs without CUDA graphs, its kernels issued one by one, "
     eager += f"{draft.name} runs eagerly, a forward a draft, " if draft is not None else ""

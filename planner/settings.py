@@ -219,9 +219,9 @@ SETTINGS: tuple[Setting, ...] = (
        "\"num_speculative_tokens\": K, \"prompt_lookup_max\": N, \"prompt_lookup_min\": M} drafts up to K tokens "
        "by prompt lookup; {\"method\": \"draft_model\", \"model\": FOLDER, \"num_speculative_tokens\": K} has a "
        "smaller model of the same vocabulary draft them; {\"method\": \"eagle3\", \"model\": FOLDER, ...} an EAGLE-3 "
-       "head, from the model's own hidden states. The model verifies a request's drafts in one forward "
-       "(greedy and seeded output unchanged); the plan prices it at --draft-acceptance-rate. MTP is not "
-       "served yet; refused with async_scheduling and models with recurrent layers.", "plan engine"),
+       "head, from the model's own hidden states; {\"method\": \"mtp\", ...} DeepSeek-V3's own MTP layer. The "
+       "model verifies a request's drafts in one forward (greedy and seeded output unchanged); the plan prices it "
+       "at --draft-acceptance-rate. Refused with async_scheduling and models with recurrent layers.", "plan engine"),
     _s("seed", int, 0, "Seed for requests that bring none.", "engine"),
     _s("chat_template", str, None, "A Jinja chat template, or the path of a file holding one, used instead of "
        "the tokenizer's.", "engine"),

@@ -12,11 +12,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-METHODS = ("ngram", "draft_model", "eagle3")
-NOT_YET = {"mtp": "MTP", "deepseek_mtp": "MTP", "qwen3_next_mtp": "MTP", "eagle": "EAGLE (EAGLE-3 is served)",
-           "medusa": "Medusa", "suffix": "suffix decoding"}
+METHODS = ("ngram", "draft_model", "eagle3", "mtp")
+ALIASES = {"deepseek_mtp": "mtp"}  # vLLM's older name
+NOT_YET = {"qwen3_next_mtp": "Qwen3-Next's MTP", "eagle": "EAGLE (EAGLE-3 is served)", "medusa": "Medusa",
+           "suffix": "suffix decoding"}
 KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model")
-OWN_KEYS = {"ngram": ("prompt_lookup_max", "prompt_lookup_min"), "draft_model": ("model",), "eagle3": ("model",)}
+OWN_KEYS = {"ngram": ("prompt_lookup_max", "prompt_lookup_min"), "draft_model": ("model",), "eagle3": ("model",),
+            "mtp": ()}
+HEAD_METHODS = ("eagle3", "mtp")  # their drafter reads the model's hidden states: every step runs eagerly
+# architectures whose checkpoints carry multi-token-prediction layers served as method mtp
+MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 # config.json architectures of EAGLE-3 draft heads (the EAGLE authors' name and vLLM's)
 EAGLE3_HEADS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 # targets whose decoder layers do not hand the hidden states an EAGLE-3 head reads (they are not Llama-style)
@@ -26,8 +31,9 @@ NO_EAGLE3_TARGETS = ("GPT2LMHeadModel", "OPTForCausalLM")
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's speculative_config, as far as it is served: method "ngram" (prompt lookup), "draft_model" (a
-    smaller model of the same vocabulary drafts greedily; `model` is its folder or Hub id), or "eagle3" (an
-    EAGLE-3 draft head, `model`, drafts from the model's own hidden states)."""
+    smaller model of the same vocabulary drafts greedily; `model` is its folder or Hub id), "eagle3" (an
+    EAGLE-3 draft head, `model`, drafts from the model's own hidden states) or "mtp" (the model's own
+    multi-token-prediction layer does, DeepSeek-V3/R1's)."""
 
     method: str
     num_speculative_tokens: int
@@ -53,7 +59,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: {', '.join(unknown)} not served (keys served: {', '.join(KEYS)})")
         method = value.get("method", "draft_model" if "model" in value else "ngram" if "prompt_lookup_max" in value
                            else None)
-        if method in NOT_YET:
+        method = ALIASES.get(method, method) if isinstance(method, str) else method
+        if isinstance(method, str) and method in NOT_YET:
             raise ValueError(f"speculative_config: method {method!r} ({NOT_YET[method]}) is not served yet; "
                              f"methods served: {', '.join(METHODS)}")
         if method not in METHODS:
@@ -69,6 +76,8 @@ class SpeculativeConfig:
             if not isinstance(model, str) or not model:
                 raise ValueError(f"speculative_config: method {method} needs model, the draft's folder or Hub id")
             return cls(method, k, model=model)
+        if method == "mtp":
+            return cls(method, k)
         high = _int(value, "prompt_lookup_max", 5)
         low = _int(value, "prompt_lookup_min", min(high, 2))
         if low > high:
@@ -157,6 +166,17 @@ def draft_layout_problem(method: str, pipeline_parallel_size: int, kv_offloading
     if kv_offloading_size is not None:
         return (f"speculative_config: method {method} with kv_offloading_size: the CPU tier keeps the model's "
                 "layers of a block, not the draft's, whose drafts would then read stale keys; drop one of them")
+    return None
+
+
+def mtp_problem(architecture: str, num_mtp_layers: int) -> str | None:
+    """Why method mtp cannot draft for a model (the plan and the engine alike), or None."""
+    if architecture not in MTP_ARCHITECTURES:
+        return (f"speculative_config: method mtp drafts with the model's own multi-token-prediction layers, served "
+                f"for {', '.join(MTP_ARCHITECTURES)}; {architecture} has none served: use ngram, draft_model or eagle3")
+    if num_mtp_layers < 1:
+        return ("speculative_config: method mtp needs the model's multi-token-prediction layer, and its config.json "
+                "has num_nextn_predict_layers 0")
     return None
 
 

@@ -183,7 +183,7 @@ class EngineConfig:
     device: str  # "cuda" or "cpu", resolved from "auto"
     seed: int = 0
     lora: LoRAConfig | None = None  # enable_lora's slots; None: no adapters
-    draft: ModelConfig | None = None  # speculative_config's draft model (method draft_model); None: none
+    draft: ModelConfig | None = None  # speculative_config's draft model, EAGLE-3 head or (mtp) the model; None: none
 
 
 def resolve_device(device: str) -> str:

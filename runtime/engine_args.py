@@ -15,7 +15,7 @@ from shardserve.planner.rules import (offload_groups_problem, offload_problem, p
 from shardserve.planner.settings import (ENGINE, SettingError, check_fields, check_names, default,
                                          resolved_max_num_batched_tokens)
 from shardserve.planner.speculative import (SpeculativeConfig, draft_layout_problem, draft_pair_problem,
-                                            eagle3_problem, speculative_problem)
+                                            eagle3_problem, mtp_problem, speculative_problem)
 from shardserve.runtime.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig,
                                        SchedulerConfig, load_model_config, resolve_device)
 from shardserve.runtime.pooling_params import PoolerConfig, pooler_config
@@ -141,13 +141,18 @@ class EngineArgs:
 
     def _draft_model(self, spec: SpeculativeConfig | None, model: ModelConfig, device: str) -> ModelConfig | None:
         """speculative_config's draft model (method draft_model) or EAGLE-3 head (eagle3): its config read as the
-        target's, in the target's dtype, for its max_model_len; a SettingError names what keeps it from drafting
-        for this target."""
-        if spec is None or spec.model is None:
+        target's, in the target's dtype, for its max_model_len (the model's own for its MTP layer, method mtp); a
+        SettingError names what keeps it from drafting for this target."""
+        if spec is None or spec.method == "ngram":
             return None
         problem = draft_layout_problem(spec.method, self.pipeline_parallel_size or 1, self.kv_offloading_size)
+        if spec.method == "mtp":  # the model's own layer, from its folder
+            problem = problem or mtp_problem(model.architecture,
+                                             getattr(model.hf_config, "num_nextn_predict_layers", 0) or 0)
         if problem:
             raise SettingError(problem)
+        if spec.model is None:
+            return model
         is_head = spec.method == "eagle3"
         try:
             folder = str(local_weights(spec.model, self.hub, self.load_format))

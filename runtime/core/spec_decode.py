@@ -55,7 +55,7 @@ def propose(request: Request, spec: SpeculativeConfig, k: int) -> tuple[int, ...
     """Up to k drafts for a request about to decode its next token: by prompt lookup over its tokens (under a
     grammar, those it allows), or k placeholders for the ranks' draft model or head to fill (none under a grammar: the
     engine could not check drafts it has not seen)."""
-    if spec.model is not None:  # a draft model or an EAGLE-3 head
+    if spec.method != "ngram":  # a draft model, an EAGLE-3 head or an MTP layer on the ranks
         return () if request.sampling_params.structured_outputs is not None else (PLACEHOLDER,) * k
     if request.token_history is None:
         request.token_history = TokenHistory()

@@ -179,7 +179,7 @@ class Qwen3_5ForCausalLM(nn.Module):
     def checkpoint_target(self, name: str) -> WeightTarget | None:
         if name.startswith("mtp."):
             if not self.has_logged_mtp:
-                logger.info("MTP head (mtp.*) not loaded: speculative decoding is not served yet")
+                logger.info("MTP head (mtp.*) not loaded: its drafts would need the recurrent states stepped back")
                 self.has_logged_mtp = True
             return WeightTarget("", skip=True)
         if self.has_text_config or name.startswith("model.language_model."):

@@ -20,6 +20,7 @@ from typing import cast
 import torch
 
 from shardserve.planner.graph_memory import GraphShape, capture_sizes, cuda_graph_bytes
+from shardserve.planner.speculative import HEAD_METHODS
 from shardserve.runtime.config import EngineConfig
 from shardserve.runtime.distributed.parallel_state import get_parallel_state
 
@@ -46,8 +47,10 @@ def local_decision(config: EngineConfig, device: torch.device, model: torch.nn.M
         return CaptureDecision("enforce_eager=True")
     if config.lora is not None:
         return CaptureDecision("enable_lora: each batch's adapters are chosen on the host")
-    if config.scheduler.speculative is not None and config.scheduler.speculative.method == "eagle3":
-        return CaptureDecision("speculative_config method eagle3: every step keeps the hidden states its head reads")
+    spec = config.scheduler.speculative
+    if spec is not None and spec.method in HEAD_METHODS:
+        return CaptureDecision(f"speculative_config method {spec.method}: every step keeps the hidden states its "
+                               "head reads")
     if config.model.runner == "pooling":
         return CaptureDecision("runner='pooling' prefills prompts and never decodes")
     if not getattr(model, "supports_cuda_graphs", False):

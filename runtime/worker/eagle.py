@@ -1,10 +1,11 @@
-"""Speculative decoding with an EAGLE-3 head (speculative_config method eagle3) on every rank: the head drafts from
-the model's own hidden states, which every forward of the model captures (worker/forward_context.HiddenCapture).
+"""Speculative decoding with a head on every rank that drafts from the model's own hidden states: an EAGLE-3 head
+(speculative_config method eagle3: the states entering three layers, which every forward of the model captures,
+worker/forward_context.HiddenCapture) or DeepSeek's MTP layer (method mtp: the model's final hidden states).
 
 A draft position p reads the token after it, x_{p+1}, and the model's feature of p, so it can be computed once the
 model has computed p and sampled (or been given) x_{p+1}:
 
-    keep:      after the model's forward, each request's rows of fc(captured states), from the position it started at
+    keep:      after the model's forward, each request's rows of features, from the position it started at
     catch-up:  next step, the positions the model has since computed for good (its num_computed_tokens; a verify
                step's rejected rows are dropped), each with the token after it; its last row gives draft 1
     round i:   each request drafting more than i tokens feeds draft i at the next position, with the head's own
@@ -24,6 +25,7 @@ from torch import nn
 
 from shardserve.planner.speculative import eagle3_aux_layers
 from shardserve.runtime.config import EngineConfig, ModelConfig
+from shardserve.runtime.models.deepseek_mtp import DeepseekMTP
 from shardserve.runtime.models.eagle3 import Eagle3Head
 from shardserve.runtime.worker.checkpoint import checkpoint_files, iterate_file
 from shardserve.runtime.worker.draft_model import DraftModelRunner
@@ -34,38 +36,47 @@ from shardserve.runtime.worker.loader import load_model
 
 def make_drafter(config: EngineConfig, target: nn.Module, device: torch.device, backend,
                  states: dict[str, RequestState]) -> DraftModelRunner | None:
-    """speculative_config's draft model or EAGLE-3 head on this rank; None without one."""
+    """speculative_config's draft model, EAGLE-3 head or MTP layer on this rank; None without one."""
     if config.draft is None:
         return None
     spec, block_size = config.scheduler.speculative, config.cache.block_size
-    if spec is not None and spec.method == "eagle3":
-        return Eagle3Runner(config.draft, target, config.model.num_layers, device, backend, block_size, states)
-    return DraftModelRunner(config.draft, device, backend, block_size)
+    method = None if spec is None else spec.method
+    if method == "eagle3":
+        names = {name for path in checkpoint_files(config.draft.model) for name, _ in iterate_file(path)}
+        head: nn.Module = load_model(config.draft, device, lambda c: Eagle3Head(c, names))
+        capture = HiddenCapture(eagle3_aux_layers(config.draft.hf_config.to_dict(), config.model.num_layers))
+    elif method == "mtp":
+        head, capture = load_model(config.draft, device, DeepseekMTP), None
+    else:
+        return DraftModelRunner(config.draft, device, backend, block_size)
+    head.share_embedding(target)  # type: ignore[operator]  # both heads' method
+    return HeadRunner(config.draft, head, capture, device, backend, block_size, states)
 
 
-class Eagle3Runner(DraftModelRunner):
-    def __init__(self, config: ModelConfig, target: nn.Module, num_layers: int, device: torch.device, backend,
-                 block_size: int, states: dict[str, RequestState]):
+class HeadRunner(DraftModelRunner):
+    """A head drafting from the model's hidden states: an EAGLE-3 head (the states `capture` keeps, combined by
+    its fc) or an MTP layer (the model's final hidden states: `capture` None)."""
+
+    def __init__(self, config: ModelConfig, head: nn.Module, capture: HiddenCapture | None, device: torch.device,
+                 backend, block_size: int, states: dict[str, RequestState]):
         """`states`: the worker's requests (a request's features are dropped once it is no longer among them)."""
-        names = {name for path in checkpoint_files(config.model) for name, _ in iterate_file(path)}
-        head = load_model(config, device, lambda c: Eagle3Head(c, names))
-        assert isinstance(head, Eagle3Head)
-        head.share_embedding(target)
         super().__init__(config, device, backend, block_size, head)
         self.head = head
-        self.capture = HiddenCapture(eagle3_aux_layers(config.hf_config.to_dict(), num_layers))
+        self.capture = capture
         self.states = states
         # request id -> (its state, the position of its first row, the rows' features): the last forward's
         self.features: dict[str, tuple[RequestState, int, torch.Tensor]] = {}
 
-    def keep(self, batch: list[RequestState], host: HostInputs) -> None:
-        """After the model's forward over `host` (built from `batch`): each request's features, from its start."""
-        combined = self.head.combine(self.capture.captured)
-        self.capture.captured.clear()
+    def keep(self, batch: list[RequestState], host: HostInputs, hidden: torch.Tensor) -> None:
+        """After the model's forward over `host` (built from `batch`), whose final hidden states are `hidden`: each
+        request's features, from its start."""
+        if self.capture is not None:
+            hidden = self.head.combine(self.capture.captured)  # type: ignore[operator]  # an EAGLE-3 head's
+            self.capture.captured.clear()
         starts = host.query_start_loc.tolist()
         for index, state in enumerate(batch):
             self.features[state.request_id] = (state, state.num_computed_tokens,
-                                               combined[starts[index]:starts[index + 1]])
+                                               hidden[starts[index]:starts[index + 1]])
         for request_id in [r for r, (state, _, _) in self.features.items() if self.states.get(r) is not state]:
             del self.features[request_id]  # finished, or preempted and since come back as another state
 
@@ -116,7 +127,7 @@ class Eagle3Runner(DraftModelRunner):
         if not picked:
             return
         rows = torch.tensor([row for row, _ in picked], device=normed.device)
-        tokens = self.head.draft_tokens(normed[rows]).tolist()
+        tokens = self.head.draft_tokens(normed[rows]).tolist()  # type: ignore[operator]  # both heads' method
         for (row, request_id), token in zip(picked, tokens):
             drafts[request_id].append(token)
             carried[request_id] = prenorm[row]

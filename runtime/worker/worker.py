@@ -18,7 +18,7 @@ from shardserve.runtime.attention.torch_backend import TorchAttentionBackend
 from shardserve.runtime.config import EngineConfig
 from shardserve.runtime.worker.cuda_graph_plan import agreed_decision, local_decision, log_graph_memory, reserved_graph_bytes
 from shardserve.runtime.worker.cuda_graphs import DecodeGraphRunner, static_intermediate
-from shardserve.runtime.worker.eagle import Eagle3Runner, make_drafter
+from shardserve.runtime.worker.eagle import HeadRunner, make_drafter
 from shardserve.runtime.worker.forward_context import ForwardContext, forward_context
 from shardserve.runtime.worker.inputs import (HostInputs, RequestState, apply_scheduler_output, build_host_inputs,
                                        count_samples, to_device)
@@ -340,8 +340,8 @@ class Worker:
         bitmask = sampling_bitmask(grammar, sampled_ids, self.config.model.vocab_size) if state.is_output_rank else None
         lora = None if self.adapters is None else step_lora_batch(batch, host, self.adapters.num_slots, self.device)
         hidden, logits_indices = self._forward(host, lora)  # [num_tokens, hidden_size]
-        if isinstance(self.drafter, Eagle3Runner):  # (every step runs eagerly: the head reads its hidden states)
-            self.drafter.keep(batch, host)
+        if isinstance(self.drafter, HeadRunner):  # (every step runs eagerly: the head reads its hidden states)
+            self.drafter.keep(batch, host, hidden)  # type: ignore[arg-type]  # one stage: the final states
         if not state.is_last_stage:
             assert isinstance(hidden, IntermediateTensors)  # the hand-off to the next stage
             send_intermediate(hidden)
@@ -386,6 +386,6 @@ class Worker:
             assert self.last_sampled is not None  # pending ids are the last step's samples
             inputs.pending.fill(inputs.input_ids, self.last_sampled)
         intermediate = None if state.is_first_stage else recv_intermediate(self.config.model.dtype, self.device)
-        capture = self.drafter.capture if isinstance(self.drafter, Eagle3Runner) else None
+        capture = self.drafter.capture if isinstance(self.drafter, HeadRunner) else None
         with forward_context(ForwardContext(inputs.attn_metadata, self.backend, lora, capture)):
             return self.model(inputs.input_ids, inputs.positions, intermediate), inputs.logits_indices

@@ -85,8 +85,8 @@ def test_what_the_engine_refuses_the_plan_refuses():
         plan_for(LLAMA, H100, draft_acceptance_rate=0.5)
     with pytest.raises(PlanError, match="recurrent|linear_attention|cannot step back"):
         plan_for("Qwen/Qwen3.5-9B", H100, speculative_config=NGRAM3)
-    with pytest.raises(PlanError, match="method 'mtp' .* not served yet"):
-        plan_for(LLAMA, H100, speculative_config='{"method": "mtp", "num_speculative_tokens": 1}')
+    with pytest.raises(PlanError, match="method 'medusa' .* not served yet"):
+        plan_for(LLAMA, H100, speculative_config='{"method": "medusa", "num_speculative_tokens": 1}')
     with pytest.raises(PlanError, match="method eagle3 needs model"):
         plan_for(LLAMA, H100, speculative_config='{"method": "eagle3", "num_speculative_tokens": 3}')
     with pytest.raises(PlanError, match="the EAGLE-3 head /no/head: not a folder with config.json"):
@@ -198,3 +198,30 @@ def test_exports_carry_a_draft_model():
     assert (sglang["--speculative-algorithm"], sglang["--speculative-draft-model-path"],
             sglang["--speculative-num-steps"], sglang["--speculative-num-draft-tokens"]) == (
         "STANDALONE", QWEN_DRAFT, "3", "4")
+
+
+def test_deepseeks_own_mtp_layer_is_priced_as_one_more_sparse_layer():
+    """DeepSeek-V3 on 8 H200s: the MTP layer's weights (a sparse layer, its head; the embedding shared) and its MLA
+    cache beside the model's 61 layers, every step eager (it reads the model's final hidden states), SGLang's EAGLE
+    algorithm for the export; a model without such a layer is refused by name."""
+    mtp = '{"method": "mtp", "num_speculative_tokens": 1}'
+    plain = plan_for("deepseek-ai/DeepSeek-V3", "8xH200", concurrency=8.0)
+    spec = plan_for("deepseek-ai/DeepSeek-V3", "8xH200", concurrency=8.0, speculative_config=mtp,
+                    draft_acceptance_rate=0.8)
+    assert spec.search.draft is not None
+    (stage, *_), (plain_stage, *_) = spec.chosen.memory.stages, plain.chosen.memory.stages
+    assert stage.kv_bytes_per_token == plain_stage.kv_bytes_per_token * 62 // 61  # one more MLA layer's latent
+    extra = (stage.weights_bytes - plain_stage.weights_bytes) / 2**30
+    assert 1.0 < extra < 3.0  # 256 experts of 2048 (fp8) and the 129,280-row head, over 8 ranks
+    line = next(r for r in spec.rationale if r.startswith("speculative decoding"))
+    assert "the MTP layer of deepseek-ai/DeepSeek-V3 takes 1.8 GiB a GPU and 1,152 KV bytes a token" in line
+    # at one request the eager steps cost more than the drafts win back, and the plan says why
+    alone = plan_for("deepseek-ai/DeepSeek-V3", "8xH200", concurrency=1.0, speculative_config=mtp,
+                     draft_acceptance_rate=0.8)
+    assert any("every step runs without CUDA graphs, as the MTP layer of deepseek-ai/DeepSeek-V3 reads" in w
+               for w in alone.warnings)
+    sglang = dict(export_plan(spec.record(), "sglang").flags)
+    assert (sglang["--speculative-algorithm"], sglang["--speculative-num-steps"]) == ("EAGLE", "1")
+    assert "--speculative-draft-model-path" not in sglang
+    with pytest.raises(PlanError, match="method mtp drafts with the model's own multi-token-prediction layers"):
+        plan_for(LLAMA, H100, speculative_config=mtp, draft_acceptance_rate=0.8)

@@ -51,3 +51,30 @@ def random_head_tensors(target: str, seed: int, own_embedding: bool = True) -> d
     if not own_embedding:
         del tensors["embed_tokens.weight"]
     return tensors
+
+
+def save_mtp_checkpoint(folder: str) -> torch.nn.Module:
+    """A DeepSeek-V3 checkpoint with its multi-token-prediction layer, `model.layers.{L}.` after its L layers, as the
+    released checkpoints carry it: the decoder layer (here a copy of the last, sparse one), enorm, hnorm, eh_proj,
+    shared_head (norm and head) and its copy of the embedding. Returns the transformers model (without it)."""
+    from safetensors.torch import load_file
+
+    from runtime_checkpoints import save_checkpoint
+
+    model = save_checkpoint(folder, "deepseek_v3")
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    last, mtp = model.config.num_hidden_layers - 1, model.config.num_hidden_layers
+    tensors.update({name.replace(f"model.layers.{last}.", f"model.layers.{mtp}."): t.clone()
+                    for name, t in tensors.items() if name.startswith(f"model.layers.{last}.")})
+    generator = torch.Generator().manual_seed(9)
+    hidden, vocab = model.config.hidden_size, model.config.vocab_size
+    prefix = f"model.layers.{mtp}."
+    tensors.update({prefix + "enorm.weight": 1.0 + 0.1 * torch.randn(hidden, generator=generator),
+                    prefix + "hnorm.weight": 1.0 + 0.1 * torch.randn(hidden, generator=generator),
+                    prefix + "eh_proj.weight": 0.15 * torch.randn(hidden, 2 * hidden, generator=generator),
+                    prefix + "shared_head.norm.weight": 1.0 + 0.1 * torch.randn(hidden, generator=generator),
+                    prefix + "shared_head.head.weight": 0.15 * torch.randn(vocab, hidden, generator=generator),
+                    prefix + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone()})
+    save_file(tensors, path, metadata={"format": "pt"})
+    return model

@@ -198,4 +198,5 @@ def test_the_plan_sizes_the_pool_the_engine_makes_and_names_the_head(target, ran
         eagle3(random_head))
     gpu = make_plan(load_model(target), parse_declared("1xH100-80GB"), PlanOptions(
         max_model_len=256, concurrency=1.0, speculative_config=eagle3(random_head), draft_acceptance_rate=0.3))
-    assert any("every step runs without CUDA graphs, as the EAGLE-3 head reads" in w for w in gpu.warnings)
+    assert any(f"every step runs without CUDA graphs, as the EAGLE-3 head {random_head} reads" in w
+               for w in gpu.warnings)
