@@ -88,6 +88,12 @@ def recurrent_state_slots(max_num_seqs: int) -> int:
     return max_num_seqs + SCRATCH_SLOTS
 
 
+def state_copies(num_speculative_tokens: int) -> int:
+    """The states a slot keeps: its own and, with speculative decoding, the one after each of a verify step's
+    k + 1 tokens (the next step keeps the one its kept drafts reach: runtime/worker/state_rollback.py)."""
+    return 1 + (num_speculative_tokens + 1 if num_speculative_tokens else 0)
+
+
 def recurrent_state_bytes(spec: ModelSpec, tp: int, layers: range, num_slots: int, dtype_bytes: int) -> int:
     """Bytes of recurrent state on one rank of the stage that owns `layers` (tensor parallel `tp`):
     each linear-attention layer's conv and delta-rule state, times `num_slots` rows

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from shardserve.planner.graph_memory import GraphShape, cuda_graph_bytes
 from shardserve.planner.hardware import GIB, GpuSpec
-from shardserve.planner.linear_attention import recurrent_state_bytes, recurrent_state_slots
+from shardserve.planner.linear_attention import recurrent_state_bytes, recurrent_state_slots, state_copies
 from shardserve.planner.kv_groups import kv_tokens, longest_fitting_len, max_pages_per_request, pages_without_kv
 from shardserve.planner.lora import slot_bytes
 from shardserve.planner.model_spec import ModelSpec, kv_heads_per_rank
@@ -161,8 +161,8 @@ def plan_memory(spec: ModelSpec, stage_weights: list[float], split: list[int], t
     for s, (weights, layers) in enumerate(zip(stage_weights, split)):
         weights += draft[0] if s == 0 else 0
         owned = range(starts[s], starts[s] + layers)
-        state = recurrent_state_bytes(spec, tp, owned, recurrent_state_slots(settings.max_num_seqs),
-                                      settings.dtype_bytes)
+        state = recurrent_state_bytes(spec, tp, owned, recurrent_state_slots(settings.max_num_seqs)
+                                      * state_copies(settings.num_drafts), settings.dtype_bytes)
         act = activation_bytes(spec, tp, settings, is_last=s == pp - 1, expert_parallel=expert_parallel)
         over = overhead_bytes(gpu, tp, pp)
         if not gpu.is_cpu and settings.graphs_captured:

@@ -12,8 +12,7 @@ from shardserve.planner.model_spec import DTYPE_BYTES, ModelSpec, canonical_dtyp
 from shardserve.planner.rules import (fp8_kv_problem, offload_groups_problem, offload_problem, offload_size_problem,
                                      prefix_caching_problem,
                                      resolved_prefix_caching)
-from shardserve.planner.speculative import (HEAD_METHODS, SpeculativeConfig, resolve, speculative_problem,
-                                            tokens_per_step)
+from shardserve.planner.speculative import HEAD_METHODS, SpeculativeConfig, resolve, tokens_per_step
 from shardserve.planner.workload import Targets, Workload
 from shardserve.planner.settings import (DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN,
                                          SettingError, check_fields, default, resolved_max_num_batched_tokens)
@@ -149,18 +148,15 @@ def resolve_settings(options: PlanOptions, spec: ModelSpec, gpu: GpuSpec) -> Run
         enforce_eager=options.enforce_eager, is_max_model_len_auto=is_auto,
         kv_offloading_size=options.kv_offloading_size, enable_lora=options.enable_lora,
         max_loras=options.max_loras, max_lora_rank=options.max_lora_rank,
-        **_speculation(options, spec))
+        **_speculation(options))
 
 
-def _speculation(options: PlanOptions, spec: ModelSpec) -> dict:
+def _speculation(options: PlanOptions) -> dict:
     """RuntimeSettings' speculative and draft_acceptance_rate, or a PlanError naming the setting to change."""
     try:
         config, rate = resolve(options.speculative_config, options.draft_acceptance_rate)
     except ValueError as e:
         raise PlanError(str(e)) from None
-    problem = None if config is None else speculative_problem(spec.recurrent_kind)
-    if problem:
-        raise PlanError(problem)
     return {"speculative": config, "draft_acceptance_rate": rate}
 
 

@@ -221,7 +221,7 @@ SETTINGS: tuple[Setting, ...] = (
        "smaller model of the same vocabulary draft them; {\"method\": \"eagle3\", \"model\": FOLDER, ...} an EAGLE-3 "
        "head, from the model's own hidden states; {\"method\": \"mtp\", ...} DeepSeek-V3's own MTP layer. The "
        "model verifies a request's drafts in one forward (greedy and seeded output unchanged); the plan prices it "
-       "at --draft-acceptance-rate. Refused with async_scheduling and models with recurrent layers.", "plan engine"),
+       "at --draft-acceptance-rate. Refused with async_scheduling.", "plan engine"),
     _s("seed", int, 0, "Seed for requests that bring none.", "engine"),
     _s("chat_template", str, None, "A Jinja chat template, or the path of a file holding one, used instead of "
        "the tokenizer's.", "engine"),

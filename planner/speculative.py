@@ -216,11 +216,9 @@ def eagle3_problem(head_config: dict, vocab: int, hidden_size: int, num_layers: 
     return None
 
 
-def speculative_problem(recurrent_kind: str | None, async_scheduling: bool = False, pooling: bool = False) -> str | None:
-    """Why speculative_config cannot run with these (the plan and the engine alike), or None."""
+def speculative_problem(async_scheduling: bool = False, pooling: bool = False) -> str | None:
+    """Why speculative_config cannot run with these (the engine's settings), or None."""
     blocker = next((why for why, present in (
         ("async_scheduling (its steps are queued before the drafts they would verify are known)", async_scheduling),
-        (f"a model with {recurrent_kind} layers (their state cannot step back past a rejected draft)",
-         recurrent_kind is not None),
         ("a pooling model (it samples nothing)", pooling)) if present), None)
     return None if blocker is None else f"speculative_config cannot run with {blocker}; drop one of them"

@@ -177,7 +177,7 @@ class EngineArgs:
             spec = SpeculativeConfig.parse(self.speculative_config)
         except ValueError as e:
             raise SettingError(str(e)) from None
-        problem = None if spec is None else speculative_problem(model.recurrent_kind, self.async_scheduling,
+        problem = None if spec is None else speculative_problem(self.async_scheduling,
                                                                 model.runner == "pooling")
         if problem:
             raise SettingError(problem)

@@ -35,7 +35,8 @@ def size_kv_cache(config: EngineConfig, executor: Executor) -> KVCacheInfo:
             + (f"set max_model_len <= {fitting} (or auto) " if fitting else "")
             + "or give the KV cache more memory (gpu_memory_utilization, or kv_cache_memory_bytes)"
             + (f", or lower max_num_seqs ({config.scheduler.max_num_seqs}): the {kind} layers' states, a row per "
-               "request it may run, come out of the same memory" if kind else ""))
+               "request it may run (and one per token a step verifies with speculative_config), come out of the "
+               "same memory" if kind else ""))
     info = KVCacheInfo(num_blocks=num_blocks, block_size=block_size, bytes_per_block=per_block,
                        max_model_len=max_model_len, blocks_per_request=needed,
                        num_offload_blocks=_offload_blocks(config, per_block))

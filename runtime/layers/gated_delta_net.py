@@ -162,7 +162,7 @@ class GatedDeltaNet(RecurrentLayer):
         meta = get_forward_context().attn_metadata
         if meta is None:  # the profiling dry run: one fresh sequence, no state kept
             core = self.run_sequence(qkv, g, beta, None, None)[0]
-        elif uses_kernels(qkv):
+        elif uses_kernels(qkv) and not any(meta.verifying):
             core = self.step_in_place(qkv, g, beta, meta)
         elif meta.is_decode_only:
             core = self.decode(qkv, g, beta, meta)
@@ -198,11 +198,34 @@ class GatedDeltaNet(RecurrentLayer):
             has_context = meta.seq_lens_cpu[r] > hi - lo
             conv = conv_states.index_select(0, slot)[0] if has_context else None
             recurrent = recurrent_states.index_select(0, slot)[0] if has_context else None
-            core, conv, recurrent = self.run_sequence(qkv[lo:hi], g[lo:hi], beta[lo:hi], conv, recurrent)
+            if meta.verifying and meta.verifying[r]:
+                core, conv, recurrent = self.verify_tokens(qkv[lo:hi], g[lo:hi], beta[lo:hi], conv, recurrent, slot)
+            else:
+                core, conv, recurrent = self.run_sequence(qkv[lo:hi], g[lo:hi], beta[lo:hi], conv, recurrent)
             conv_states.index_copy_(0, slot, conv[None].to(conv_states.dtype))
             recurrent_states.index_copy_(0, slot, recurrent[None])
             cores.append(core)
         return torch.cat(cores)
+
+    def verify_tokens(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv: torch.Tensor | None,
+                      recurrent: torch.Tensor | None, slot: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A request's last token and drafts (speculative decoding), a token at a time from its states, the states
+        after each kept in `verify_states` at its slot (worker/state_rollback.py keeps the right one next step)."""
+        assert self.verify_states is not None  # bound when speculative decoding is on
+        weight, (conv_rows, recurrent_rows) = self.conv1d.weight[:, 0], self.verify_states
+        shape = self.shape
+        conv = qkv.new_zeros(shape.conv_dim_local, shape.conv_kernel - 1) if conv is None else conv
+        recurrent = recurrent if recurrent is not None else torch.zeros(recurrent_rows.shape[2:], device=qkv.device)
+        cores = []
+        for j in range(qkv.shape[0]):
+            mixed, conv_step = causal_conv1d_step(qkv[j:j + 1], weight, conv[None])
+            core, recurrent_step = recurrent_gated_delta_step(*self.split_heads(mixed), g[j:j + 1], beta[j:j + 1],
+                                                              recurrent[None])
+            conv, recurrent = conv_step[0], recurrent_step[0]
+            conv_rows[slot, j] = conv.to(conv_rows.dtype)
+            recurrent_rows[slot, j] = recurrent
+            cores.append(core)
+        return torch.cat(cores), conv, recurrent
 
     def decode(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """One token per request (torch, CPU), all requests at once with no host read: rows gathered by slot,

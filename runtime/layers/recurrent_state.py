@@ -33,6 +33,9 @@ class RecurrentLayer(nn.Module):
     (one tensor [num_slots, *spec.shape] per spec, zeroed) before any step with metadata."""
 
     states: tuple[torch.Tensor, ...] | None = None
+    # with speculative decoding, the states after each token of a verify step: [num_slots, k + 1, *spec.shape]
+    # per spec (worker/state_rollback.py)
+    verify_states: tuple[torch.Tensor, ...] | None = None
 
     def state_specs(self) -> tuple[StateSpec, ...]:
         raise NotImplementedError

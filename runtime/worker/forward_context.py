@@ -39,6 +39,8 @@ class AttentionMetadata:
     # the other KV groups' metadata (planner/kv_groups.py): this step with their slot_mapping and block_tables;
     # an attention layer of group g > 0 reads groups[g - 1]
     groups: tuple[AttentionMetadata, ...] = ()
+    # per request: its step verifies drafts (recurrent layers keep the state after each of its tokens); () none
+    verifying: tuple[bool, ...] = ()
 
     def for_group(self, group: int) -> AttentionMetadata:
         return self if group == 0 else self.groups[group - 1]

@@ -84,6 +84,7 @@ class HostInputs:
     state_slots: np.ndarray | None = None  # [num_requests] int64, each request's state row; None: no states
     # the other KV groups' slot_mapping and block_tables (planner/kv_groups.py), as the two above
     group_tables: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    verifying: tuple[bool, ...] = ()  # per request: its step verifies drafts (AttentionMetadata's); () none
 
     @property
     def num_requests(self) -> int:
@@ -216,7 +217,7 @@ def to_device(host: HostInputs, staging: StagingBuffer) -> ModelInputs:
         max_query_len=int(np.diff(host.query_start_loc).max()),
         max_seq_len=int(host.seq_lens.max()),
         query_start_loc_cpu=host.query_start_loc.tolist(), seq_lens_cpu=host.seq_lens.tolist(),
-        state_slots=state_slots[0] if state_slots else None)
+        state_slots=state_slots[0] if state_slots else None, verifying=host.verifying)
     meta.groups = tuple(dataclasses.replace(meta, slot_mapping=group_arrays[2 * g], block_tables=group_arrays[2 * g + 1])
                         for g in range(num_groups))
     pending = PendingTokens(pending_rows, pending_sources) if len(host.pending_rows) else None

@@ -11,6 +11,7 @@ import re
 import torch
 
 from shardserve.planner.kv_groups import KVGroups
+from shardserve.planner.linear_attention import state_copies
 from shardserve.planner.rules import FP8_COMPUTE_CAPABILITY, fp8_kv_problem
 from shardserve.planner.settings import DEFAULT_CPU_KV_CACHE_BYTES
 from shardserve.runtime.attention.layer import Attention
@@ -22,7 +23,6 @@ from shardserve.runtime.worker.eagle import HeadRunner, make_drafter
 from shardserve.runtime.worker.forward_context import ForwardContext, forward_context
 from shardserve.runtime.worker.inputs import (HostInputs, RequestState, apply_scheduler_output, build_host_inputs,
                                        count_samples, to_device)
-from shardserve.runtime.core.kv_offload import available_host_bytes
 from shardserve.runtime.layers.lora_batch import LoRABatch
 from shardserve.runtime.layers.recurrent_state import RecurrentLayer, state_bytes_per_slot
 from shardserve.runtime.worker.loader import load_model
@@ -35,6 +35,8 @@ from shardserve.runtime.worker.pooler import pool_step
 from shardserve.runtime.worker.prompt_logprobs import score_prompts, wants_prompt_logprobs
 from shardserve.runtime.worker.sampler import logprobs_by_row, sample_on_device
 from shardserve.runtime.worker.spec_rows import add_drafts, draft_rows
+from shardserve.runtime.worker.state_rollback import StateRollback
+from shardserve.runtime.worker.kv_tier import host_tier, run_transfers
 from shardserve.runtime.worker.sampling_batch import SamplingCache
 from shardserve.runtime.worker.staging import SampledTokenBuffers, StagingBuffer, StepOutput
 from shardserve.runtime.worker.state_slots import StateSlots
@@ -76,30 +78,6 @@ def kv_tensor_of_layers(model: torch.nn.Module, groups: KVGroups) -> list[tuple[
     return placed
 
 
-def host_tier(kv_cache: torch.Tensor, num_slots: int) -> torch.Tensor:
-    """[num_slots, layers, 2, block_size, kv_heads, head_dim] in host memory, like the pool's blocks
-    (pinned beside a GPU, so copies run on the stream without blocking the host)."""
-    layers, two, _, block_size, heads, head_dim = kv_cache.shape
-    shape = (num_slots, layers, two, block_size, heads, head_dim)
-    needed = math.prod(shape) * kv_cache.element_size()
-    available = available_host_bytes()
-    if available is not None and needed > available:
-        raise ValueError(f"kv_offloading_size: this rank's share of the CPU tier is {needed / 1024**3:.2f} GiB "
-                         f"but the host has {available / 1024**3:.2f} GiB available; lower --kv-offloading-size")
-    logger.info("CPU tier of the KV cache: %d blocks, %.2f GiB on this rank", num_slots, needed / 1024**3)
-    return torch.empty(shape, dtype=kv_cache.dtype, pin_memory=kv_cache.is_cuda)
-
-
-def run_transfers(kv_cache: torch.Tensor, host: torch.Tensor, transfers) -> None:
-    """The step's copies between the pool and the tier, in the order the block manager issued them
-    (one stream on a GPU, so each copy sees the ones before it and the step after sees them all)."""
-    for to_host, block_id, slot in transfers:
-        if to_host:
-            host[slot].copy_(kv_cache[:, :, block_id], non_blocking=True)
-        else:
-            kv_cache[:, :, block_id].copy_(host[slot], non_blocking=True)
-
-
 class Worker:
     """In a multi-rank engine, distributed.init_distributed has set the parallel state (and groups)
     before this is built; alone, the default single-rank state applies."""
@@ -121,6 +99,10 @@ class Worker:
         self.recurrent_layers = [m for m in self.model.modules() if isinstance(m, RecurrentLayer)]
         # a row of every recurrent layer's states per running request (None: the model has no such layer)
         self.state_slots = StateSlots(config.scheduler.max_num_seqs) if self.recurrent_layers else None
+        spec = config.scheduler.speculative  # a request with k drafts samples k + 1 rows
+        self.num_drafts = spec.num_speculative_tokens if spec else 0
+        self.rollback = StateRollback(self.recurrent_layers, self.num_drafts) if spec and self.recurrent_layers \
+            else None
         for attention in self.attention_layers:
             attention.fix_kv_scales()
         self.kv_tensors = kv_tensor_of_layers(self.model, config.model.kv_groups)  # (layer, its KV tensor)
@@ -128,9 +110,7 @@ class Worker:
         self.offload_cache: torch.Tensor | None = None  # the CPU tier's share of this rank (host memory)
         self.cuda_graphs: DecodeGraphRunner | None = None  # built with the KV cache
         self.staging = StagingBuffer(self.device)  # every step's inputs go to the device through it
-        spec = config.scheduler.speculative  # a request with k drafts samples k + 1 rows
-        self.token_buffers = SampledTokenBuffers(
-            config.scheduler.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0)), self.device)
+        self.token_buffers = SampledTokenBuffers(config.scheduler.max_num_seqs * (1 + self.num_drafts), self.device)
         self.last_sampled: torch.Tensor | None = None  # [num_sampled] the last step's ids, on the device
         self.sampling_cache = SamplingCache()  # the sampling rank's parameter arrays, per batch composition
         self.memory_profile: dict[str, int] = {}  # CUDA: what the KV budget was measured from (bytes)
@@ -149,7 +129,7 @@ class Worker:
         """The recurrent layers' states on this rank: a slot per request the scheduler may run, and scratch."""
         if self.state_slots is None:
             return 0
-        return self.state_slots.num_slots * state_bytes_per_slot(self.recurrent_layers)
+        return self.state_slots.num_slots * state_bytes_per_slot(self.recurrent_layers) * state_copies(self.num_drafts)
 
     @property
     def bytes_per_block(self) -> int:
@@ -274,6 +254,8 @@ class Worker:
         for layer in self.recurrent_layers:
             layer.states = tuple(torch.zeros((self.state_slots.num_slots, *spec.shape), dtype=spec.dtype,
                                              device=self.device) for spec in layer.state_specs())
+        if self.rollback is not None:
+            self.rollback.bind(self.state_slots.num_slots, self.device)
         logger.info("recurrent states: %d slots, %.3f GiB on this rank", self.state_slots.num_slots,
                     self.state_bytes / 1024**3)
 
@@ -287,6 +269,8 @@ class Worker:
         self.attention_layers, self.recurrent_layers, self.kv_tensors = [], [], []
         if self.drafter is not None:
             self.drafter.release()
+        if self.rollback is not None:
+            self.rollback.release()
         self.states.clear()
         self.kv_cache = self.cuda_graphs = self.offload_cache = None
         self.model = None  # type: ignore[assignment]  # released: no step runs after this
@@ -326,6 +310,10 @@ class Worker:
             add_drafts(self.states, spec_ids)
         host = build_host_inputs(batch, output.num_scheduled_tokens, self.config.cache.block_size)
         drafts = draft_rows(host, spec_ids) if spec_ids else {}
+        if self.rollback is not None:  # recurrent layers keep each token's state for the drafts verified
+            self.rollback.restore(batch, self.states)
+            host.verifying = tuple(state.request_id in drafts for state in batch) if drafts else ()
+            self.rollback.record(batch, list(host.verifying))
         result = self._run(host, batch, output.grammar_bitmask, drafts)
         count_samples(host)
         if result is not None:  # the output rank's

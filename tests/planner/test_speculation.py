@@ -83,8 +83,6 @@ def test_the_plan_says_when_speculation_slows_it():
 def test_what_the_engine_refuses_the_plan_refuses():
     with pytest.raises(PlanError, match="draft_acceptance_rate prices speculative decoding"):
         plan_for(LLAMA, H100, draft_acceptance_rate=0.5)
-    with pytest.raises(PlanError, match="recurrent|linear_attention|cannot step back"):
-        plan_for("Qwen/Qwen3.5-9B", H100, speculative_config=NGRAM3)
     with pytest.raises(PlanError, match="method 'medusa' .* not served yet"):
         plan_for(LLAMA, H100, speculative_config='{"method": "medusa", "num_speculative_tokens": 1}')
     with pytest.raises(PlanError, match="method eagle3 needs model"):
@@ -225,3 +223,13 @@ def test_deepseeks_own_mtp_layer_is_priced_as_one_more_sparse_layer():
     assert "--speculative-draft-model-path" not in sglang
     with pytest.raises(PlanError, match="method mtp drafts with the model's own multi-token-prediction layers"):
         plan_for(LLAMA, H100, speculative_config=mtp, draft_acceptance_rate=0.8)
+
+
+def test_a_hybrid_model_keeps_a_state_per_verified_token():
+    """Qwen3.5's linear-attention layers keep the state after each of a verify step's k + 1 tokens beside their own
+    (the next step keeps the one the kept drafts reach): k + 2 states a request, out of the KV cache's memory."""
+    plain = plan_for("Qwen/Qwen3.5-9B", H100, max_num_seqs=64)
+    spec = plan_for("Qwen/Qwen3.5-9B", H100, max_num_seqs=64, speculative_config=NGRAM3)
+    (stage, *_), (plain_stage, *_) = spec.chosen.memory.stages, plain.chosen.memory.stages
+    assert stage.recurrent_state_bytes == 5 * plain_stage.recurrent_state_bytes > 0
+    assert spec.record().memory.num_blocks < plain.record().memory.num_blocks
