@@ -31,6 +31,7 @@ class DraftModel:
     info: ModelInfo
     method: str = "draft_model"
     head_tensors: tuple[TensorInfo, ...] = ()  # an EAGLE-3 head's checkpoint tensors (its weights are theirs)
+    shared_tables: int = 0  # an MTP layer's: the model's embedding (DeepSeek), and its LM head too (Qwen)
 
     @property
     def num_layers(self) -> int:
@@ -44,10 +45,11 @@ class DraftModel:
 
     def weights_bytes(self, tp: int, dtype: str) -> int:
         """One rank's share of its weights (all its layers, embedding and head)."""
-        if self.method == "mtp":  # a one-layer model less the embedding it shares, plus eh_proj (whole on each rank)
+        if self.method == "mtp":  # a one-layer model less the tables it shares, plus its fc (whole on each rank)
             spec, size = self.info.spec, DTYPE_BYTES[dtype]
             stage = self.info.sharded(tp, dtype, 1).stage_bytes([1])[0]
-            return int(stage - spec.vocab_size * spec.hidden_size * size / tp + 2 * spec.hidden_size ** 2 * size)
+            shared = self.shared_tables * spec.vocab_size * spec.hidden_size * size / tp
+            return int(stage - shared + 2 * spec.hidden_size ** 2 * size)
         if not self.head_tensors:
             return int(self.info.sharded(tp, dtype, 1).stage_bytes([self.num_layers])[0])
         total = 0.0
@@ -124,11 +126,16 @@ def _load_head(name: str, target: ModelInfo) -> DraftModel:
 
 
 def _mtp_layer(target: ModelInfo) -> DraftModel:
-    """The model's own multi-token-prediction layer (method mtp), priced as its one sparse layer with MLA."""
-    model = target.spec
-    problem = mtp_problem(model.architecture, int(target.config.get("num_nextn_predict_layers") or 0))
+    """The model's own multi-token-prediction layer (method mtp), priced as one more sparse layer (MLA, or gated
+    full attention) and its head."""
+    model, config = target.spec, target.config
+    text = config.get("text_config") or config  # (a multimodal checkpoint's language model)
+    problem = mtp_problem(model.architecture, text)
     if problem:
         raise PlanError(problem)
-    spec = ModelSpec.from_config(model.id, {**target.config, "num_hidden_layers": 1, "first_k_dense_replace": 0})
-    return DraftModel(ModelInfo(spec, tuple(derive_tensors(spec)), target.source, target.path, "config", target.config),
-                      "mtp")
+    layer = {**text, "num_hidden_layers": 1, "first_k_dense_replace": 0}  # one sparse layer
+    if "layer_types" in text:
+        layer["layer_types"] = ["full_attention"]
+    spec = ModelSpec.from_config(model.id, {**config, "text_config": layer} if "text_config" in config else layer)
+    return DraftModel(ModelInfo(spec, tuple(derive_tensors(spec)), target.source, target.path, "config", config),
+                      "mtp", shared_tables=1 if model.architecture == "DeepseekV3ForCausalLM" else 2)

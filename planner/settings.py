@@ -219,7 +219,7 @@ SETTINGS: tuple[Setting, ...] = (
        "\"num_speculative_tokens\": K, \"prompt_lookup_max\": N, \"prompt_lookup_min\": M} drafts up to K tokens "
        "by prompt lookup; {\"method\": \"draft_model\", \"model\": FOLDER, \"num_speculative_tokens\": K} has a "
        "smaller model of the same vocabulary draft them; {\"method\": \"eagle3\", \"model\": FOLDER, ...} an EAGLE-3 "
-       "head, from the model's own hidden states; {\"method\": \"mtp\", ...} DeepSeek-V3's own MTP layer. The "
+       "head, from the model's own hidden states; {\"method\": \"mtp\", ...} the model's own MTP layer (DeepSeek-V3, Qwen3.5, Qwen3-Next). The "
        "model verifies a request's drafts in one forward (greedy and seeded output unchanged); the plan prices it "
        "at --draft-acceptance-rate. Refused with async_scheduling.", "plan engine"),
     _s("seed", int, 0, "Seed for requests that bring none.", "engine"),

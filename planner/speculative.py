@@ -13,15 +13,16 @@ import json
 from dataclasses import dataclass
 
 METHODS = ("ngram", "draft_model", "eagle3", "mtp")
-ALIASES = {"deepseek_mtp": "mtp"}  # vLLM's older name
-NOT_YET = {"qwen3_next_mtp": "Qwen3-Next's MTP", "eagle": "EAGLE (EAGLE-3 is served)", "medusa": "Medusa",
-           "suffix": "suffix decoding"}
+ALIASES = {"deepseek_mtp": "mtp", "qwen3_next_mtp": "mtp"}  # vLLM's older names
+NOT_YET = {"eagle": "EAGLE (EAGLE-3 is served)", "medusa": "Medusa", "suffix": "suffix decoding"}
 KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model")
 OWN_KEYS = {"ngram": ("prompt_lookup_max", "prompt_lookup_min"), "draft_model": ("model",), "eagle3": ("model",),
             "mtp": ()}
 HEAD_METHODS = ("eagle3", "mtp")  # their drafter reads the model's hidden states: every step runs eagerly
 # architectures whose checkpoints carry multi-token-prediction layers served as method mtp
-MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM",
+                     "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
+MTP_COUNT_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")  # DeepSeek's name, Qwen's
 # config.json architectures of EAGLE-3 draft heads (the EAGLE authors' name and vLLM's)
 EAGLE3_HEADS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 # targets whose decoder layers do not hand the hidden states an EAGLE-3 head reads (they are not Llama-style)
@@ -33,7 +34,7 @@ class SpeculativeConfig:
     """vLLM's speculative_config, as far as it is served: method "ngram" (prompt lookup), "draft_model" (a
     smaller model of the same vocabulary drafts greedily; `model` is its folder or Hub id), "eagle3" (an
     EAGLE-3 draft head, `model`, drafts from the model's own hidden states) or "mtp" (the model's own
-    multi-token-prediction layer does, DeepSeek-V3/R1's)."""
+    multi-token-prediction layer does: DeepSeek-V3/R1's, Qwen3.5's, Qwen3-Next's)."""
 
     method: str
     num_speculative_tokens: int
@@ -169,14 +170,15 @@ def draft_layout_problem(method: str, pipeline_parallel_size: int, kv_offloading
     return None
 
 
-def mtp_problem(architecture: str, num_mtp_layers: int) -> str | None:
-    """Why method mtp cannot draft for a model (the plan and the engine alike), or None."""
+def mtp_problem(architecture: str, text_config: dict) -> str | None:
+    """Why method mtp cannot draft for a model (its language model's config.json), or None (the plan and the engine
+    alike)."""
     if architecture not in MTP_ARCHITECTURES:
         return (f"speculative_config: method mtp drafts with the model's own multi-token-prediction layers, served "
                 f"for {', '.join(MTP_ARCHITECTURES)}; {architecture} has none served: use ngram, draft_model or eagle3")
-    if num_mtp_layers < 1:
-        return ("speculative_config: method mtp needs the model's multi-token-prediction layer, and its config.json "
-                "has num_nextn_predict_layers 0")
+    if not any(text_config.get(key) for key in MTP_COUNT_KEYS):
+        return (f"speculative_config: method mtp needs the model's multi-token-prediction layer, and its config.json "
+                f"counts none ({' or '.join(MTP_COUNT_KEYS)})")
     return None
 
 

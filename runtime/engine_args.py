@@ -147,8 +147,7 @@ class EngineArgs:
             return None
         problem = draft_layout_problem(spec.method, self.pipeline_parallel_size or 1, self.kv_offloading_size)
         if spec.method == "mtp":  # the model's own layer, from its folder
-            problem = problem or mtp_problem(model.architecture,
-                                             getattr(model.hf_config, "num_nextn_predict_layers", 0) or 0)
+            problem = problem or mtp_problem(model.architecture, model.hf_config.to_dict())
         if problem:
             raise SettingError(problem)
         if spec.model is None:

@@ -70,5 +70,5 @@ MULTIMODAL = "for image, audio and video input; shardserve serves text (of a mul
 SPECULATIVE = ("speculative decoding by separate flags; here --speculative-config with vLLM's JSON "
                "('{\"method\": \"ngram\", \"num_speculative_tokens\": 3}': prompt lookup, or method draft_model "
                "with model: a draft model, method eagle3 with model: an EAGLE-3 head, or method mtp: "
-               "DeepSeek-V3's own MTP layer)")
+               "the model's own MTP layer)")
 NO_LOGS = "shardserve writes no request, output or access log (/metrics counts requests by how they ended)"

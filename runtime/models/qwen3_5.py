@@ -153,7 +153,7 @@ def mlp_builder(config, variant: Qwen3_5Variant) -> Callable[[int], nn.Module]:
 class Qwen3_5ForCausalLM(nn.Module):
     """Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM, and the language model of
     Qwen3_5ForConditionalGeneration and Qwen3_5MoeForConditionalGeneration (its vision tower skipped).
-    The multi-token-prediction head (mtp.*) is not loaded."""
+    The multi-token-prediction head (mtp.*) loads apart, with speculative_config method mtp (qwen3_5_mtp.py)."""
 
     supports_cuda_graphs = True  # decode steps read no tensor value on the host
 
@@ -179,7 +179,7 @@ class Qwen3_5ForCausalLM(nn.Module):
     def checkpoint_target(self, name: str) -> WeightTarget | None:
         if name.startswith("mtp."):
             if not self.has_logged_mtp:
-                logger.info("MTP head (mtp.*) not loaded: its drafts would need the recurrent states stepped back")
+                logger.info("MTP head (mtp.*) not loaded: it drafts with speculative_config method mtp")
                 self.has_logged_mtp = True
             return WeightTarget("", skip=True)
         if self.has_text_config or name.startswith("model.language_model."):

@@ -26,12 +26,17 @@ from torch import nn
 from shardserve.planner.speculative import eagle3_aux_layers
 from shardserve.runtime.config import EngineConfig, ModelConfig
 from shardserve.runtime.models.deepseek_mtp import DeepseekMTP
+from shardserve.runtime.models.qwen3_5_mtp import VARIANTS, Qwen3_5MTP
 from shardserve.runtime.models.eagle3 import Eagle3Head
 from shardserve.runtime.worker.checkpoint import checkpoint_files, iterate_file
 from shardserve.runtime.worker.draft_model import DraftModelRunner
 from shardserve.runtime.worker.forward_context import ForwardContext, HiddenCapture, forward_context
 from shardserve.runtime.worker.inputs import HostInputs, RequestState, build_host_inputs, to_device
 from shardserve.runtime.worker.loader import load_model
+
+
+# architecture -> its multi-token-prediction layer's module (planner/speculative.MTP_ARCHITECTURES names them)
+MTP_LAYERS = {"DeepseekV3ForCausalLM": DeepseekMTP, **{architecture: Qwen3_5MTP for architecture in VARIANTS}}
 
 
 def make_drafter(config: EngineConfig, target: nn.Module, device: torch.device, backend,
@@ -46,7 +51,7 @@ def make_drafter(config: EngineConfig, target: nn.Module, device: torch.device, 
         head: nn.Module = load_model(config.draft, device, lambda c: Eagle3Head(c, names))
         capture = HiddenCapture(eagle3_aux_layers(config.draft.hf_config.to_dict(), config.model.num_layers))
     elif method == "mtp":
-        head, capture = load_model(config.draft, device, DeepseekMTP), None
+        head, capture = load_model(config.draft, device, MTP_LAYERS[config.draft.architecture]), None
     else:
         return DraftModelRunner(config.draft, device, backend, block_size)
     head.share_embedding(target)  # type: ignore[operator]  # both heads' method

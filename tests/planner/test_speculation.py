@@ -223,6 +223,11 @@ def test_deepseeks_own_mtp_layer_is_priced_as_one_more_sparse_layer():
     assert "--speculative-draft-model-path" not in sglang
     with pytest.raises(PlanError, match="method mtp drafts with the model's own multi-token-prediction layers"):
         plan_for(LLAMA, H100, speculative_config=mtp, draft_acceptance_rate=0.8)
+    # Qwen3.5's: its gated full-attention layer and fc (the embedding and LM head the model's), and k + 2 states
+    qwen = plan_for("Qwen/Qwen3.5-9B", H100, concurrency=8.0, speculative_config=mtp, draft_acceptance_rate=0.8,
+                    max_model_len=32768, max_num_seqs=64)
+    line = next(r for r in qwen.rationale if r.startswith("speculative decoding"))
+    assert "the MTP layer of Qwen/Qwen3.5-9B takes 480.6 MiB a GPU and 4,096 KV bytes a token" in line
 
 
 def test_a_hybrid_model_keeps_a_state_per_verified_token():

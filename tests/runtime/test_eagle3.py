@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3_heads import head_shapes, random_head_tensors, save_eagle3_head
+from draft_heads import head_shapes, random_head_tensors, save_eagle3_head
 from runtime_checkpoints import CYCLE_PERIOD as PERIOD, VOCAB_SIZE
 from shardserve.planner.settings import SettingError
 from shardserve.runtime import SamplingParams

@@ -10,7 +10,7 @@ import os
 import torch
 from safetensors.torch import load_file
 
-from eagle3_heads import random_head_tensors, save_eagle3_head
+from draft_heads import random_head_tensors, save_eagle3_head
 from runtime_forward import BLOCK_SIZE, PROMPT
 from shardserve.runtime.attention.layer import Attention
 from shardserve.runtime.attention.torch_backend import TorchAttentionBackend

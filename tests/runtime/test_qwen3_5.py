@@ -93,7 +93,7 @@ def test_mtp_head_is_skipped_and_named_once(checkpoint_factory, tmp_path, caplog
     with caplog.at_level(logging.INFO, logger="shardserve.runtime.models.qwen3_5"):
         llm = LLM(str(tmp_path), device="cpu", kv_cache_memory_bytes=2**22)
     assert [r.message for r in caplog.records if "MTP" in r.message] == [
-        "MTP head (mtp.*) not loaded: its drafts would need the recurrent states stepped back"]
+        "MTP head (mtp.*) not loaded: it drafts with speculative_config method mtp"]
     assert token_outputs(llm, MIXED[:3]) == reference(hf_model, MIXED[:3])
 
 

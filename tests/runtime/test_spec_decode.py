@@ -80,7 +80,7 @@ def test_verify_keeps_drafts_up_to_the_first_the_target_did_not_sample():
     ('{"method": "ngram", "quantization": "fp8", "num_speculative_tokens": 3}', "quantization not served"),
     ('{"method": "eagle3", "num_speculative_tokens": 3}', "method eagle3 needs model"),
     ('{"method": "eagle", "num_speculative_tokens": 3}', "'eagle' (EAGLE (EAGLE-3 is served)) is not served yet"),
-    ('{"method": "qwen3_next_mtp", "num_speculative_tokens": 1}', "(Qwen3-Next's MTP) is not served yet"),
+    ('{"method": "medusa", "num_speculative_tokens": 1}', "(Medusa) is not served yet"),
     ('{"method": "mtp", "model": "m", "num_speculative_tokens": 1}', "model applies to method draft_model or eagle3"),
     ('{"method": "ngram"}', "num_speculative_tokens is required"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "from 1 to 64"),

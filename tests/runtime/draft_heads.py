@@ -1,6 +1,7 @@
-"""EAGLE-3 draft-head checkpoints for the tests, written as the EAGLE authors' heads are laid out (config.json with
+"""Draft heads' checkpoints for the tests: EAGLE-3 heads as the EAGLE authors' are laid out (config.json with
 architectures LlamaForCausalLMEagle3, draft_vocab_size and eagle_config; tensors midlayer.*, fc, norm, lm_head,
-d2t and t2d; an embed_tokens or none)."""
+d2t and t2d; an embed_tokens or none), and models with their multi-token-prediction layers as DeepSeek-V3's and
+Qwen3.5's releases carry them."""
 
 from __future__ import annotations
 
@@ -77,4 +78,33 @@ def save_mtp_checkpoint(folder: str) -> torch.nn.Module:
                     prefix + "shared_head.head.weight": 0.15 * torch.randn(vocab, hidden, generator=generator),
                     prefix + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone()})
     save_file(tensors, path, metadata={"format": "pt"})
+    return model
+
+
+def save_qwen_mtp_checkpoint(folder: str, family: str, num_layers: int) -> torch.nn.Module:
+    """A Qwen3.5 / Qwen3-Next checkpoint with its MTP layer as the releases carry it: `mtp.layers.0.` (here a copy
+    of the last, full-attention layer), mtp.fc, the zero-centred mtp.pre_fc_norm_embedding, pre_fc_norm_hidden and
+    norm, and the count in config.json (mtp_num_hidden_layers; Qwen3-Next's num_nextn_predict_layers)."""
+    from safetensors.torch import load_file
+
+    from runtime_checkpoints import save_checkpoint
+
+    model = save_checkpoint(folder, family, num_layers=num_layers)
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    prefix = next(p for p in ("model.language_model.layers.", "model.layers.") if any(n.startswith(p) for n in tensors))
+    last = f"{prefix}{num_layers - 1}."
+    tensors.update({"mtp.layers.0." + name[len(last):]: t.clone() for name, t in tensors.items() if name.startswith(last)})
+    generator = torch.Generator().manual_seed(13)
+    hidden = model.config.get_text_config().hidden_size
+    tensors.update({"mtp.fc.weight": 0.15 * torch.randn(hidden, 2 * hidden, generator=generator),
+                    **{f"mtp.{name}.weight": 0.1 * torch.randn(hidden, generator=generator)
+                       for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}})
+    save_file(tensors, path, metadata={"format": "pt"})
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    text = config.get("text_config", config)
+    text["num_nextn_predict_layers" if family == "qwen3_next" else "mtp_num_hidden_layers"] = 1
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
     return model
