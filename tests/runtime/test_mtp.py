@@ -18,7 +18,7 @@ from shardserve.runtime.models.deepseek_mtp import DeepseekMTP
 from shardserve.runtime.models.qwen3_5_mtp import Qwen3_5MTP
 from shardserve.runtime.worker.loader import load_model
 from test_eagle3_head import CPU, _run
-from test_spec_decode import generate, same_logprobs
+from test_spec_decode import PROMPTS, generate, same_logprobs
 
 MTP = json.dumps({"method": "mtp", "num_speculative_tokens": 3})
 QWEN_LAYERS = 4  # three linear-attention layers, then full attention
@@ -87,12 +87,30 @@ def test_a_model_without_the_layer_is_refused_by_name(checkpoint_factory):
         LLM(checkpoint_factory("qwen3_5", num_layers=QWEN_LAYERS)[0], **settings)
 
 
+def test_preemption_keeps_the_tokens(mtp_checkpoint, kv_bytes_for):
+    """A pool too small for every request: the newest are preempted and come back, their features computed again."""
+    folder, _ = mtp_checkpoint
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    prompts = PROMPTS + [p[::-1] for p in PROMPTS]
+    plain, _, _ = generate(folder, params, prompts=prompts)
+    one_more_layer = kv_bytes_for(folder, 1, 4) * 3 // 2  # the MTP layer's latent beside the model's two layers'
+    tokens, _, stats = generate(folder, params, MTP, prompts=prompts, kv_cache_memory_bytes=30 * one_more_layer,
+                                max_model_len=80)
+    assert tokens == plain and stats.num_preemptions > 0 and stats.spec_decode.num_drafts > 0
+
+
 @pytest.mark.slow
-def test_tensor_parallel_ranks_draft_alike(mtp_checkpoint):
+def test_tensor_parallel_ranks_draft_alike(mtp_checkpoint, checkpoint_factory, tmp_path):
     folder, _ = mtp_checkpoint
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     plain, _, _ = generate(folder, params)
     tokens, _, stats = generate(folder, params, MTP, tensor_parallel_size=2, distributed_executor_backend="mp")
+    assert tokens == plain and stats.spec_decode.num_drafts > 0
+    qwen = str(tmp_path / "qwen")
+    save_qwen_mtp_checkpoint(qwen, "qwen3_5", QWEN_LAYERS)
+    plain, _, _ = generate(qwen, params, max_num_seqs=8)
+    tokens, _, stats = generate(qwen, params, MTP, max_num_seqs=8, tensor_parallel_size=2,
+                                distributed_executor_backend="mp")
     assert tokens == plain and stats.spec_decode.num_drafts > 0
 
 
