@@ -162,7 +162,7 @@ class GatedDeltaNet(RecurrentLayer):
         meta = get_forward_context().attn_metadata
         if meta is None:  # the profiling dry run: one fresh sequence, no state kept
             core = self.run_sequence(qkv, g, beta, None, None)[0]
-        elif uses_kernels(qkv) and not any(meta.verifying):
+        elif uses_kernels(qkv):
             core = self.step_in_place(qkv, g, beta, meta)
         elif meta.is_decode_only:
             core = self.decode(qkv, g, beta, meta)
@@ -255,8 +255,14 @@ class GatedDeltaNet(RecurrentLayer):
         assert self.states is not None and meta.state_slots is not None
         conv_states, recurrent_states = self.states
         index = (meta.state_slots, meta.seq_lens, meta.query_start_loc)
-        mixed = kernels.causal_conv1d_varlen(qkv, self.conv1d.weight[:, 0], conv_states, *index)
-        return kernels.gated_delta_rule_varlen(*self.split_heads(mixed), g, beta, recurrent_states, *index)
+        conv_rows = recurrent_rows = flags = None  # a step verifying drafts keeps each token's states too
+        if any(meta.verifying):
+            assert self.verify_states is not None  # bound when speculative decoding is on
+            (conv_rows, recurrent_rows), flags = self.verify_states, torch.tensor(
+                meta.verifying, dtype=torch.int32).to(qkv.device, non_blocking=True)
+        mixed = kernels.causal_conv1d_varlen(qkv, self.conv1d.weight[:, 0], conv_states, *index, conv_rows, flags)
+        return kernels.gated_delta_rule_varlen(*self.split_heads(mixed), g, beta, recurrent_states, *index,
+                                               recurrent_rows, flags)
 
 
 class FusedGatedDeltaNet(GatedDeltaNet):

@@ -56,11 +56,12 @@ def _window(x_ptr, row, start, sources, columns, channels, x_stride, is_channel,
 
 @triton.jit
 def _conv1d_varlen_kernel(x_ptr, weight_ptr, state_ptr, out_ptr, slots_ptr, seq_lens_ptr, query_start_ptr,
-                          x_stride, weight_stride, dim, KERNEL: tl.constexpr, BLOCK_C: tl.constexpr,
-                          BLOCK_W: tl.constexpr):
+                          verify_ptr, verifying_ptr, x_stride, weight_stride, dim, num_rows, KERNEL: tl.constexpr,
+                          BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr, HAS_VERIFY: tl.constexpr):
     """One request, BLOCK_C channels, token after token: the window of token t is inputs t - KERNEL + 1 .. t
     (the earliest from the state row, or zeros), out_t = silu(window . weight) with products and sum in fp32;
-    then the last KERNEL - 1 inputs go to the state row."""
+    then the last KERNEL - 1 inputs go to the state row. HAS_VERIFY: a request flagged in verifying_ptr (its step
+    verifies drafts) also leaves the state after each of its first num_rows tokens at verify_ptr[slot, t]."""
     request = tl.program_id(0)
     channels = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     taps = tl.arange(0, BLOCK_W)  # [BLOCK_W], KERNEL <= BLOCK_W: window position
@@ -78,6 +79,14 @@ def _conv1d_varlen_kernel(x_ptr, weight_ptr, state_ptr, out_ptr, slots_ptr, seq_
         out = acc * tl.sigmoid(acc)
         tl.store(out_ptr + (start + t).to(tl.int64) * dim + channels, out.to(out_ptr.dtype.element_ty),
                  mask=is_channel)
+        if HAS_VERIFY:  # the state after token t: inputs t - KERNEL + 2 .. t
+            keeps = tl.where(t < num_rows, tl.load(verifying_ptr + request), 0)  # (a block below: the interpreter)
+            after = _window(x_ptr, row, start, t + 1 + taps - (KERNEL - 1), t + 1 + taps, channels, x_stride,
+                            is_channel, num_past, taps < KERNEL - 1)
+            copy = verify_ptr + ((slot * num_rows + t) * dim + channels[:, None]) * (KERNEL - 1) + taps[None, :]
+            tl.store(copy, after.to(verify_ptr.dtype.element_ty),
+                     mask=is_channel[:, None] & (taps[None, :] < KERNEL - 1)
+                     & ((channels[:, None] * 0 + taps[None, :] * 0 + keeps) != 0))
     # state column p: input num_tokens - KERNEL + 1 + p (before the step: the row's column num_tokens + p)
     last = _window(x_ptr, row, start, num_tokens + taps - (KERNEL - 1), num_tokens + taps, channels, x_stride,
                    is_channel, num_past, taps < KERNEL - 1)
@@ -88,14 +97,17 @@ def _conv1d_varlen_kernel(x_ptr, weight_ptr, state_ptr, out_ptr, slots_ptr, seq_
 
 @triton.jit
 def _gated_delta_varlen_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, slots_ptr, seq_lens_ptr,
-                               query_start_ptr, q_stride, k_stride, v_stride, num_v_heads, group, head_k_dim,
-                               head_v_dim, scale, eps, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+                               query_start_ptr, verify_ptr, verifying_ptr, q_stride, k_stride, v_stride, num_v_heads,
+                               group, head_k_dim, head_v_dim, num_rows, scale, eps, BLOCK_K: tl.constexpr,
+                               BLOCK_V: tl.constexpr, HAS_VERIFY: tl.constexpr):
     """One request, one value head, BLOCK_V of its value columns (a column of S updates on its own), token
     after token:
 
         S = exp(g) S;   u = beta (v - S^T k);   S = S + k u^T;   o = S^T q      (q, k l2-normalized, q scaled)
 
-    S [head_k_dim, BLOCK_V] float32 stays in registers from the request's slot row (or zeros) to its store."""
+    S [head_k_dim, BLOCK_V] float32 stays in registers from the request's slot row (or zeros) to its store.
+    HAS_VERIFY: a request flagged in verifying_ptr also leaves S after each of its first num_rows tokens at
+    verify_ptr[slot, t] (speculative decoding's per-token states, worker/state_rollback.py)."""
     request = tl.program_id(0)
     head = tl.program_id(1)
     columns = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -124,14 +136,22 @@ def _gated_delta_varlen_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, 
         out = tl.sum(state * q[:, None], axis=0)
         tl.store(out_ptr + (token * num_v_heads + head) * head_v_dim + columns, out.to(out_ptr.dtype.element_ty),
                  mask=is_column)
+        if HAS_VERIFY:
+            keeps = tl.where(t < num_rows, tl.load(verifying_ptr + request), 0)  # (a block below: the interpreter)
+            copy = verify_ptr + ((slot * num_rows + t) * num_v_heads + head) * head_k_dim * head_v_dim \
+                + rows[:, None] * head_v_dim + columns[None, :]
+            tl.store(copy, state, mask=is_cell & ((rows[:, None] * 0 + columns[None, :] * 0 + keeps) != 0))
     tl.store(cells, state, mask=is_cell)
 
 
 def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor,
-                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
+                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor, verify_states: torch.Tensor | None = None,
+                         verifying: torch.Tensor | None = None) -> torch.Tensor:
     """x [num_tokens, dim] (the step's tokens, rows may be strided), weight [dim, kernel], conv_states
     [num_slots, dim, kernel - 1] (updated in place at rows slots [num_requests]), seq_lens [num_requests] and
-    query_start_loc [num_requests + 1] int32 -> silu(conv) [num_tokens, dim] in x's dtype."""
+    query_start_loc [num_requests + 1] int32 -> silu(conv) [num_tokens, dim] in x's dtype. verify_states
+    [num_slots, rows, dim, kernel - 1] with verifying [num_requests] int32: the flagged requests' state after each
+    of their first `rows` tokens."""
     num_tokens, dim = x.shape
     kernel = weight.shape[1]
     assert x.stride(1) == 1 and weight.stride(1) == 1 and conv_states.is_contiguous()
@@ -140,19 +160,27 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, conv_states: tor
     if num_requests == 0:
         return out
     grid = (num_requests, triton.cdiv(dim, CONV_BLOCK_C))
-    _conv1d_varlen_kernel[grid](x, weight, conv_states, out, slots, seq_lens, query_start_loc, x.stride(0),
-                                weight.stride(0), dim, KERNEL=kernel, BLOCK_C=CONV_BLOCK_C,
-                                BLOCK_W=triton.next_power_of_2(kernel), num_warps=4)
+    has_verify = verify_states is not None and verifying is not None
+    assert not has_verify or verify_states.is_contiguous()  # type: ignore[union-attr]
+    _conv1d_varlen_kernel[grid](x, weight, conv_states, out, slots, seq_lens, query_start_loc,
+                                verify_states if has_verify else conv_states, verifying if has_verify else slots,
+                                x.stride(0), weight.stride(0), dim,
+                                verify_states.shape[1] if verify_states is not None and has_verify else 0,
+                                KERNEL=kernel, BLOCK_C=CONV_BLOCK_C, BLOCK_W=triton.next_power_of_2(kernel),
+                                HAS_VERIFY=has_verify, num_warps=4)
     return out
 
 
 def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                             recurrent_states: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor,
-                            query_start_loc: torch.Tensor) -> torch.Tensor:
+                            query_start_loc: torch.Tensor, verify_states: torch.Tensor | None = None,
+                            verifying: torch.Tensor | None = None) -> torch.Tensor:
     """q, k [num_tokens, num_k_heads, head_k_dim], v [num_tokens, num_v_heads, head_v_dim] (rows may be
     strided, heads packed), g and beta [num_tokens, num_v_heads], recurrent_states [num_slots, num_v_heads,
     head_k_dim, head_v_dim] float32 (updated in place at rows slots [num_requests]) -> out [num_tokens,
-    num_v_heads, head_v_dim] in v's dtype."""
+    num_v_heads, head_v_dim] in v's dtype. verify_states [num_slots, rows, num_v_heads, head_k_dim, head_v_dim]
+    float32 with verifying [num_requests] int32: the flagged requests' state after each of their first `rows`
+    tokens."""
     num_tokens, num_v_heads, head_v_dim = v.shape
     head_k_dim = q.shape[2]
     for x in (q, k, v):
@@ -164,8 +192,14 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         return out
     block_v = min(triton.next_power_of_2(head_v_dim), MAX_BLOCK_V)
     grid = (num_requests, num_v_heads, triton.cdiv(head_v_dim, block_v))
+    has_verify = verify_states is not None and verifying is not None
+    assert not has_verify or verify_states.is_contiguous()  # type: ignore[union-attr]
     _gated_delta_varlen_kernel[grid](q, k, v, g.contiguous(), beta.contiguous(), recurrent_states, out, slots,
-                                     seq_lens, query_start_loc, q.stride(0), k.stride(0), v.stride(0), num_v_heads,
-                                     num_v_heads // q.shape[1], head_k_dim, head_v_dim, head_k_dim ** -0.5, L2_EPS,
-                                     BLOCK_K=triton.next_power_of_2(head_k_dim), BLOCK_V=block_v, num_warps=4)
+                                     seq_lens, query_start_loc, verify_states if has_verify else recurrent_states,
+                                     verifying if has_verify else slots, q.stride(0), k.stride(0), v.stride(0),
+                                     num_v_heads, num_v_heads // q.shape[1], head_k_dim, head_v_dim,
+                                     verify_states.shape[1] if verify_states is not None and has_verify else 0,
+                                     head_k_dim ** -0.5, L2_EPS,
+                                     BLOCK_K=triton.next_power_of_2(head_k_dim), BLOCK_V=block_v,
+                                     HAS_VERIFY=has_verify, num_warps=4)
     return out

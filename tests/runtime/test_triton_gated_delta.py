@@ -176,3 +176,28 @@ def test_layer_forward_through_the_kernels_matches_its_torch_path(monkeypatch):
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
         for mine, theirs in zip(triton_layer.states or (), torch_layer.states or ()):
             torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-4)
+
+
+def test_a_step_verifying_drafts_keeps_each_tokens_states_as_the_torch_path_does(monkeypatch):
+    """A mixed step where a (slot 2) verifies 4 tokens (its last and 3 drafts), b (slot 0) runs a prompt chunk and
+    c (slot 1) decodes: through the kernels and through the torch path (verify_tokens), the outputs, the slots'
+    states and a's state after each of its tokens agree; the rows of requests that verify nothing stay as they were."""
+    triton_layer, torch_layer = make_layer(), make_layer()
+    for layer in (triton_layer, torch_layer):
+        layer.verify_states = tuple(torch.full((5, 4, *spec.shape), 7.0).to(spec.dtype) for spec in layer.state_specs())
+    torch.manual_seed(3)
+    meta = metadata([4, 3, 1], [10, 3, 6], [2, 0, 1])
+    meta.verifying = (True, False, False)
+    hidden = torch.randn(8, 64)
+    expected = run(torch_layer, hidden, meta)
+    with monkeypatch.context() as patch:
+        patch.setattr(gated_delta_net, "uses_kernels", lambda x: True)
+        out = run(triton_layer, hidden, meta)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+    for mine, theirs in zip(triton_layer.states or (), torch_layer.states or ()):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-4)
+    for mine, theirs in zip(triton_layer.verify_states or (), torch_layer.verify_states or ()):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-4)
+        assert not torch.equal(mine[2], torch.full_like(mine[2], 7.0)) and torch.equal(mine[[0, 1, 3, 4]], theirs[
+            [0, 1, 3, 4]]) and bool((mine[[0, 1, 3, 4]] == 7.0).all())
+        torch.testing.assert_close(mine[2, 3], (triton_layer.states or ())[len(mine.shape) - 4][2].to(mine.dtype))

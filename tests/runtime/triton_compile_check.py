@@ -196,20 +196,24 @@ def compile_gated_delta(dtype: str, is_fp32: bool) -> None:
     """Gated DeltaNet's varlen kernels (every step: prefill, mixed, decode) at Qwen3-Next's sizes (kernel 4,
     head dims 128), launched as triton_gated_delta launches them; in bf16 without spills."""
     index = {"slots_ptr": "*i64", "seq_lens_ptr": "*i32", "query_start_ptr": "*i32"}
-    conv = compile_kernel(triton_gated_delta._conv1d_varlen_kernel,
-                          {"x_ptr": dtype, "weight_ptr": dtype, "state_ptr": dtype, "out_ptr": dtype, **index,
-                           "x_stride": "i32", "weight_stride": "i32", "dim": "i32"},
-                          {"KERNEL": 4, "BLOCK_C": triton_gated_delta.CONV_BLOCK_C, "BLOCK_W": 4}, num_warps=4)
-    delta = compile_kernel(triton_gated_delta._gated_delta_varlen_kernel,
-                           {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, "g_ptr": "*fp32", "beta_ptr": dtype,
-                            "state_ptr": "*fp32", "out_ptr": dtype, **index, "q_stride": "i32", "k_stride": "i32",
-                            "v_stride": "i32", "num_v_heads": "i32", "group": "i32", "head_k_dim": "i32",
-                            "head_v_dim": "i32", "scale": "fp32", "eps": "fp32"},
-                           {"BLOCK_K": 128, "BLOCK_V": triton_gated_delta.MAX_BLOCK_V},
-                           divisible=("head_k_dim", "head_v_dim"), num_warps=4)
-    if not is_fp32:
-        require_fast(conv, "Gated DeltaNet conv", wgmma=False)
-        require_fast(delta, "Gated DeltaNet delta rule", wgmma=False)
+    for has_verify in (False, True):  # a step verifying drafts also keeps each token's states
+        conv = compile_kernel(triton_gated_delta._conv1d_varlen_kernel,
+                              {"x_ptr": dtype, "weight_ptr": dtype, "state_ptr": dtype, "out_ptr": dtype, **index,
+                               "verify_ptr": dtype, "verifying_ptr": "*i32", "x_stride": "i32",
+                               "weight_stride": "i32", "dim": "i32", "num_rows": "i32"},
+                              {"KERNEL": 4, "BLOCK_C": triton_gated_delta.CONV_BLOCK_C, "BLOCK_W": 4,
+                               "HAS_VERIFY": has_verify}, num_warps=4)
+        delta = compile_kernel(triton_gated_delta._gated_delta_varlen_kernel,
+                               {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, "g_ptr": "*fp32", "beta_ptr": dtype,
+                                "state_ptr": "*fp32", "out_ptr": dtype, **index, "verify_ptr": "*fp32",
+                                "verifying_ptr": "*i32", "q_stride": "i32", "k_stride": "i32", "v_stride": "i32",
+                                "num_v_heads": "i32", "group": "i32", "head_k_dim": "i32", "head_v_dim": "i32",
+                                "num_rows": "i32", "scale": "fp32", "eps": "fp32"},
+                               {"BLOCK_K": 128, "BLOCK_V": triton_gated_delta.MAX_BLOCK_V, "HAS_VERIFY": has_verify},
+                               divisible=("head_k_dim", "head_v_dim"), num_warps=4)
+        if not is_fp32:
+            require_fast(conv, "Gated DeltaNet conv", wgmma=False)
+            require_fast(delta, "Gated DeltaNet delta rule", wgmma=False)
 
 
 def main() -> None:
