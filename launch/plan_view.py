@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import tempfile
 import time
@@ -68,6 +70,10 @@ def make_plan_from(flags: dict, profile: str | None, ray_address: str | None, re
         trace = read_trace(trace_path)
         flags = workload_flags(trace, flags)
     base = load_profile(profile).set_values() if profile else {}
+    measured_line = None
+    if trace is not None:
+        from shardserve.launch.trace_plan import acceptance_flags
+        flags, measured_line = acceptance_flags(trace, flags, base)
     config = validate(merge(base, flags), f"profile {profile}" if profile else "", flags=flags)
     hardware = resolve_hardware(config.hardware, ray_address)
     if trace is None:
@@ -76,7 +82,9 @@ def make_plan_from(flags: dict, profile: str | None, ray_address: str | None, re
     from shardserve.planner import load_model
     from shardserve.planner.hub import HubOptions
     model = load_model(config.model, config.quantization, HubOptions.of(config))
-    return replayed_plan(build_plan(config, hardware, model, recommend), model, trace, began)
+    record = replayed_plan(build_plan(config, hardware, model, recommend), model, trace, began)
+    return record if measured_line is None else dataclasses.replace(record, rationale=(*record.rationale,
+                                                                                        measured_line))
 
 
 def write_plan(plan: PlanFile, path: Path) -> None:

@@ -48,6 +48,20 @@ def workload_flags(trace: Trace, flags: dict) -> dict:
     return {**flags, **traffic}
 
 
+def acceptance_flags(trace: Trace, flags: dict, base: dict) -> tuple[dict, str | None]:
+    """With speculative_config set (by the flags or the profile `base`) and no draft_acceptance_rate, the flags with
+    the rate the trace's speculative decoding ran at (launch --record-trace writes each request's counts), and the
+    rationale line that says so; the flags as they are otherwise."""
+    measured = trace.measured_acceptance()
+    values = {**base, **flags}
+    if measured is None or values.get("draft_acceptance_rate") is not None or not values.get("speculative_config"):
+        return flags, None
+    rate, steps = measured
+    return {**flags, "draft_acceptance_rate": round(rate, 3)}, (
+        f"draft_acceptance_rate {rate:.3f}: measured in the trace ({steps:,} verify steps; give "
+        "--draft-acceptance-rate to plan at another)")
+
+
 def traffic_flags(name: str, flags: dict) -> tuple[Trace, dict]:
     """`plan --traffic NAME`: its trace (planner/traffic.py) and the flags with its traffic as the search's workload.
     1,000 requests: at --request-rate R, arriving at R req/s (Poisson); with --concurrency N, N in flight, the next

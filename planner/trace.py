@@ -6,6 +6,10 @@ suffix) with the same columns:
     output_len    tokens generated
     prefix_id     optional: requests with the same id share their first prefix_len prompt tokens
     prefix_len    optional, with prefix_id (a system prompt, a conversation's earlier turns)
+    num_drafts, num_draft_tokens, num_accepted_tokens
+                  optional, all three: speculative decoding's verify steps, drafts and drafts kept for the request
+                  (vLLM's counters; `launch --record-trace` writes them), from which a plan with speculative_config
+                  takes its acceptance rate when none is given
 
 A line that is not one of these is an error naming the file, the line and the field."""
 
@@ -18,8 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardserve.planner.errors import PlanError
+from shardserve.planner.speculative import acceptance_for
 
-COLUMNS = ("arrival_s", "input_len", "output_len", "prefix_id", "prefix_len")
+SPEC_COLUMNS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+COLUMNS = ("arrival_s", "input_len", "output_len", "prefix_id", "prefix_len", *SPEC_COLUMNS)
 MAX_REQUESTS = 1_000_000
 
 
@@ -30,6 +36,7 @@ class TraceRequest:
     output_len: int
     prefix_id: str | None = None
     prefix_len: int = 0
+    spec_counts: tuple[int, int, int] | None = None  # (verify steps, drafts, drafts kept): SPEC_COLUMNS
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,17 @@ class Trace:
 
     def mean(self, field: str) -> float:
         return sum(getattr(r, field) for r in self.requests) / len(self.requests)
+
+    def measured_acceptance(self) -> tuple[float, int] | None:
+        """(the acceptance rate its speculative decoding ran at, its verify steps), or None when it records none:
+        a kept drafts a verify step of k = its mean drafts a step (rounded) solves a + ... + a^k = a's mean kept."""
+        counted = [r.spec_counts for r in self.requests if r.spec_counts is not None]
+        steps, drafts, kept = (sum(column) for column in zip(*counted)) if counted else (0, 0, 0)
+        if not steps:
+            return None
+        k = max(1, round(drafts / steps))
+        rate = acceptance_for(1.0 + min(kept / steps, float(k)), k)
+        return min(max(rate, 0.01), 0.99), steps  # (the setting's range)
 
 
 def read_trace(path: str | Path) -> Trace:
@@ -102,7 +120,22 @@ def _request(row: dict, path: Path, line: int) -> TraceRequest:
         raise PlanError(f"{where}: prefix_id: a string or a number")
     if prefix_len > input_len:
         raise PlanError(f"{where}: prefix_len {prefix_len} is more than input_len {input_len}")
-    return TraceRequest(arrival, input_len, output_len, None if prefix_id is None else str(prefix_id), prefix_len)
+    return TraceRequest(arrival, input_len, output_len, None if prefix_id is None else str(prefix_id), prefix_len,
+                        _spec_counts(row, where))
+
+
+def _spec_counts(row: dict, where: str) -> tuple[int, int, int] | None:
+    given = [c for c in SPEC_COLUMNS if c in row]
+    if not given:
+        return None
+    if len(given) < len(SPEC_COLUMNS):
+        missing = next(c for c in SPEC_COLUMNS if c not in row)
+        raise PlanError(f"{where}: {missing}: missing (speculative decoding's counts come as {', '.join(SPEC_COLUMNS)})")
+    steps, drafts, kept = (_count(row, c, where, 0) for c in SPEC_COLUMNS)
+    if kept > drafts or drafts < steps:
+        raise PlanError(f"{where}: num_accepted_tokens {kept} must be at most num_draft_tokens {drafts}, itself at "
+                        f"least num_drafts {steps}")
+    return steps, drafts, kept
 
 
 def _number(row: dict, field: str, where: str) -> float:

@@ -116,7 +116,8 @@ class OutputProcessor:
         logprobs = None if params.logprobs is None else self._logprob_dicts(update.new_logprobs)
         prompt_logprobs = self._logprob_dicts(update.new_prompt_logprobs) if update.new_prompt_logprobs else None
         return SampleDelta(sample.sample_index, update.new_token_ids, text, logprobs, finish_reason, stop_reason,
-                           update.times, prompt_logprobs, num_cached_tokens=update.num_cached_tokens)
+                           update.times, prompt_logprobs, num_cached_tokens=update.num_cached_tokens,
+                           spec_counts=update.spec_counts)
 
     @staticmethod
     def _new_text(sample: _Sample, params: SamplingParams, token_ids: tuple[int, ...],

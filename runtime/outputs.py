@@ -42,6 +42,7 @@ class SampleDelta:
     new_prompt_logprobs: tuple[dict[int, Logprob], ...] | None = None  # prompt tokens scored this step
     num_cached_tokens: int | None = None  # with the first token: prompt tokens the prefix cache served
     pooled: np.ndarray | None = None  # a pooling prompt's vector ([hidden_size] float32), on its one delta
+    spec_counts: tuple[int, int, int] | None = None  # on the last delta, drafting: (verify steps, drafts, kept)
 
 
 @dataclass(slots=True)

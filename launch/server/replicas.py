@@ -206,7 +206,7 @@ class ReplicaSet:
         self.prompts[prompt_id] = replica
         timer = self.metrics.prompt_timer(replica.index, prompt.num_prompt_tokens, params) if self.metrics else None
         arrival = self.recorder.arrived() if self.recorder else 0.0
-        is_finished, is_opened, num_cached = False, False, None
+        is_finished, is_opened, num_cached, spec_counts = False, False, None, None
         output: list[int] = []  # the first sample's tokens: cached after the prompt's
         try:
             deltas = await replica.engine.open(prompt, params, prompt_id, lora, compile_timeout)
@@ -219,6 +219,7 @@ class ReplicaSet:
                         if sample.sample_index == 0:
                             output.extend(sample.new_token_ids)
                             num_cached = num_cached if sample.num_cached_tokens is None else sample.num_cached_tokens
+                            spec_counts = sample.spec_counts or spec_counts
                     if timer is not None:
                         timer.delta(delta)
                     yield delta
@@ -231,7 +232,7 @@ class ReplicaSet:
             if timer is not None:
                 self._finished(timer)
             if self.recorder is not None and is_finished:
-                self.recorder.served(arrival, prompt.prompt_token_ids, len(output), num_cached)
+                self.recorder.served(arrival, prompt.prompt_token_ids, len(output), num_cached, spec_counts)
         finally:
             if timer is not None and is_opened and not is_finished:  # aborted: its client left, or a drain
                 timer.aborted()

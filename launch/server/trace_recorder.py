@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from shardserve.planner.errors import PlanError
+from shardserve.planner.trace import SPEC_COLUMNS
 
 
 class TraceRecorder:
@@ -36,13 +37,16 @@ class TraceRecorder:
         return now
 
     def served(self, arrival: float, prompt_token_ids: Sequence[int], output_len: int,
-               num_cached_tokens: int | None) -> None:
-        """A prompt that finished: its line."""
+               num_cached_tokens: int | None, spec_counts: tuple[int, int, int] | None = None) -> None:
+        """A prompt that finished: its line (with speculative decoding, its first sample's verify steps, drafts and
+        drafts kept, as vLLM's counters name them)."""
         row: dict = {"arrival_s": round(arrival - (self._start or arrival), 4), "input_len": len(prompt_token_ids),
                      "output_len": output_len}
         if num_cached_tokens:
             shared = b"".join(t.to_bytes(4, "little", signed=True) for t in prompt_token_ids[:num_cached_tokens])
             row.update(prefix_id=hashlib.blake2b(shared, digest_size=8).hexdigest(), prefix_len=num_cached_tokens)
+        if spec_counts:
+            row.update(zip(SPEC_COLUMNS, spec_counts))
         self._file.write(json.dumps(row) + "\n")
 
     def close(self) -> None:

@@ -112,3 +112,4 @@ class RequestUpdate:
     new_prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # prompt tokens scored since the last update
     num_cached_tokens: int | None = None  # with the first token: prompt tokens the prefix cache served
     pooled: np.ndarray | None = None  # a pooling request's vector: its one update, which finishes it
+    spec_counts: tuple[int, int, int] | None = None  # with the last token, drafting: Request.spec_counts

@@ -49,7 +49,7 @@ class Request:
                  "eos_token_ids", "stop_token_ids", "status", "stop_reason", "num_computed_tokens",
                  "num_pending_tokens", "num_synced_tokens", "num_synced_blocks", "block_hashes", "num_preemptions",
                  "arrival_time", "first_scheduled_time", "num_prompt_logprobs_sent", "grammar_matcher",
-                 "pooling_params", "num_cached_tokens", "lora", "lora_slot", "token_history")
+                 "pooling_params", "num_cached_tokens", "lora", "lora_slot", "token_history", "spec_counts")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  seed: int, eos_token_ids: frozenset[int] = frozenset(),
@@ -75,6 +75,8 @@ class Request:
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None  # set when first admitted to a batch
         self.num_cached_tokens: int | None = None  # prompt tokens the prefix cache served when first admitted
+        # speculative decoding's, vLLM's counters for this request alone: (verify steps, drafts, drafts kept)
+        self.spec_counts: tuple[int, int, int] = (0, 0, 0)
         self.num_prompt_logprobs_sent = 1  # prompt tokens scored and handed on (token 0 has no score)
         self.grammar_matcher = None  # xgrammar's, under a grammar: made when first scheduled (structured_output.py)
         # resolved (every field set) for a pooling request: its prompt's vector comes back instead of a token

@@ -308,6 +308,8 @@ class Scheduler:
                 accepted = len(runner_output.accepted_drafts.get(request_id, ()))
                 request.num_computed_tokens -= num_drafts - accepted
                 self.spec_stats.observe(num_drafts, accepted)
+                steps, drafted, kept = request.spec_counts
+                request.spec_counts = (steps + 1, drafted + num_drafts, kept + accepted)
             self.block_manager.cache_full_blocks(request)
             update = self._update_request(request, runner_output)
             if update is not None:
@@ -349,7 +351,8 @@ class Scheduler:
         times = first_token_times(request) if is_first else None
         return RequestUpdate(request_id, tokens, all_logprobs[:len(tokens)], finish.value if finish else None,
                              request.stop_reason, times, prompt_logprobs,
-                             num_cached_tokens=request.num_cached_tokens if is_first else None)
+                             num_cached_tokens=request.num_cached_tokens if is_first else None,
+                             spec_counts=request.spec_counts if finish and request.spec_counts[0] else None)
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params

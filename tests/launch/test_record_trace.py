@@ -14,12 +14,13 @@ from tests.launch.conftest import MODEL, http, serving, start_server
 pytestmark = pytest.mark.slow  # a server
 
 SHARED = "You are a helpful assistant who answers in one short sentence about lists and loops. " * 2
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
 
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
     path = tmp_path_factory.mktemp("trace") / "served.jsonl"
-    gen = serving("--profile", "demo", "--record-trace", str(path))
+    gen = serving("--profile", "demo", "--record-trace", str(path), "--speculative-config", NGRAM)
     url = next(gen)
     yield url, path
     for _ in gen:
@@ -39,10 +40,17 @@ def test_what_is_served_is_written_and_plans_again(recorded):
     assert "prefix_id" not in lines[0]  # the first found nothing cached; the others found the shared blocks
     assert lines[1]["prefix_id"] == lines[2]["prefix_id"] and lines[1]["prefix_len"] >= 16
     assert "helpful" not in path.read_text()
+    # speculative decoding's counts for each request that drafted (prompt lookup: its repeated prompt)
+    counted = [row for row in lines if "num_drafts" in row]
+    assert counted and all(row["num_draft_tokens"] >= row["num_drafts"] >= 1 for row in counted)
     result = CliRunner().invoke(app, ["plan", "shardserve-demo", "--hardware", "cpu", "--trace", str(path),
-                                      "--format", "json"])
+                                      "--format", "json", "--speculative-config", NGRAM])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.output)["estimates"]["trace"]["num_requests"] == 3
+    plan = json.loads(result.output)
+    assert plan["estimates"]["trace"]["num_requests"] == 3
+    steps = sum(row["num_drafts"] for row in counted)  # the rate the served traffic ran at, not n-gram's default
+    assert any(line.startswith("draft_acceptance_rate ") and f"measured in the trace ({steps:,} verify steps" in line
+               for line in plan["rationale"])
 
 
 def test_an_existing_file_is_not_overwritten(tmp_path):

@@ -12,7 +12,7 @@ from shardserve.launch.engine_export import export_plan
 from shardserve.planner import PlanError, PlanOptions
 from shardserve.planner.operators import Chunk
 from shardserve.planner.serving import Replica
-from shardserve.planner.speculative import DEFAULT_ACCEPTANCE, tokens_per_step
+from shardserve.planner.speculative import DEFAULT_ACCEPTANCE, acceptance_for, tokens_per_step
 from shardserve.planner.trace import TraceRequest
 from shardserve.planner.workload import Workload
 from shardserve.runtime.core.replay import EngineShape, replay
@@ -238,3 +238,25 @@ def test_a_hybrid_model_keeps_a_state_per_verified_token():
     (stage, *_), (plain_stage, *_) = spec.chosen.memory.stages, plain.chosen.memory.stages
     assert stage.recurrent_state_bytes == 5 * plain_stage.recurrent_state_bytes > 0
     assert spec.record().memory.num_blocks < plain.record().memory.num_blocks
+
+
+def test_a_trace_that_recorded_speculation_gives_its_acceptance_rate(tmp_path):
+    """launch --record-trace writes each request's verify steps, drafts and drafts kept: a plan with
+    speculative_config and no --draft-acceptance-rate runs at the rate they mean (3 drafts a step, 1.5 kept: a + a^2
+    + a^3 = 1.5), a rate given wins, and counts that cannot be are refused naming the line and field."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"arrival_s": i * 0.05, "input_len": 200, "output_len": 100, "num_drafts": 40,
+                                         "num_draft_tokens": 120, "num_accepted_tokens": 60}) + "\n"
+                             for i in range(50)))
+    common = ["plan", LLAMA, "--hardware", H100, "--trace", str(trace), "--format", "json", "--speculative-config",
+              NGRAM3]
+    for extra, rate in (([], acceptance_for(2.5, 3)), (["--draft-acceptance-rate", "0.3"], 0.3)):
+        result = CliRunner().invoke(app, [*common, *extra])
+        assert result.exit_code == 0, result.output
+        plan = json.loads(result.output)
+        assert plan["service"]["draft_acceptance_rate"] == pytest.approx(rate, abs=1e-3)
+        assert any("measured in the trace (2,000 verify steps" in line for line in plan["rationale"]) == (not extra)
+    trace.write_text(json.dumps({"arrival_s": 0, "input_len": 9, "output_len": 9, "num_drafts": 2,
+                                 "num_draft_tokens": 6, "num_accepted_tokens": 7}) + "\n")
+    result = CliRunner().invoke(app, common)
+    assert result.exit_code != 0 and "line 1: num_accepted_tokens 7 must be at most num_draft_tokens 6" in result.output
