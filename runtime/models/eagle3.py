@@ -67,13 +67,20 @@ class Eagle3Head(nn.Module):
         self.lm_head = ParallelLMHead(self.draft_vocab_size, hidden)
         self.d2t = nn.Parameter(torch.zeros(self.draft_vocab_size, dtype=torch.int64), requires_grad=False) \
             if "d2t" in names else None
+        if self.d2t is None and self.draft_vocab_size != config.vocab_size:
+            raise ValueError(f"the EAGLE-3 head drafts over {self.draft_vocab_size} ids, the model's vocabulary has "
+                             f"{config.vocab_size}, and its checkpoint has no d2t to map them")
         self.layer_range = (0, 1)
         self.packed_modules = LLAMA_PACKED
 
     def share_embedding(self, model: nn.Module) -> None:
         """The model's token embedding, when the checkpoint has none of its own."""
         if not self.has_embedding:
-            self.embed_tokens = next(m for m in model.modules() if type(m) is VocabParallelEmbedding)
+            embedding = next(m for m in model.modules() if type(m) is VocabParallelEmbedding)
+            if embedding.weight.shape[1] != self.norm.weight.shape[0]:
+                raise ValueError(f"the EAGLE-3 head is {self.norm.weight.shape[0]} wide, the model's embedding "
+                                 f"{embedding.weight.shape[1]}, and its checkpoint has no embed_tokens of its own")
+            self.embed_tokens = embedding
 
     def combine(self, captured: list[torch.Tensor]) -> torch.Tensor:
         """The features of a forward's positions from the hidden states captured there: [num_tokens, hidden]."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -104,3 +105,20 @@ def test_the_head_computes_the_eagle3_layer(checkpoint_factory, tmp_path):
     torch.testing.assert_close(normed, expected_normed, atol=2e-4, rtol=2e-4)
     logits = normed @ tensors["lm_head.weight"].T
     assert head.draft_tokens(normed).tolist() == logits.argmax(dim=-1).tolist()
+
+
+def test_a_head_that_cannot_map_or_embed_its_drafts_is_refused(checkpoint_factory, tmp_path):
+    """A draft vocabulary other than the model's needs d2t; a head of another width needs an embedding of its own."""
+    target, _ = checkpoint_factory("llama3")
+    model = load_model(load_model_config(target), CPU)
+    tensors = random_head_tensors(target, seed=1, own_embedding=False)
+    tensors["lm_head.weight"] = tensors["lm_head.weight"][:64]
+    folder = save_eagle3_head(str(tmp_path / "small_vocab"), target, tensors, draft_vocab_size=64)
+    with pytest.raises(ValueError, match="drafts over 64 ids, the model's vocabulary has 320, and its checkpoint has "
+                                         "no d2t"):
+        load_model(load_model_config(folder), CPU, lambda c: Eagle3Head(c, set(tensors)))
+    plain = save_eagle3_head(str(tmp_path / "plain"), target, random_head_tensors(target, seed=2, own_embedding=False))
+    head = Eagle3Head(load_model_config(plain), set())  # (built, not loaded: only its width matters here)
+    head.norm.weight = torch.nn.Parameter(torch.ones(32), requires_grad=False)  # (as a 32-wide head's)
+    with pytest.raises(ValueError, match="the EAGLE-3 head is 32 wide, the model's embedding 64"):
+        head.share_embedding(model)
