@@ -19,7 +19,8 @@ from shardserve.planner.model_source import ModelInfo, load_model, model_path
 from shardserve.planner.model_spec import DTYPE_BYTES, ModelSpec, TensorInfo
 from shardserve.planner.options import RuntimeSettings
 from shardserve.planner.rules import tensor_parallel_problem
-from shardserve.planner.speculative import draft_layout_problem, draft_pair_problem, eagle3_problem, mtp_problem
+from shardserve.planner.speculative import (draft_layout_problem, draft_pair_problem, eagle3_head_config,
+                                            eagle3_problem, mtp_problem)
 from shardserve.planner.tensors import derive_tensors, read_safetensors_headers
 
 # an EAGLE-3 head's tensors kept whole on every rank: fc, the norms, d2t (t2d is not loaded)
@@ -106,7 +107,7 @@ def _load_head(name: str, target: ModelInfo) -> DraftModel:
     if folder is None or not (folder / "config.json").is_file():
         raise PlanError(f"speculative_config: the EAGLE-3 head {name}: not a folder with config.json nor in the "
                         f"Hugging Face cache; download it first (`hf download {name}`)")
-    config = read_config_json(folder / "config.json", str(folder / "config.json"))
+    config = eagle3_head_config(read_config_json(folder / "config.json", str(folder / "config.json")))
     model = target.spec
     problem = eagle3_problem(config, model.vocab_size, model.hidden_size, model.num_layers, model.architecture,
                              model.kv_groups.num_groups)

@@ -196,6 +196,23 @@ def eagle3_aux_layers(head_config: dict, num_layers: int) -> tuple[int, ...]:
     return layers
 
 
+def eagle3_head_config(config: dict) -> dict:
+    """An EAGLE-3 head's config.json as the EAGLE authors lay it out: a speculators-format one (vllm-project/speculators,
+    `speculators_model_type` eagle3: its Llama layer under transformer_layer_config, the layer ids at the top, normed
+    before the residual unless it says otherwise, as vLLM reads them) translated, any other as it is."""
+    if config.get("speculators_model_type") != "eagle3":
+        return config
+    head = dict(config.get("transformer_layer_config") or {})
+    head.update(architectures=["Eagle3LlamaForCausalLM"], model_type="llama",
+                draft_vocab_size=config.get("draft_vocab_size") or head.get("vocab_size"),
+                norm_before_residual=config.get("norm_before_residual", True))
+    if config.get("target_hidden_size") is not None:
+        head["target_hidden_size"] = config["target_hidden_size"]
+    if config.get("eagle_aux_hidden_state_layer_ids"):
+        head["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": config["eagle_aux_hidden_state_layer_ids"]}
+    return head
+
+
 def eagle3_problem(head_config: dict, vocab: int, hidden_size: int, num_layers: int, architecture: str,
                    num_groups: int) -> str | None:
     """Why an EAGLE-3 head (its config.json) cannot draft for a model, or None (the plan and the engine alike)."""

@@ -15,6 +15,7 @@ from shardserve.planner.kv_groups import KVGroups, model_kv_groups, tokens_held
 from shardserve.planner.hub import HubOptions, hf_cache_dir
 from shardserve.planner.model_spec import canonical_dtype
 from shardserve.planner.served import ARCHITECTURES, unserved_layers_problem
+from shardserve.planner.speculative import eagle3_head_config
 from shardserve.runtime.layers.quantization.config import QuantConfig
 from shardserve.runtime.layers.rotary import rope_parameters
 from shardserve.runtime.pooling_params import PoolerConfig
@@ -72,20 +73,22 @@ class ModelConfig:
 def load_model_config(model: str, dtype: str = "auto", max_model_len: int | Literal["auto"] | None = None,
                       skip_tokenizer_init: bool = False, enforce_eager: bool = False,
                       device: str = "cpu", quantization: str | None = None) -> ModelConfig:
-    from transformers import AutoConfig
+    from transformers import AutoConfig, LlamaConfig
 
     config_path = os.path.join(model, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"model must be a local folder with a config.json or an id in the local Hugging Face "
                          f"cache ({hf_cache_dir()}); {config_path!r} does not exist")
     with open(config_path) as f:
-        architectures = json.load(f).get("architectures") or []
+        raw = json.load(f)
+    head = eagle3_head_config(raw)  # a speculators-format EAGLE-3 head, as the EAGLE authors lay it out
+    architectures = head.get("architectures") or []
     if len(architectures) != 1:
         raise ValueError(f"config.json must name exactly one architecture, found {architectures}")
     problem = unserved_layers_problem(architectures)  # a hybrid with layers the runtime lacks (Mamba-2), named
     if problem:
         raise ValueError(problem)
-    checkpoint_config = AutoConfig.from_pretrained(model)
+    checkpoint_config = AutoConfig.from_pretrained(model) if head is raw else LlamaConfig.from_dict(head)
     served = ARCHITECTURES.get(architectures[0])
     # a multimodal checkpoint: the language model's config (the checkpoint's dtype and quantization stay)
     hf_config = checkpoint_config.text_config if served and served.has_text_config else checkpoint_config

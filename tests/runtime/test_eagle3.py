@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from draft_heads import head_shapes, random_head_tensors, save_eagle3_head
 from runtime_checkpoints import CYCLE_PERIOD as PERIOD, VOCAB_SIZE
@@ -200,3 +200,25 @@ def test_the_plan_sizes_the_pool_the_engine_makes_and_names_the_head(target, ran
         max_model_len=256, concurrency=1.0, speculative_config=eagle3(random_head), draft_acceptance_rate=0.3))
     assert any(f"every step runs without CUDA graphs, as the EAGLE-3 head {random_head} reads" in w
                for w in gpu.warnings)
+
+
+def test_a_head_in_the_speculators_format_drafts_alike(cycle_checkpoint, token_head, tmp_path):
+    """vllm-project/speculators' layout of the same head (config under transformer_layer_config, layer ids at the top,
+    normed before the residual by default, the layer as layers.0): every draft is kept, as with the EAGLE authors'."""
+    config = json.loads(open(os.path.join(token_head, "config.json")).read())
+    layer = {k: v for k, v in config.items() if k not in ("architectures", "eagle_config", "draft_vocab_size",
+                                                         "norm_before_residual")}
+    speculators = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+                   "transformer_layer_config": layer, "draft_vocab_size": config["draft_vocab_size"],
+                   "eagle_aux_hidden_state_layer_ids": config["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
+                   "speculators_config": {"algorithm": "eagle3", "proposal_methods": [
+                       {"proposal_type": "greedy", "speculative_tokens": 4}], "verifier": {"name_or_path": "cycle"}}}
+    folder = tmp_path / "speculators"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(speculators))
+    tensors = load_file(os.path.join(token_head, "model.safetensors"))
+    save_file({name.replace("midlayer.", "layers.0."): t for name, t in tensors.items()},
+              str(folder / "model.safetensors"))
+    plain, _, _ = generate(cycle_checkpoint, GREEDY)
+    tokens, _, stats = generate(cycle_checkpoint, GREEDY, eagle3(str(folder), 4))
+    assert tokens == plain and stats.spec_decode.num_accepted_tokens == stats.spec_decode.num_draft_tokens > 60
