@@ -130,7 +130,7 @@ def test_the_plan_sizes_the_pool_the_engine_makes(mtp_checkpoint):
         assert llm.kv_cache_info.num_blocks == plan.memory.num_blocks < plain.memory.num_blocks
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next", "qwen3_5_moe_vl"])
 def qwen_mtp_checkpoint(request, tmp_path_factory):
     folder = str(tmp_path_factory.mktemp(request.param + "_mtp"))
     return folder, save_qwen_mtp_checkpoint(folder, request.param, QWEN_LAYERS)
@@ -155,15 +155,15 @@ def test_qwens_layer_computes_its_multi_token_prediction(qwen_mtp_checkpoint):
             1 + weights[f"mtp.{name}.weight"])
 
     n = len(PROMPT)
+    text = getattr(reference.model, "language_model", reference.model)  # (a multimodal checkpoint's language model)
     with torch.no_grad():
-        embeds = reference.model.embed_tokens(torch.tensor(PROMPT))
+        embeds = text.embed_tokens(torch.tensor(PROMPT))
         x = torch.cat([rms(embeds, "pre_fc_norm_embedding"), rms(hidden, "pre_fc_norm_hidden")], dim=-1) @ weights[
             "mtp.fc.weight"].T
         positions = torch.arange(n)[None]
-        reference.config._attn_implementation = "eager"
-        out = reference.model.layers[-1](x[None], attention_mask=torch.full((n, n), float("-inf")).triu(1)[None, None],
-                                         position_ids=positions,
-                                         position_embeddings=reference.model.rotary_emb(x[None], positions))
+        reference.config._attn_implementation = text.config._attn_implementation = "eager"
+        out = text.layers[-1](x[None], attention_mask=torch.full((n, n), float("-inf")).triu(1)[None, None],
+                              position_ids=positions, position_embeddings=text.rotary_emb(x[None], positions))
         expected = rms((out[0] if isinstance(out, tuple) else out)[0], "norm")
     torch.testing.assert_close(normed, expected, atol=2e-4, rtol=2e-4)
     assert carried is normed  # the normed states are the next draft's feature too
