@@ -85,6 +85,16 @@ class HeadRunner(DraftModelRunner):
         for request_id in [r for r, (state, _, _) in self.features.items() if self.states.get(r) is not state]:
             del self.features[request_id]  # finished, or preempted and since come back as another state
 
+    def dry_run(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, num_rows: int) -> None:
+        """In the memory profile's forward (after the model's, in its context): the features of its tokens and a
+        forward of the head over them, so the KV budget leaves room for both."""
+        features = hidden
+        if self.capture is not None:
+            features = self.head.combine(self.capture.captured)  # type: ignore[operator]  # an EAGLE-3 head's
+            self.capture.captured.clear()
+        normed, _ = self.head(input_ids, positions, features)
+        self.head.draft_tokens(normed[:num_rows])  # type: ignore[operator]  # both heads' method
+
     def propose(self, batch: list[RequestState], num_scheduled: dict[str, int],
                 placeholders: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
         """The drafts of the requests the scheduler left placeholders for (as many each), after catching the head

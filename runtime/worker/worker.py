@@ -195,10 +195,14 @@ class Worker:
             hidden_size = self.config.model.hf_config.hidden_size
             hidden = torch.zeros(num_tokens, hidden_size, dtype=self.config.model.dtype, device=self.device)
             intermediate = IntermediateTensors(hidden, hidden.clone())
-        with torch.inference_mode(), forward_context(ForwardContext(None, self.backend)):
+        heads = self.drafter if isinstance(self.drafter, HeadRunner) else None  # (their states and forward too)
+        capture = None if heads is None else heads.capture
+        with torch.inference_mode(), forward_context(ForwardContext(None, self.backend, capture=capture)):
             hidden = self.model(input_ids, positions, intermediate)
             if state.is_last_stage and self.config.model.runner == "generate":  # (pooling: no head)
                 num_rows = min(self.config.scheduler.max_num_seqs, num_tokens)
+                if heads is not None:
+                    heads.dry_run(input_ids, positions, hidden, num_rows)
                 # compute_logits: every model family's method, which nn.Module's type does not declare
                 self.model.compute_logits(hidden[:num_rows]).float().softmax(dim=-1)  # type: ignore[operator]
         torch.cuda.synchronize(self.device)

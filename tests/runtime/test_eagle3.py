@@ -222,3 +222,20 @@ def test_a_head_in_the_speculators_format_drafts_alike(cycle_checkpoint, token_h
     plain, _, _ = generate(cycle_checkpoint, GREEDY)
     tokens, _, stats = generate(cycle_checkpoint, GREEDY, eagle3(str(folder), 4))
     assert tokens == plain and stats.spec_decode.num_accepted_tokens == stats.spec_decode.num_draft_tokens > 60
+
+
+def test_the_memory_profile_runs_the_head_beside_the_model(target, random_head):
+    """A GPU's KV budget is what the profile's forward leaves: the states the head reads and its own forward run in it
+    (here on the CPU, as the profile runs them: no KV, the step's tokens at once)."""
+    from shardserve.runtime import LLM
+    from shardserve.runtime.worker.forward_context import ForwardContext, forward_context
+
+    with LLM(target, device="cpu", kv_cache_memory_bytes=1 << 22, speculative_config=eagle3(random_head)) as llm:
+        worker = llm.engine.executor.worker
+        heads = worker.drafter
+        ids, positions = torch.arange(16) + 3, torch.arange(16)
+        with torch.inference_mode(), forward_context(ForwardContext(None, worker.backend, capture=heads.capture)):
+            hidden = worker.model(ids, positions, None)
+            assert len(heads.capture.captured) == 3
+            heads.dry_run(ids, positions, hidden, 4)
+        assert heads.capture.captured == [] and heads.features == {}
