@@ -58,6 +58,12 @@ class DraftModelRunner:
         self.layers, self.kv_cache = [], None
         self.model = None  # type: ignore[assignment]  # released: no step runs after this
 
+    def dry_run(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, num_rows: int) -> None:
+        """In the memory profile's forward (after the model's, in its context): the draft's forward over its tokens,
+        so the KV budget leaves room for it (`hidden`, the model's: unused here)."""
+        out = self.model(input_ids, positions, None)
+        self.model.compute_logits(out[:num_rows])  # type: ignore[operator]  # every model family's method
+
     def propose(self, batch: list[RequestState], num_scheduled: dict[str, int],
                 placeholders: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
         """The drafts of the requests the scheduler left placeholders for (as many each), after catching the

@@ -201,8 +201,8 @@ class Worker:
             hidden = self.model(input_ids, positions, intermediate)
             if state.is_last_stage and self.config.model.runner == "generate":  # (pooling: no head)
                 num_rows = min(self.config.scheduler.max_num_seqs, num_tokens)
-                if heads is not None:
-                    heads.dry_run(input_ids, positions, hidden, num_rows)
+                if self.drafter is not None:  # a draft model or head: its forward, and a head's states
+                    self.drafter.dry_run(input_ids, positions, hidden, num_rows)
                 # compute_logits: every model family's method, which nn.Module's type does not declare
                 self.model.compute_logits(hidden[:num_rows]).float().softmax(dim=-1)  # type: ignore[operator]
         torch.cuda.synchronize(self.device)

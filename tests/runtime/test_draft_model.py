@@ -124,3 +124,18 @@ def test_tensor_parallel_ranks_draft_alike(target):
     tokens, _, stats = generate(target, params, draft_config(target), tensor_parallel_size=2,
                                 distributed_executor_backend="mp")
     assert tokens == plain and stats.spec_decode.num_accepted_tokens == stats.spec_decode.num_draft_tokens > 0
+
+
+def test_the_memory_profile_runs_the_draft_beside_the_model(target, other_draft):
+    """A GPU's KV budget is what the profile's forward leaves: the draft's forward runs in it (here on the CPU)."""
+    import torch
+
+    from shardserve.runtime.worker.forward_context import ForwardContext, forward_context
+
+    with LLM(target, device="cpu", kv_cache_memory_bytes=1 << 22, speculative_config=draft_config(other_draft)) as llm:
+        worker = llm.engine.executor.worker
+        ids, positions = torch.arange(16) + 3, torch.arange(16)
+        with torch.inference_mode(), forward_context(ForwardContext(None, worker.backend)):
+            hidden = worker.model(ids, positions, None)
+            worker.drafter.dry_run(ids, positions, hidden, 4)
+        assert not worker.drafter.kv_cache.any()  # a dry run writes no page

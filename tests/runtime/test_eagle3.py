@@ -238,4 +238,4 @@ def test_the_memory_profile_runs_the_head_beside_the_model(target, random_head):
             hidden = worker.model(ids, positions, None)
             assert len(heads.capture.captured) == 3
             heads.dry_run(ids, positions, hidden, 4)
-        assert heads.capture.captured == [] and heads.features == {}
+        assert heads.capture.captured == [] and heads.features == {} and not heads.kv_cache.any()
