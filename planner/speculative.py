@@ -217,7 +217,7 @@ def eagle3_problem(head_config: dict, vocab: int, hidden_size: int, num_layers: 
                    num_groups: int) -> str | None:
     """Why an EAGLE-3 head (its config.json) cannot draft for a model, or None (the plan and the engine alike)."""
     architectures = head_config.get("architectures") or []
-    if architectures[:1] not in ([a] for a in EAGLE3_HEADS):
+    if len(architectures) != 1 or architectures[0] not in EAGLE3_HEADS:
         return f"its architectures are {architectures}, not an EAGLE-3 head's ({' or '.join(EAGLE3_HEADS)})"
     if architecture in NO_EAGLE3_TARGETS:
         return f"{architecture} does not hand its layers' hidden states to a draft head"

@@ -255,11 +255,10 @@ class GatedDeltaNet(RecurrentLayer):
         assert self.states is not None and meta.state_slots is not None
         conv_states, recurrent_states = self.states
         index = (meta.state_slots, meta.seq_lens, meta.query_start_loc)
-        conv_rows = recurrent_rows = flags = None  # a step verifying drafts keeps each token's states too
-        if any(meta.verifying):
+        flags, conv_rows, recurrent_rows = meta.verifying_flags, None, None  # a verify step keeps each token's too
+        if flags is not None:
             assert self.verify_states is not None  # bound when speculative decoding is on
-            (conv_rows, recurrent_rows), flags = self.verify_states, torch.tensor(
-                meta.verifying, dtype=torch.int32).to(qkv.device, non_blocking=True)
+            conv_rows, recurrent_rows = self.verify_states
         mixed = kernels.causal_conv1d_varlen(qkv, self.conv1d.weight[:, 0], conv_states, *index, conv_rows, flags)
         return kernels.gated_delta_rule_varlen(*self.split_heads(mixed), g, beta, recurrent_states, *index,
                                                recurrent_rows, flags)

@@ -22,7 +22,7 @@ import torch
 from shardserve.runtime.attention.layer import Attention
 from shardserve.runtime.config import ModelConfig
 from shardserve.runtime.worker.forward_context import ForwardContext, forward_context
-from shardserve.runtime.worker.inputs import HostInputs, RequestState, build_host_inputs, to_device
+from shardserve.runtime.worker.inputs import HostInputs, RequestState, build_host_inputs, to_device, token_view
 from shardserve.runtime.worker.loader import load_model
 from shardserve.runtime.worker.staging import StagingBuffer
 
@@ -84,7 +84,7 @@ class DraftModelRunner:
         by_id = {state.request_id: state for state in batch}
         for i in range(1, max(map(len, placeholders.values()), default=0)):
             going = [request_id for request_id, wanted in placeholders.items() if len(wanted) > i]
-            views = [dataclasses.replace(by_id[r], token_ids=by_id[r].token_ids + drafts[r],
+            views = [dataclasses.replace(by_id[r], token_ids=token_view(by_id[r].token_ids, 0, drafts[r]),
                                          num_computed_tokens=by_id[r].num_computed_tokens + i, num_pending_tokens=0)
                      for r in going]
             self._extend(build_host_inputs(views, {r: 1 for r in going}, self.block_size), drafts)

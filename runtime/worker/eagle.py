@@ -31,7 +31,7 @@ from shardserve.runtime.models.eagle3 import Eagle3Head
 from shardserve.runtime.worker.checkpoint import checkpoint_files, iterate_file
 from shardserve.runtime.worker.draft_model import DraftModelRunner
 from shardserve.runtime.worker.forward_context import ForwardContext, HiddenCapture, forward_context
-from shardserve.runtime.worker.inputs import HostInputs, RequestState, build_host_inputs, to_device
+from shardserve.runtime.worker.inputs import HostInputs, RequestState, build_host_inputs, to_device, token_view
 from shardserve.runtime.worker.loader import load_model
 
 
@@ -75,25 +75,28 @@ class HeadRunner(DraftModelRunner):
     def keep(self, batch: list[RequestState], host: HostInputs, hidden: torch.Tensor) -> None:
         """After the model's forward over `host` (built from `batch`), whose final hidden states are `hidden`: each
         request's features, from its start."""
-        if self.capture is not None:
-            hidden = self.head.combine(self.capture.captured)  # type: ignore[operator]  # an EAGLE-3 head's
-            self.capture.captured.clear()
+        features = self._features(hidden)
         starts = host.query_start_loc.tolist()
         for index, state in enumerate(batch):
             self.features[state.request_id] = (state, state.num_computed_tokens,
-                                               hidden[starts[index]:starts[index + 1]])
+                                               features[starts[index]:starts[index + 1]])
         for request_id in [r for r, (state, _, _) in self.features.items() if self.states.get(r) is not state]:
             del self.features[request_id]  # finished, or preempted and since come back as another state
 
     def dry_run(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, num_rows: int) -> None:
         """In the memory profile's forward (after the model's, in its context): the features of its tokens and a
         forward of the head over them, so the KV budget leaves room for both."""
-        features = hidden
-        if self.capture is not None:
-            features = self.head.combine(self.capture.captured)  # type: ignore[operator]  # an EAGLE-3 head's
-            self.capture.captured.clear()
-        normed, _ = self.head(input_ids, positions, features)
+        normed, _ = self.head(input_ids, positions, self._features(hidden))
         self.head.draft_tokens(normed[:num_rows])  # type: ignore[operator]  # both heads' method
+
+    def _features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A forward's features: an EAGLE-3 head's fc of the states it captured (taken), else `hidden`, the
+        model's final states (an MTP layer's)."""
+        if self.capture is None:
+            return hidden
+        combined = self.head.combine(self.capture.captured)  # type: ignore[operator]  # an EAGLE-3 head's
+        self.capture.captured.clear()
+        return combined
 
     def propose(self, batch: list[RequestState], num_scheduled: dict[str, int],
                 placeholders: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
@@ -106,7 +109,7 @@ class HeadRunner(DraftModelRunner):
                 continue
             _, start, rows = entry
             # (the view's tokens are shifted by one: position p reads x_{p+1})
-            views.append(dataclasses.replace(state, token_ids=state.token_ids[1:], num_computed_tokens=start,
+            views.append(dataclasses.replace(state, token_ids=token_view(state.token_ids, 1), num_computed_tokens=start,
                                              num_pending_tokens=0))
             features.append(rows[:state.num_computed_tokens - start])
         drafts: dict[str, list[int]] = {request_id: [] for request_id in placeholders}
@@ -114,24 +117,24 @@ class HeadRunner(DraftModelRunner):
         if views:
             counts = {view.request_id: len(rows) for view, rows in zip(views, features)}
             self._draft_round(build_host_inputs(views, counts, self.block_size), [v.request_id for v in views],
-                         torch.cat(features), drafts, carried)
+                              torch.cat(features), drafts, carried)
         by_id = {state.request_id: state for state in batch}
         for i in range(1, max(map(len, placeholders.values()), default=0)):
             going = [r for r, wanted in placeholders.items() if len(wanted) > i and r in carried]
             if not going:
                 break
-            views = [dataclasses.replace(by_id[r], token_ids=by_id[r].token_ids[1:] + drafts[r],
+            views = [dataclasses.replace(by_id[r], token_ids=token_view(by_id[r].token_ids, 1, drafts[r]),
                                          num_computed_tokens=by_id[r].num_computed_tokens - 1 + i,
                                          num_pending_tokens=0) for r in going]
             self._draft_round(build_host_inputs(views, {r: 1 for r in going}, self.block_size), going,
-                         torch.stack([carried[r] for r in going]), drafts, carried)
+                              torch.stack([carried[r] for r in going]), drafts, carried)
         for request_id, wanted in placeholders.items():  # NOTE: only a request the head has no feature for yet:
             known = by_id[request_id].token_ids  # its last token repeated, kept if the model samples it
             drafts[request_id] += [known[-1]] * (len(wanted) - len(drafts[request_id]))
         return {request_id: tuple(tokens) for request_id, tokens in drafts.items()}
 
-    def _draft_round(self, host: HostInputs, request_ids: list[str], features: torch.Tensor, drafts: dict[str, list[int]],
-                carried: dict[str, torch.Tensor]) -> None:
+    def _draft_round(self, host: HostInputs, request_ids: list[str], features: torch.Tensor,
+                     drafts: dict[str, list[int]], carried: dict[str, torch.Tensor]) -> None:
         """One forward of the head over `host` (the requests `request_ids`, in order); each drafting request's next
         draft is the argmax of its last row, and the head's output there its next feature."""
         inputs = to_device(host, self.staging)

@@ -41,6 +41,7 @@ class AttentionMetadata:
     groups: tuple[AttentionMetadata, ...] = ()
     # per request: its step verifies drafts (recurrent layers keep the state after each of its tokens); () none
     verifying: tuple[bool, ...] = ()
+    verifying_flags: torch.Tensor | None = None  # the same as int32 on the device (the kernels'); None: none verifies
 
     def for_group(self, group: int) -> AttentionMetadata:
         return self if group == 0 else self.groups[group - 1]

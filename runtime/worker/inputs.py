@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from itertools import chain
+from collections.abc import Iterator, Sequence
+from itertools import chain, islice
+from typing import cast, overload
 
 import numpy as np
 import torch
@@ -56,6 +58,43 @@ class RequestState:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) + self.num_pending_tokens - self.num_prompt_tokens
+
+
+class TokenView(Sequence[int]):
+    """A request's token ids from `start` on, then `extra`, without copying the request's list: the token ids of a
+    view of it (a draft forward's, a draft row's), read by their length, slices and iteration. A copy would cost a
+    request's whole history per view per step."""
+
+    __slots__ = ("tokens", "start", "extra")
+
+    def __init__(self, tokens: Sequence[int], start: int = 0, extra: Sequence[int] = ()):
+        self.tokens, self.start, self.extra = tokens, start, extra
+
+    def __len__(self) -> int:
+        return len(self.tokens) - self.start + len(self.extra)
+
+    def __iter__(self) -> Iterator[int]:
+        return chain(islice(self.tokens, self.start, None), self.extra)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        known = len(self.tokens) - self.start
+        if not isinstance(index, slice):
+            at = range(len(self))[index]
+            return self.tokens[self.start + at] if at < known else self.extra[at - known]
+        first, stop, step = index.indices(len(self))
+        assert step == 1, "a view's tokens are read in order"
+        head = list(self.tokens[self.start + first:self.start + min(stop, known)]) if first < known else []
+        return head + list(self.extra[max(first - known, 0):max(stop - known, 0)])
+
+
+def token_view(tokens: Sequence[int], start: int = 0, extra: Sequence[int] = ()) -> list[int]:
+    """A TokenView where RequestState takes a list (it is read as one, never changed)."""
+    return cast(list[int], TokenView(tokens, start, extra))
 
 
 @dataclass(slots=True)
@@ -203,21 +242,23 @@ def count_samples(host: HostInputs) -> None:
 
 def to_device(host: HostInputs, staging: StagingBuffer) -> ModelInputs:
     """The step's arrays on the staging buffer's device, in one copy."""
+    verifies = any(host.verifying)
     extra = tuple(a for pair in host.group_tables for a in pair)
     extra += () if host.state_slots is None else (host.state_slots,)
+    extra += (np.asarray(host.verifying, dtype=np.int32),) if verifies else ()
     (input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables, logits_indices, pending_rows,
-     pending_sources, *state_slots) = staging.to_device(host.input_ids, host.positions, host.slot_mapping,
-                                                        host.query_start_loc, host.seq_lens, host.block_tables,
-                                                        host.logits_indices, host.pending_rows, host.pending_sources,
-                                                        *extra)
+     pending_sources, *rest) = staging.to_device(host.input_ids, host.positions, host.slot_mapping,
+                                                 host.query_start_loc, host.seq_lens, host.block_tables,
+                                                 host.logits_indices, host.pending_rows, host.pending_sources, *extra)
     num_groups = len(host.group_tables)
-    group_arrays, state_slots = state_slots[:2 * num_groups], state_slots[2 * num_groups:]
+    group_arrays, state_slots = rest[:2 * num_groups], rest[2 * num_groups:2 * num_groups + 1]
     meta = AttentionMetadata(
         slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables,
         max_query_len=int(np.diff(host.query_start_loc).max()),
         max_seq_len=int(host.seq_lens.max()),
         query_start_loc_cpu=host.query_start_loc.tolist(), seq_lens_cpu=host.seq_lens.tolist(),
-        state_slots=state_slots[0] if state_slots else None, verifying=host.verifying)
+        state_slots=state_slots[0] if host.state_slots is not None else None, verifying=host.verifying,
+        verifying_flags=rest[-1] if verifies else None)
     meta.groups = tuple(dataclasses.replace(meta, slot_mapping=group_arrays[2 * g], block_tables=group_arrays[2 * g + 1])
                         for g in range(num_groups))
     pending = PendingTokens(pending_rows, pending_sources) if len(host.pending_rows) else None

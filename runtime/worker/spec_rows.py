@@ -8,7 +8,7 @@ import dataclasses
 
 import numpy as np
 
-from shardserve.runtime.worker.inputs import HostInputs, RequestState
+from shardserve.runtime.worker.inputs import HostInputs, RequestState, token_view
 
 
 def add_drafts(states: dict[str, RequestState], drafts: dict[str, tuple[int, ...]]) -> None:
@@ -32,7 +32,7 @@ def draft_rows(host: HostInputs, drafts: dict[str, tuple[int, ...]]) -> dict[str
             del state.token_ids[-k:]
             states.append(state)
             known = state.token_ids
-            states.extend(dataclasses.replace(state, token_ids=known + list(tokens[:i])) for i in range(1, k + 1))
+            states.extend(dataclasses.replace(state, token_ids=token_view(known, 0, tokens[:i])) for i in range(1, k + 1))
             indices.extend(range(index - k, index + 1))
         else:
             indices.append(index)

@@ -117,3 +117,16 @@ def test_pending_tokens_are_filled_on_the_device_from_the_last_samples(seed, num
     assert inputs.input_ids.tolist() == expected["input_ids"]
     assert inputs.positions.tolist() == expected["positions"] and inputs.logits_indices.tolist() == host.logits_indices.tolist()
     assert inputs.attn_metadata.block_tables.tolist() == expected["block_tables"]
+
+
+def test_a_token_view_reads_as_the_copy_it_stands_for():
+    """A view of a request's tokens from a start on, then extra ones: every length, index, slice and iteration is
+    the list it saves copying."""
+    from shardserve.runtime.worker.inputs import TokenView
+
+    tokens = list(range(10, 30))
+    for start, extra in ((0, ()), (1, ()), (1, (7, 8, 9)), (0, (5,)), (20, (1, 2))):
+        copy, view = tokens[start:] + list(extra), TokenView(tokens, start, extra)
+        assert len(view) == len(copy) and list(view) == copy
+        assert [view[i] for i in range(-len(copy), len(copy))] == copy + copy
+        assert all(view[a:b] == copy[a:b] for a in range(-3, len(copy) + 2) for b in range(-3, len(copy) + 2))

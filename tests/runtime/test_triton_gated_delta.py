@@ -168,14 +168,19 @@ def test_layer_forward_through_the_kernels_matches_its_torch_path(monkeypatch):
              ([1, 1, 1], [12, 7, 2], [2, 0, 1], True)]
     for query_lens, seq_lens, slots, in_graph in steps:
         meta = metadata(query_lens, seq_lens, slots, in_graph)
-        hidden = torch.randn(sum(query_lens), 64)
-        expected = run(torch_layer, hidden, meta)
-        with monkeypatch.context() as patch:
-            patch.setattr(gated_delta_net, "uses_kernels", lambda x: True)
-            out = run(triton_layer, hidden, meta)
-        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
-        for mine, theirs in zip(triton_layer.states or (), torch_layer.states or ()):
-            torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-4)
+        through_both_paths(monkeypatch, triton_layer, torch_layer, torch.randn(sum(query_lens), 64), meta)
+
+
+def through_both_paths(monkeypatch, triton_layer, torch_layer, hidden: torch.Tensor, meta) -> None:
+    """The step through the layer with its kernels forced and through the other on its torch path: equal
+    outputs and slot states."""
+    expected = run(torch_layer, hidden, meta)
+    with monkeypatch.context() as patch:
+        patch.setattr(gated_delta_net, "uses_kernels", lambda x: True)
+        out = run(triton_layer, hidden, meta)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+    for mine, theirs in zip(triton_layer.states or (), torch_layer.states or ()):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-4)
 
 
 def test_a_step_verifying_drafts_keeps_each_tokens_states_as_the_torch_path_does(monkeypatch):
@@ -187,15 +192,8 @@ def test_a_step_verifying_drafts_keeps_each_tokens_states_as_the_torch_path_does
         layer.verify_states = tuple(torch.full((5, 4, *spec.shape), 7.0).to(spec.dtype) for spec in layer.state_specs())
     torch.manual_seed(3)
     meta = metadata([4, 3, 1], [10, 3, 6], [2, 0, 1])
-    meta.verifying = (True, False, False)
-    hidden = torch.randn(8, 64)
-    expected = run(torch_layer, hidden, meta)
-    with monkeypatch.context() as patch:
-        patch.setattr(gated_delta_net, "uses_kernels", lambda x: True)
-        out = run(triton_layer, hidden, meta)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
-    for mine, theirs in zip(triton_layer.states or (), torch_layer.states or ()):
-        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-4)
+    meta.verifying, meta.verifying_flags = (True, False, False), torch.tensor([1, 0, 0], dtype=torch.int32)
+    through_both_paths(monkeypatch, triton_layer, torch_layer, torch.randn(8, 64), meta)
     for mine, theirs in zip(triton_layer.verify_states or (), torch_layer.verify_states or ()):
         torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-4)
         assert not torch.equal(mine[2], torch.full_like(mine[2], 7.0)) and torch.equal(mine[[0, 1, 3, 4]], theirs[
