@@ -27,15 +27,17 @@ from shardserve.planner.operators import Chunk
 from shardserve.planner.perf_tables import load_database
 from shardserve.planner.replay import predict_replicas, replica_of
 from shardserve.planner.serving import Replica
+from shardserve.planner.speed import Estimates
 from shardserve.planner.trace import Trace
 from shardserve.planner.traffic import DEFAULT_NUM_REQUESTS, load_lengths, named_trace
 
 HERE = Path(__file__).resolve().parent
 ASSUMPTIONS = {
-    "sharegpt": "ShareGPT at a rate or all at once: num_prompts requests (1,000 where unstated) drawn from "
-                "ShareGPT's lengths as vLLM's benchmarks sample them (Llama-3 tokens, planner/catalog/traffic/"
-                "sharegpt.json), arriving at the source's rate (Poisson) or all at once, replayed through the "
-                "engine's scheduler (`plan --traffic sharegpt`); elsewhere its published mean lengths",
+    "sharegpt": "ShareGPT runs: num_prompts requests (1,000 where unstated) drawn from ShareGPT's lengths as "
+                "vLLM's benchmarks sample them (Llama-3 tokens, planner/catalog/traffic/sharegpt.json), scaled to "
+                "the mean lengths the source published for its sample where it did, arriving at the source's rate "
+                "(Poisson), at its concurrency (a closed loop) or all at once, replayed through the engine's "
+                "scheduler (`plan --traffic sharegpt`)",
     "max_num_seqs": "max_num_seqs as each engine defaults: vLLM 0.6 256, newer vLLM 1024, SGLang and "
                     "TensorRT-LLM 2048 (their limits follow memory), NIM 256",
     "offline": "offline runs and infinite rates are closed loops of num_prompts requests (ShareGPT's: replayed, "
@@ -98,10 +100,9 @@ def _mixes_prefill(entry: dict) -> bool:
 def _options(entry: dict, workload: dict, trace: Trace | None = None) -> dict:
     """The plan's options; with a trace, its mean lengths (as `plan --traffic` searches on them)."""
     w = workload
-    published: tuple[float, float] | None = None if w.get("input_len") is None else (w["input_len"], w["output_len"])
-    sharegpt = load_lengths("sharegpt")  # (where a ShareGPT run's lengths are unpublished)
-    lengths = ((trace.mean("input_len"), trace.mean("output_len")) if trace else published
-               or (sharegpt.mean("input_len"), sharegpt.mean("output_len")))
+    drawn = trace or load_lengths("sharegpt")  # (where a ShareGPT run's lengths are unpublished)
+    lengths = ((w["input_len"], w["output_len"]) if trace is None and w.get("input_len") is not None
+               else (drawn.mean("input_len"), drawn.mean("output_len")))
     input_len, output_len = round(lengths[0]), max(1, round(lengths[1]))
     opts = {"tensor_parallel_size": entry["tensor_parallel_size"],
             "pipeline_parallel_size": entry.get("pipeline_parallel_size") or 1,
@@ -112,7 +113,7 @@ def _options(entry: dict, workload: dict, trace: Trace | None = None) -> dict:
     if mode == "request_rate" and rate not in (None, "inf"):
         opts["request_rate"] = float(rate)
     elif mode in ("concurrency", "static_batch"):
-        opts["concurrency"] = float(w.get("concurrency") or w.get("batch_size"))
+        opts["concurrency"] = float(w.get("concurrency") or w["batch_size"])
     else:  # offline, or every request at once
         opts["concurrency"] = float(w.get("num_prompts") or DEFAULT_NUM_REQUESTS)
     opts["max_num_batched_tokens"] = max(8192, opts["max_num_seqs"], input_len + 1)
@@ -138,7 +139,7 @@ def predict(entry: dict) -> list[Row]:
     if trace is not None:
         return _replayed(entry, plan.record(), model, trace)
     rows = []
-    by_percentile: dict[int, tuple] = {}  # the estimates at p50 and at p99, each made once
+    by_percentile: dict[int, tuple[Estimates, float, float]] = {}  # the estimates at p50 and at p99, each made once
     for metric, value in entry["measured"].items():
         if metric.startswith("itl_ms_p99"):
             rows.append(Row(entry["id"], entry["engine"], metric, value, None,
@@ -156,10 +157,21 @@ def predict(entry: dict) -> list[Row]:
 def _sharegpt_trace(entry: dict) -> Trace | None:
     """ShareGPT at a rate or all at once: the requests `plan --traffic sharegpt` replays for it; else None."""
     w = entry["workload"]
-    if w.get("dataset") != "sharegpt" or w["mode"] not in ("request_rate", "offline"):
+    if w.get("dataset") != "sharegpt" or w["mode"] not in ("request_rate", "offline", "concurrency"):
         return None
-    rate = None if w["mode"] == "offline" or w.get("request_rate") in (None, "inf") else float(w["request_rate"])
-    return named_trace("sharegpt", w.get("num_prompts") or DEFAULT_NUM_REQUESTS, rate)
+    rate = None if w["mode"] != "request_rate" or w.get("request_rate") in (None, "inf") else float(w["request_rate"])
+    in_flight = int(w["concurrency"]) if w["mode"] == "concurrency" else None
+    trace = named_trace("sharegpt", w.get("num_prompts") or DEFAULT_NUM_REQUESTS, rate, concurrency=in_flight)
+    return trace if w.get("input_len") is None else _with_means(trace, w["input_len"], w["output_len"])
+
+
+def _with_means(trace: Trace, input_len: float, output_len: float) -> Trace:
+    """The trace's lengths scaled to the means the source published for its own sample (its token totals): the
+    spread is ShareGPT's, the means the run's."""
+    a, b = input_len / trace.mean("input_len"), output_len / trace.mean("output_len")
+    requests = tuple(replace(r, input_len=max(1, round(r.input_len * a)), output_len=max(1, round(r.output_len * b)))
+                     for r in trace.requests)
+    return replace(trace, requests=requests)
 
 
 def _scheduling_as(replica: Replica, entry: dict) -> Replica:
@@ -195,8 +207,9 @@ def _replayed_quantity(metric: str, est, replica: Replica, trace: Trace) -> floa
     figure is the offered load itself or a burst's latency."""
     pct, steps = est.percentiles, replica.scheduler_steps
     at = "p99" if metric.endswith("_p99") else "p50"
+    at_once = trace.is_offline and trace.concurrency is None
     if metric.startswith(("ttft", "tpot", "itl", "e2e")):
-        if trace.is_offline:
+        if at_once:
             return None
         if metric.startswith("itl_ms_mean"):  # mean ITL: TPOT; tokens stream a run of steps at a time
             return pct.tpot_ms.p50 * steps
@@ -280,6 +293,10 @@ def _same_quantity(metric: str, est, mean_gap: float, median_gap: float, opts: d
 def summary(rows: list[Row]) -> list[str]:
     out = []
     for label, keep in (("vLLM / SGLang", lambda r: r.engine in VLLM_CLASS and not r.is_burst),
+                        ("  of which: throughput, TPOT, ITL, end-to-end",
+                         lambda r: r.engine in VLLM_CLASS and not r.is_burst and not _prompt_step(r.metric)),
+                        ("  of which: first token, and ITL p99 (a step carrying a prompt)",
+                         lambda r: r.engine in VLLM_CLASS and not r.is_burst and _prompt_step(r.metric)),
                         ("TensorRT-LLM / NIM", lambda r: r.engine not in VLLM_CLASS and not r.is_burst),
                         ("all but bursts", lambda r: not r.is_burst),
                         ("bursts of ShareGPT requests (all engines)", lambda r: r.is_burst)):
@@ -293,7 +310,56 @@ def summary(rows: list[Row]) -> list[str]:
     return out
 
 
-def render(rows: list[Row]) -> str:
+def _prompt_step(metric: str) -> bool:
+    """A figure that a step carrying a prompt decides: the first token, or the p99 gap between two tokens."""
+    return metric.startswith(("ttft", "first_token")) or metric == "itl_ms_p99"
+
+
+SAME_POINT = ("ttft_ms_median", "itl_ms_median", "itl_ms_p99")
+
+
+def same_point(entries: list[dict], rows: list[Row]) -> list[str]:
+    """Engines measured at one point (model, GPU, layout, dtype, workload) by one source, side by side: what a step
+    carrying a prompt costs each of them, beside the plan's prediction for each."""
+    def point(e: dict) -> tuple:
+        return (e["model"], e["gpu"], e["tensor_parallel_size"], e["dtype"], repr(sorted(e["workload"].items())),
+                e["source"]["url"])
+    groups: dict[tuple, list[dict]] = {}
+    for e in entries:
+        groups.setdefault(point(e), []).append(e)
+    by_id = {(r.id, r.metric): r for r in rows}
+    out = []
+    for group in (g for g in groups.values() if len({e["engine"] for e in g}) > 1):
+        first = group[0]
+        w = first["workload"]
+        out += ["", f"{first['model']} on {first['tensor_parallel_size']}x {first['gpu']} ({first['dtype']}), "
+                f"{w['dataset']} at concurrency {w.get('concurrency')}, one source ({first['source']['url']}):", "",
+                "| engine | " + " | ".join(f"{m} measured / predicted" for m in SAME_POINT) + " |",
+                "|---|" + "---|" * len(SAME_POINT)]
+        for e in group:
+            cells = []
+            for metric in SAME_POINT:
+                r = by_id.get((e["id"], metric))
+                cells.append("-" if r is None else f"{r.measured:,.1f} / {r.predicted or 0:,.1f}")
+            out.append(f"| {e['engine']} {e.get('engine_version') or ''} | " + " | ".join(cells) + " |")
+        out += ["", *_spans(group)]
+    return out
+
+
+def _spans(group: list[dict]) -> list[str]:
+    """How far apart the engines' first token and the extra gap a step carrying a prompt opens lie."""
+    out = []
+    for label, value in (("median TTFT", lambda m: m.get("ttft_ms_median")),
+                         ("a prompt's step beyond a decode step (ITL p99 less median)",
+                          lambda m: m["itl_ms_p99"] - m["itl_ms_median"] if "itl_ms_p99" in m else None)):
+        values = [v for v in (value(e["measured"]) for e in group) if v is not None]
+        if len(values) > 1:
+            out.append(f"- {label}: {min(values):.1f} to {max(values):.1f} ms ({max(values) / min(values):.1f}x); "
+                       "25% either side of one prediction covers at most 1.56x")
+    return out
+
+
+def render(rows: list[Row], entries: list[dict]) -> str:
     lines = ["# Planner accuracy against published measurements", "",
              "Made by `python bench/accuracy.py` from `bench/published_results.yaml` (sources, quotes and "
              "settings there). Ratio = predicted / measured; a vLLM-class engine is the planner's model, so "
@@ -302,6 +368,9 @@ def render(rows: list[Row]) -> str:
     lines += [f"- {text}" for text in ASSUMPTIONS.values()]
     lines += ["", "| engines | figures | within 25% | mean abs error (geometric) | mean ratio |",
               "|---|---|---|---|---|", *summary(rows), "",
+              "Engines measured at one point by one source: what a step carrying a prompt costs each (its first "
+              "token, and the gap it opens between two tokens of the requests decoding) is the engine's own.",
+              *same_point(entries, rows), "",
               "| result | engine | figure | measured | predicted | ratio |", "|---|---|---|---|---|---|"]
     for r in rows:
         pred = "-" if r.predicted is None else f"{r.predicted:,.1f}"
@@ -316,7 +385,7 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="compare with ACCURACY.md instead of writing it")
     args = parser.parse_args()
     entries = yaml.safe_load((HERE / "published_results.yaml").read_text())
-    text = render([row for e in entries for row in predict(e)])
+    text = render([row for e in entries for row in predict(e)], entries)
     target = HERE / "ACCURACY.md"
     if args.check:
         same = target.exists() and target.read_text() == text
