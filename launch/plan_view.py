@@ -262,8 +262,10 @@ def render_estimates(plan: PlanFile, console: Console) -> None:
 def _percentiles_table(est) -> Table:
     """A replayed trace's latencies at p50, p90 and p99."""
     tr = est.trace
+    load = (f"{tr.concurrency:,} in flight, the next sent as one finishes" if tr.concurrency is not None
+            else "offline" if tr.offline else "as they arrived")
     table = Table(title=f"The trace replayed through the engine's scheduler: {tr.num_requests:,} requests "
-                  f"({'offline' if tr.offline else 'as they arrived'}) in {tr.replay_seconds:.1f} s; ms",
+                  f"({load}) in {tr.replay_seconds:.1f} s; ms",
                   title_justify="left")
     for col in ("", "p50", "p90", "p99"):
         table.add_column(col, justify="right")

@@ -45,6 +45,8 @@ def test_concurrency_is_a_closed_loop_of_that_many_in_flight():
     # 64 at a time wait far less for their first token than 1,000 at once, and each decodes in a smaller batch
     assert est["percentiles"]["ttft_ms"]["p50"] < burst["percentiles"]["ttft_ms"]["p50"] / 10
     assert est["percentiles"]["tpot_ms"]["p50"] < burst["percentiles"]["tpot_ms"]["p50"]
+    table = plan("--traffic", "sharegpt", "--concurrency", "64").output  # the table says which load it replayed
+    assert "64 in flight, the next sent as one finishes" in " ".join(table.split()) and "(offline)" not in table
 
 
 def test_refusals_name_what_to_change(tmp_path):
