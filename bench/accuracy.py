@@ -13,14 +13,13 @@ What the sources leave open is filled by the assumptions in ASSUMPTIONS, stated 
 from __future__ import annotations
 
 import argparse
-import math
-import statistics
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
 
+from accuracy_report import Row, at_once, render
 from shardserve.launch.trace_plan import with_replay
 from shardserve.planner import PlanError, PlanOptions, load_model, make_plan, parse_declared
 from shardserve.planner.operators import Chunk
@@ -39,7 +38,7 @@ ASSUMPTIONS = {
                 "(Poisson), at its concurrency (a closed loop) or all at once, replayed through the engine's "
                 "scheduler (`plan --traffic sharegpt`)",
     "max_num_seqs": "max_num_seqs as each engine defaults: vLLM 0.6 256, newer vLLM 1024, SGLang and "
-                    "TensorRT-LLM 2048 (their limits follow memory), NIM 256",
+                    "TensorRT-LLM 2048 halved until the plan fits (their limits follow memory), NIM 256",
     "offline": "offline runs and infinite rates are closed loops of num_prompts requests (ShareGPT's: replayed, "
                "all at once); their latencies (a burst: each request's place in the queue) are not compared",
     "engine": "engine-level results (static batches) leave out the server's request overhead",
@@ -67,24 +66,6 @@ SAME_SHAPES = {
     "meta-llama/Meta-Llama-3-70B-Instruct": "meta-llama/Llama-3.1-70B-Instruct",
     "nvidia/Llama-3.1-8B-Instruct-FP8": "meta-llama/Llama-3.1-8B-Instruct",
 }
-VLLM_CLASS = ("vllm", "sglang")
-
-
-@dataclass(frozen=True)
-class Row:
-    id: str
-    engine: str
-    metric: str
-    measured: float
-    predicted: float | None
-    note: str = ""
-    is_burst: bool = False  # every request at once with ShareGPT's spread of lengths: no steady state
-
-    @property
-    def ratio(self) -> float | None:
-        return None if self.predicted is None else self.predicted / self.measured
-
-
 def _max_num_seqs(entry: dict) -> int:
     engine, version = entry["engine"], str(entry.get("engine_version") or "")
     if engine == "vllm":
@@ -95,6 +76,11 @@ def _max_num_seqs(entry: dict) -> int:
 def _mixes_prefill(entry: dict) -> bool:
     version = str(entry.get("engine_version") or "")
     return not (entry["engine"] == "sglang" or (entry["engine"] == "vllm" and version.startswith("0.6")))
+
+
+def _chunks_prompts(entry: dict) -> bool:
+    version = str(entry.get("engine_version") or "")
+    return entry["engine"] == "sglang" or (entry["engine"] == "vllm" and not version.startswith("0.6"))
 
 
 def _options(entry: dict, workload: dict, trace: Trace | None = None) -> dict:
@@ -116,24 +102,28 @@ def _options(entry: dict, workload: dict, trace: Trace | None = None) -> dict:
         opts["concurrency"] = float(w.get("concurrency") or w["batch_size"])
     else:  # offline, or every request at once
         opts["concurrency"] = float(w.get("num_prompts") or DEFAULT_NUM_REQUESTS)
-    opts["max_num_batched_tokens"] = max(8192, opts["max_num_seqs"], input_len + 1)
+    # a prompt in chunks of 8,192 tokens where the engine chunks long prompts by default (vLLM V1, SGLang), else whole
+    whole = 0 if _chunks_prompts(entry) else input_len + 1
+    opts["max_num_batched_tokens"] = max(8192, opts["max_num_seqs"], whole)
     if entry["dtype"] == "fp8" and entry["engine"] in ("tensorrt-llm", "nim"):
         opts["kv_cache_dtype"] = "fp8"
     return opts
 
 
 def predict(entry: dict) -> list[Row]:
+    """Every figure of the entry beside the plan's prediction (None, with the reason, where there is none)."""
+    return [replace(r, at_once=at_once(entry)) for r in _predicted(entry)]
+
+
+def _predicted(entry: dict) -> list[Row]:
     if entry["dtype"] not in ("bf16", "fp16", "fp8"):
         return [Row(entry["id"], entry["engine"], k, v, None, f"{entry['dtype']} is not served")
                 for k, v in entry["measured"].items()]
     trace = _sharegpt_trace(entry)
-    opts = _options(entry, entry["workload"], trace)
-    model_id = SAME_SHAPES.get(entry["model"], entry["model"])
     try:
-        model = load_model(model_id, "fp8" if entry["dtype"] == "fp8" else None)
-        dtype = "float16" if entry["dtype"] == "fp16" else "bfloat16"
-        plan = make_plan(model, parse_declared(f"{entry['num_gpus']}x{entry['gpu']}"),
-                         PlanOptions(dtype=dtype, **opts))
+        model = load_model(SAME_SHAPES.get(entry["model"], entry["model"]), "fp8" if entry["dtype"] == "fp8" else None)
+        opts = _options(entry, entry["workload"], trace)
+        plan = _plan(model, entry, opts)
     except PlanError as e:
         return [Row(entry["id"], entry["engine"], k, v, None, str(e)[:80]) for k, v in entry["measured"].items()]
     if trace is not None:
@@ -152,6 +142,20 @@ def predict(entry: dict) -> list[Row]:
         if predicted is not None:
             rows.append(Row(entry["id"], entry["engine"], metric, value, predicted, "", _is_burst(entry)))
     return rows
+
+
+def _plan(model, entry: dict, opts: dict, **more):
+    """The plan for the entry. SGLang and TensorRT-LLM size their running requests by the memory left: where 2,048
+    leave no room, the largest halving that does (written back into `opts`)."""
+    dtype = "float16" if entry["dtype"] == "fp16" else "bfloat16"
+    hardware = parse_declared(f"{entry['num_gpus']}x{entry['gpu']}")
+    while True:
+        try:
+            return make_plan(model, hardware, PlanOptions(dtype=dtype, **opts, **more))
+        except PlanError:
+            if entry["engine"] not in ("sglang", "tensorrt-llm") or opts["max_num_seqs"] <= 256:
+                raise
+            opts["max_num_seqs"] //= 2
 
 
 def _sharegpt_trace(entry: dict) -> Trace | None:
@@ -238,18 +242,14 @@ def _start_ms(replica: Replica, decode_ms: float, p: float) -> tuple[float, floa
 
 
 def _is_burst(entry: dict) -> bool:
-    w = entry["workload"]
-    at_once = w["mode"] == "offline" or (w["mode"] == "request_rate" and w.get("request_rate") == "inf")
-    return at_once and w.get("dataset") == "sharegpt"
+    return at_once(entry) and entry["workload"].get("dataset") == "sharegpt"
 
 
 def _estimates(plan, model, entry: dict, opts: dict, percentile: int):
     """(the plan's estimates at the percentile, the mean and the median gap between two streamed pieces)
     with its replicas scheduling as the engine measured did."""
     if percentile != 50:
-        dtype = "float16" if entry["dtype"] == "fp16" else "bfloat16"
-        plan = make_plan(model, parse_declared(f"{entry['num_gpus']}x{entry['gpu']}"),
-                         PlanOptions(dtype=dtype, target_percentile=percentile, **opts))
+        plan = _plan(model, entry, opts, target_percentile=percentile)
     steps = entry.get("scheduler_steps") or 1
     record = plan.record()
     replica = replace(replica_of(record, model), scheduler_steps=steps, mixes_prefill=_mixes_prefill(entry))
@@ -290,102 +290,12 @@ def _same_quantity(metric: str, est, mean_gap: float, median_gap: float, opts: d
             "requests_per_s": est.output_tokens_per_s / o}.get(metric)
 
 
-def summary(rows: list[Row]) -> list[str]:
-    out = []
-    for label, keep in (("vLLM / SGLang", lambda r: r.engine in VLLM_CLASS and not r.is_burst),
-                        ("  of which: throughput, TPOT, ITL, end-to-end",
-                         lambda r: r.engine in VLLM_CLASS and not r.is_burst and not _prompt_step(r.metric)),
-                        ("  of which: first token, and ITL p99 (a step carrying a prompt)",
-                         lambda r: r.engine in VLLM_CLASS and not r.is_burst and _prompt_step(r.metric)),
-                        ("TensorRT-LLM / NIM", lambda r: r.engine not in VLLM_CLASS and not r.is_burst),
-                        ("all but bursts", lambda r: not r.is_burst),
-                        ("bursts of ShareGPT requests (all engines)", lambda r: r.is_burst)):
-        rs = [r.ratio for r in rows if keep(r) and r.ratio]
-        if not rs:
-            continue
-        gm = math.exp(statistics.fmean(abs(math.log(x)) for x in rs))
-        within = sum(1 for x in rs if 0.8 <= x <= 1.25)
-        out.append(f"| {label} | {len(rs)} | {within} | {gm - 1:.0%} | "
-                   f"{math.exp(statistics.fmean(math.log(x) for x in rs)):.2f} |")
-    return out
-
-
-def _prompt_step(metric: str) -> bool:
-    """A figure that a step carrying a prompt decides: the first token, or the p99 gap between two tokens."""
-    return metric.startswith(("ttft", "first_token")) or metric == "itl_ms_p99"
-
-
-SAME_POINT = ("ttft_ms_median", "itl_ms_median", "itl_ms_p99")
-
-
-def same_point(entries: list[dict], rows: list[Row]) -> list[str]:
-    """Engines measured at one point (model, GPU, layout, dtype, workload) by one source, side by side: what a step
-    carrying a prompt costs each of them, beside the plan's prediction for each."""
-    def point(e: dict) -> tuple:
-        return (e["model"], e["gpu"], e["tensor_parallel_size"], e["dtype"], repr(sorted(e["workload"].items())),
-                e["source"]["url"])
-    groups: dict[tuple, list[dict]] = {}
-    for e in entries:
-        groups.setdefault(point(e), []).append(e)
-    by_id = {(r.id, r.metric): r for r in rows}
-    out = []
-    for group in (g for g in groups.values() if len({e["engine"] for e in g}) > 1):
-        first = group[0]
-        w = first["workload"]
-        out += ["", f"{first['model']} on {first['tensor_parallel_size']}x {first['gpu']} ({first['dtype']}), "
-                f"{w['dataset']} at concurrency {w.get('concurrency')}, one source ({first['source']['url']}):", "",
-                "| engine | " + " | ".join(f"{m} measured / predicted" for m in SAME_POINT) + " |",
-                "|---|" + "---|" * len(SAME_POINT)]
-        for e in group:
-            cells = []
-            for metric in SAME_POINT:
-                r = by_id.get((e["id"], metric))
-                cells.append("-" if r is None else f"{r.measured:,.1f} / {r.predicted or 0:,.1f}")
-            out.append(f"| {e['engine']} {e.get('engine_version') or ''} | " + " | ".join(cells) + " |")
-        out += ["", *_spans(group)]
-    return out
-
-
-def _spans(group: list[dict]) -> list[str]:
-    """How far apart the engines' first token and the extra gap a step carrying a prompt opens lie."""
-    out = []
-    for label, value in (("median TTFT", lambda m: m.get("ttft_ms_median")),
-                         ("a prompt's step beyond a decode step (ITL p99 less median)",
-                          lambda m: m["itl_ms_p99"] - m["itl_ms_median"] if "itl_ms_p99" in m else None)):
-        values = [v for v in (value(e["measured"]) for e in group) if v is not None]
-        if len(values) > 1:
-            out.append(f"- {label}: {min(values):.1f} to {max(values):.1f} ms ({max(values) / min(values):.1f}x); "
-                       "25% either side of one prediction covers at most 1.56x")
-    return out
-
-
-def render(rows: list[Row], entries: list[dict]) -> str:
-    lines = ["# Planner accuracy against published measurements", "",
-             "Made by `python bench/accuracy.py` from `bench/published_results.yaml` (sources, quotes and "
-             "settings there). Ratio = predicted / measured; a vLLM-class engine is the planner's model, so "
-             "TensorRT-LLM figures are expected to run faster than predicted.", "",
-             "Assumptions where the sources are silent:", ""]
-    lines += [f"- {text}" for text in ASSUMPTIONS.values()]
-    lines += ["", "| engines | figures | within 25% | mean abs error (geometric) | mean ratio |",
-              "|---|---|---|---|---|", *summary(rows), "",
-              "Engines measured at one point by one source: what a step carrying a prompt costs each (its first "
-              "token, and the gap it opens between two tokens of the requests decoding) is the engine's own.",
-              *same_point(entries, rows), "",
-              "| result | engine | figure | measured | predicted | ratio |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        pred = "-" if r.predicted is None else f"{r.predicted:,.1f}"
-        ratio = r.note or ("-" if r.ratio is None else f"{r.ratio:.2f}")
-        lines.append(f"| {r.id}{' (burst)' if r.is_burst else ''} | {r.engine} | {r.metric} | {r.measured:,.1f} | "
-                     f"{pred} | {ratio} |")
-    return "\n".join(lines) + "\n"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="compare with ACCURACY.md instead of writing it")
     args = parser.parse_args()
     entries = yaml.safe_load((HERE / "published_results.yaml").read_text())
-    text = render([row for e in entries for row in predict(e)], entries)
+    text = render([row for e in entries for row in predict(e)], entries, ASSUMPTIONS)
     target = HERE / "ACCURACY.md"
     if args.check:
         same = target.exists() and target.read_text() == text
