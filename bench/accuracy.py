@@ -56,6 +56,8 @@ ASSUMPTIONS = {
                        "request waits for the run in progress (replayed: its share p of the 9 steps beyond the "
                        "one the replay waits for, at percentile p, added to TTFT), and tokens stream 10 at a time "
                        "(ITL = 10 TPOT)",
+    "api": "each engine's API server is its own (TensorRT-LLM's engine-level runs have none): this runtime's "
+           "API process bound (one process's CPU time a request and a streamed token) is not applied",
     "itl": "mean ITL is compared with TPOT; median ITL with a decode step alone where fewer than half the steps "
            "carry a prompt (else TPOT); replayed, median and p99 ITL with the replay's gaps between tokens",
 }
@@ -183,6 +185,7 @@ def _scheduling_as(replica: Replica, entry: dict) -> Replica:
     a step carrying prompt chunks is the prompts' step alone (one decode token, a step's least, as
     planner/serving.py times it) and then the decodes' own."""
     steps = entry.get("scheduler_steps") or 1
+    replica = replace(replica, api_ms=(0.0, 0.0))  # (ASSUMPTIONS["api"])
     if _mixes_prefill(entry):
         return replace(replica, scheduler_steps=steps)
     mixed = replica.cycle_ms
@@ -197,6 +200,7 @@ def _scheduling_as(replica: Replica, entry: dict) -> Replica:
 def _replayed(entry: dict, record, model, trace: Trace) -> list[Row]:
     """The published figures beside the trace replayed on the plan's layout, scheduled as the engine does."""
     replica = _scheduling_as(replica_of(record, model), entry)
+    record = replace(record, estimates=replace(record.estimates, api_max_request_rate=None))  # (ASSUMPTIONS["api"])
     est = with_replay(record, model, trace, replica).estimates
     rows = []
     for metric, value in entry["measured"].items():
@@ -252,7 +256,8 @@ def _estimates(plan, model, entry: dict, opts: dict, percentile: int):
         plan = _plan(model, entry, opts, target_percentile=percentile)
     steps = entry.get("scheduler_steps") or 1
     record = plan.record()
-    replica = replace(replica_of(record, model), scheduler_steps=steps, mixes_prefill=_mixes_prefill(entry))
+    replica = replace(replica_of(record, model), scheduler_steps=steps, mixes_prefill=_mixes_prefill(entry),
+                      api_ms=(0.0, 0.0))  # (ASSUMPTIONS["api"])
     est = predict_replicas(record, replica, plan.chosen.estimates.workload)
     w = est.workload
     running = replica.speed(w.per_replica(record.parallel.data_parallel_size)).batch

@@ -4,7 +4,7 @@ What is timed (runtime/timing/op_timing.py, runtime/timing/allreduce_timing.py, 
 GEMMs through the runtime's linear layers (fp8 too where they run an fp8 GEMM), prefill and decode
 attention through its attention backend (Triton on CUDA, torch on CPU; fp8 KV caches too on CUDA),
 the tensor-parallel all-reduce over 2..N local ranks, the host's time per engine step and per eager
-decoder layer, and a request's way through the server (launch/request_timing.py)."""
+decoder layer, a request's way through the server and its API process's CPU time (launch/request_timing.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import functools
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -212,7 +212,7 @@ def measure_allreduce(setup: Setup, say: Callable[[str], None]) -> tuple[dict, P
 
 def calibrate(setup: Setup, console: Console) -> Path:
     """Measure everything, write the calibration file, print a summary; the file's path."""
-    from shardserve.launch.request_timing import measure_request_ms
+    from shardserve.launch.request_timing import measure_server
     from shardserve.runtime.timing.host_timing import measure_host
 
     say = lambda text: console.print(text, highlight=False)  # noqa: E731
@@ -227,18 +227,19 @@ def calibrate(setup: Setup, console: Console) -> Path:
     host = measure_host(setup.sizes.host_batches, setup.sizes.host_steps)
     say("timing an eager decoder layer")
     eager_layer_ms = measure_eager(setup)
-    say("timing a request's way through the server (a `shardserve launch` of a micro model)")
-    request_ms = measure_request_ms(setup.device)
+    say("timing a request's way through the server and its API process (a `shardserve launch` of a micro model)")
+    server = measure_server(setup.device)
     host_seconds = time.monotonic() - start
     data = {"gpu": setup.gpu, "source": source_line(setup), "tables": tables,
-            "host": {**host.to_dict(), "eager_layer_ms": eager_layer_ms, "request_ms": request_ms}}
+            "host": {**host.to_dict(), "eager_layer_ms": eager_layer_ms, **asdict(server)}}
     path = write_calibration(data, setup.output)
     print_summary(console, parts, host, host_seconds)
     console.print(f"eager decoder layer: {eager_layer_ms} ms "
                   + ("beyond its GEMMs and attention (a CPU computes as it dispatches)" if setup.device == "cpu"
                      else "to issue (steps without CUDA graphs: --enforce-eager, LoRA)"), highlight=False)
-    console.print(f"request: {request_ms} ms of TTFT outside the engine's steps (HTTP, the prompt's way in, "
-                  "the first token's way out)", highlight=False)
+    console.print(f"request: {server.request_ms} ms of TTFT outside the engine's steps (HTTP, the prompt's way in, "
+                  f"the first token's way out); the API process: {server.api_request_ms} ms of CPU a request and "
+                  f"{server.api_token_ms} ms a streamed token", highlight=False)
     console.print(f"calibration of {setup.gpu} written to [bold]{path}[/] in {time.monotonic() - started:.0f} s"
                   + (f"; `shardserve plan` reads it for {setup.gpu} from now on"
                      if path == calibration_path(setup.gpu) else ""), highlight=False)

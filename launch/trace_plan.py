@@ -8,6 +8,7 @@ the output tokens/s the trace is served at; its rationale says which layouts wer
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 from shardserve.planner.errors import PlanError
 from shardserve.planner.model_source import ModelInfo
 from shardserve.planner.plan import Plan, replayed_choice
-from shardserve.planner.plan_file import PercentilesSection, PlanFile, Spread, TraceSection
+from shardserve.planner.plan_file import EstimatesSection, PercentilesSection, PlanFile, Spread, TraceSection
 from shardserve.planner.search import PREFERENCE_MARGIN
 from shardserve.planner.serving import Replica
 from shardserve.planner.speed import Estimates
@@ -153,7 +154,7 @@ def with_numbers(record: PlanFile, trace: Trace, rep: Replayed, num_layouts: int
                            round(rep.seconds if seconds is None else seconds, 3), trace.concurrency, num_layouts,
                            None if plan_seconds is None else round(plan_seconds, 3))
     estimates = dataclasses.replace(
-        est, **_measured(rep, est.workload.percentile, est.tpot_ms, num_gpus),
+        est, **_measured(rep, est, num_gpus),
         percentiles=PercentilesSection(_spread(rep.ttft_ms), _spread(rep.tpot_ms) if rep.tpot_ms else None,
                                        _spread(rep.itl_ms) if rep.itl_ms else None, _spread(rep.e2e_ms)),
         trace=section)
@@ -210,15 +211,16 @@ def _estimates(contender: Plan, rep: Replayed) -> Estimates:
     tokens/s the trace was served at."""
     est = contender.chosen.estimates
     assert est is not None  # a feasible candidate's
-    return dataclasses.replace(est, **_measured(rep, est.workload.percentile, est.tpot_ms,
-                                                contender.chosen.layout.num_gpus))
+    return dataclasses.replace(est, **_measured(rep, est, contender.chosen.layout.num_gpus))
 
 
-def _measured(rep: Replayed, percentile: int, tpot_ms: float, num_gpus: int) -> dict[str, Any]:
-    """What a replay measured, as estimates: TTFT and TPOT at the percentile (TPOT as estimated when no request
-    had two tokens), the output tokens/s it served the trace at, per GPU and per user."""
-    tpot = _at(rep.tpot_ms, percentile) if rep.tpot_ms else tpot_ms
-    per_s = rep.output_tokens_per_s
+def _measured(rep: Replayed, est: Estimates | EstimatesSection, num_gpus: int) -> dict[str, Any]:
+    """What a replay measured, as estimates: TTFT and TPOT at the plan's percentile (TPOT as estimated when no
+    request had two tokens), the output tokens/s it served the trace at (no more than the API process streams),
+    per GPU and per user."""
+    percentile = est.workload.percentile
+    tpot = _at(rep.tpot_ms, percentile) if rep.tpot_ms else est.tpot_ms
+    per_s = min(rep.output_tokens_per_s, (est.api_max_request_rate or math.inf) * est.workload.output_len)
     return {"ttft_ms": _at(rep.ttft_ms, percentile), "tpot_ms": tpot, "output_tokens_per_s": per_s,
             "output_tokens_per_s_per_gpu": per_s / num_gpus, "output_tokens_per_s_per_user": 1000 / tpot}
 

@@ -8,7 +8,8 @@ A calibration file has the shape of planner/perfdata/*.json.gz (one per GPU):
                 "prefill_attention.<kv dtype>", "decode_attention.<kv dtype>", "allreduce": ...},
      "host": {"step_ms": a, "per_request_ms": b,        # host time per engine step = a + b * requests
               "eager_layer_ms": c,                       # per decoder layer of a step without CUDA graphs
-              "request_ms": d}}                          # a request's TTFT outside the engine's steps
+              "request_ms": d,                           # a request's TTFT outside the engine's steps
+              "api_request_ms": e, "api_token_ms": f}}  # the API process's CPU a request, a streamed token
 """
 
 from __future__ import annotations
@@ -136,9 +137,10 @@ def _check_table(name: object, table: object, source: str) -> None:
 
 def _check_host(host: object, source: str) -> None:
     if not isinstance(host, dict) or not {"step_ms", "per_request_ms"} <= set(host) <= {
-            "step_ms", "per_request_ms", "request_ms", "eager_layer_ms"}:
+            "step_ms", "per_request_ms", "request_ms", "eager_layer_ms", "api_request_ms", "api_token_ms"}:
         raise CalibrationError(f"{source}: host: expected a mapping with step_ms and per_request_ms (and "
-                               f"optionally request_ms and eager_layer_ms), got {_short(host)}")
+                               f"optionally request_ms, eager_layer_ms, api_request_ms and api_token_ms), got "
+                               f"{_short(host)}")
     for key, value in host.items():
         if not _is_number(value) or value < 0:
             raise CalibrationError(f"{source}: host.{key}: expected milliseconds >= 0, got {value!r}")

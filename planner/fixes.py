@@ -11,6 +11,8 @@ from shardserve.planner.options import resolve_settings
 from shardserve.planner.quantized_releases import quantized_fix
 from shardserve.planner.rules import Layout
 from shardserve.planner.search import Candidate, Search, choose, estimates_of
+from shardserve.planner.serving import api_max_request_rate
+from shardserve.planner.speed import database_for
 
 MAX_NODES = 16  # --recommend and "would fit" look this far
 MAX_STAGES = 16  # --recommend's deepest pipeline
@@ -31,8 +33,9 @@ def _replicas_needed(search: Search, shape, dp_limit: int) -> int | None:
     if replica is None or base.problem:
         return None
     w = search.workload
-    if w.request_rate is not None:
-        return math.ceil(w.request_rate / rate) if rate > 0 else None
+    if w.request_rate is not None:  # (beyond the API process's bound no number of replicas keeps up)
+        fits = rate > 0 and w.request_rate <= replica.api_max_request_rate(w)
+        return math.ceil(w.request_rate / rate) if fits else None
     for dp in range(1, dp_limit + 1):
         if estimates_of(search.with_replicas(shape, dp)).meets(search.targets):
             return dp
@@ -79,10 +82,22 @@ def recommend_hardware(search: Search) -> Hardware:
     best = _fewest(search)
     if best is None:
         raise InfeasibleError(f"no layout on up to {MAX_NODES} nodes of {_per_node(search.hardware)}x"
-                        f"{search.hardware.gpu.name} meets {_targets_text(search)} at {search.workload.describe()}")
+                              f"{search.hardware.gpu.name} meets {_targets_text(search)} at "
+                              f"{search.workload.describe()}{api_bound_text(search)}")
     if not _within_recommend(search, best):
         raise InfeasibleError(_beyond_recommend(search, best))
     return hardware_for(search.hardware, best.num_gpus)
+
+
+def api_bound_text(search: Search) -> str:
+    """'' or, where the request rate asked for is beyond what the API process takes in, a clause saying so."""
+    w = search.workload
+    rate = api_max_request_rate(database_for(search.hardware).host.api_ms, w)
+    if w.request_rate is None or w.request_rate <= rate:
+        return ""
+    return (f": the API process keeps up with {rate:.3g} req/s at {w.output_len:,} streamed tokens each (its CPU "
+            "time a request and a token, which `shardserve calibrate` measures on this host), and one serves every "
+            "replica, so no number of GPUs serves more")
 
 
 def _within_recommend(search: Search, layout: Layout) -> bool:
@@ -123,6 +138,8 @@ def missed_targets(search: Search, candidates: list[Candidate]) -> str:
                      f"{hardware_for(search.hardware, best.num_gpus).describe()}; --recommend plans it).")
     elif best is not None:
         lines.append(_beyond_recommend(search, best) + ".")
+    elif api_bound_text(search):
+        lines.append(f"No number of GPUs meets them{api_bound_text(search)}.")
     lines += _variant_fixes(search, "would meet them")
     return " ".join(lines)
 

@@ -16,7 +16,7 @@ import gzip
 import itertools
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from shardserve.planner.calibration import calibration_path, read_calibration
@@ -103,9 +103,17 @@ class HostModel:
     per_request_ms: float
     request_ms: float
     eager_layer_ms: float
+    # the API process's own CPU time per request and per streamed token: one process serves every replica, so
+    # 1000 / (api_request_ms + output_len x api_token_ms) requests/s bound the deployment (planner/speed.py)
+    api_request_ms: float = 0.0
+    api_token_ms: float = 0.0
 
     def ms(self, num_requests: int) -> float:
         return self.step_ms + self.per_request_ms * num_requests
+
+    @property
+    def api_ms(self) -> tuple[float, float]:
+        return self.api_request_ms, self.api_token_ms
 
 
 # NOTE: vLLM 0.11 and SGLang 0.5 at batch 1-4 on an H100 run 0.4-0.8 ms per step above their kernels,
@@ -115,7 +123,12 @@ class HostModel:
 # on an H200's host (torch 2.11, Triton 3.6; bench/RESULTS.md, 2026-11-28): the Llama-3.1-8B shape decoded
 # 44.6 tok/s eagerly at batch 1, 22.42 ms a step, of which 0.50 is the step's own host time: 21.92 ms over
 # 32 layers. `shardserve calibrate` measures it on the GPU's own host.
-DEFAULT_HOST = HostModel(step_ms=0.5, per_request_ms=0.002, request_ms=15.0, eager_layer_ms=0.685)
+# api_request_ms, api_token_ms: this runtime's API process, measured by `calibrate` (launch/request_timing.py) on
+# a 2-core EPYC VM, three runs of 96 streamed requests of 32 prompt tokens, 2 and 34 output tokens each: 1.03 /
+# 1.10 / 1.33 ms a request and 59 / 75 / 65 us a streamed token (the medians here). `calibrate` measures them on
+# the deployment's own host.
+DEFAULT_HOST = HostModel(step_ms=0.5, per_request_ms=0.002, request_ms=15.0, eager_layer_ms=0.685,
+                         api_request_ms=1.1, api_token_ms=0.065)
 
 
 @dataclass(frozen=True)
@@ -170,8 +183,7 @@ def _load(gpu: str, calibration: tuple[str, float] | None) -> Database:
         tables.update({k: Table.from_dict(v) for k, v in data["tables"].items()})
         if data.get("host"):
             measured = data["host"]
-            host = HostModel(float(measured["step_ms"]), float(measured["per_request_ms"]),
-                             float(measured.get("request_ms", DEFAULT_HOST.request_ms)),
-                             float(measured.get("eager_layer_ms", DEFAULT_HOST.eager_layer_ms)))
+            host = HostModel(*(float(measured.get(f.name, getattr(DEFAULT_HOST, f.name)))
+                               for f in fields(HostModel)))
         sources.insert(0, data["source"])
     return Database(gpu, tuple(sources), tables, host)

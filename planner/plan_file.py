@@ -218,6 +218,7 @@ class EstimatesSection:
     percentiles: PercentilesSection | None = None  # with --trace: the chosen layout's, replayed
     trace: TraceSection | None = None
     speculation: SpeculationSection | None = None  # with speculative_config
+    api_max_request_rate: float | None = None  # requests/s its one API process keeps up with; None: not counted
 
 
 @dataclass(frozen=True)

@@ -243,6 +243,11 @@ def warnings(model: ModelInfo, hardware: Hardware, settings: RuntimeSettings,
     overload = _overload_line(chosen, hardware)
     if overload:
         out.append(overload)
+    e = estimates_of(chosen)
+    if e.is_api_bound and not e.is_overloaded:
+        out.append(f"the API process bounds the output at {e.output_tokens_per_s:,.0f} tokens/s ("
+                   f"{e.api_max_request_rate:.3g} req/s of {e.workload.output_len:,} streamed tokens): one process "
+                   "serves every replica (`shardserve calibrate` measures its CPU time a request and a token here)")
     return out
 
 
@@ -252,6 +257,9 @@ def _overload_line(chosen: Candidate, hardware: Hardware) -> str | None:
     said, rate = e.overload(), e.workload.request_rate
     if said is None or rate is None or e.max_request_rate <= 0:
         return said
+    if rate > e.api_max_request_rate:
+        return (f"{said}: one API process serves every replica, so no number of them keeps up "
+                "(`shardserve calibrate` measures its CPU time a request and a token on this host)")
     # (a plan is overloaded only without targets: max_request_rate is then the rate before overload)
     replicas = math.ceil(rate / (e.max_request_rate / layout.data_parallel_size))
     line = (f"{said}: {replicas} replicas of tp {layout.tensor_parallel_size} x pp {layout.pipeline_parallel_size} "

@@ -86,7 +86,8 @@ def _estimates_section(est) -> EstimatesSection:
         output_tokens_per_s_per_gpu=round(est.output_tokens_per_s_per_gpu, 1),
         output_tokens_per_s_per_user=round(est.output_tokens_per_s_per_user, 1),
         max_request_rate=round(est.max_request_rate, 2),
-        decode_tokens_per_s_batch1=round(est.decode_tokens_per_s_batch1, 1), source=est.source)
+        decode_tokens_per_s_batch1=round(est.decode_tokens_per_s_batch1, 1), source=est.source,
+        api_max_request_rate=finite(est.api_max_request_rate, 2))
 
 
 def _speculation_section(plan) -> SpeculationSection | None:

@@ -56,6 +56,13 @@ def _residual_wait(p: float, steps: list[tuple[float, float]]) -> float:
     return start
 
 
+def api_max_request_rate(api_ms: tuple[float, float], w: Workload) -> float:
+    """Requests/s the deployment's one API process keeps up with (it serves every replica) at its CPU time a
+    request and a streamed token (`api_ms`), each request streaming w.output_len tokens; inf where not counted."""
+    busy_ms = api_ms[0] + w.output_len * api_ms[1]
+    return 1e3 / busy_ms if busy_ms > 0 else math.inf
+
+
 @dataclass(frozen=True)
 class ReplicaSpeed:
     ttft_ms: float
@@ -81,6 +88,10 @@ class Replica:
     kv_windows: tuple[int | None, ...] = (None,)  # each KV group's window (planner/kv_groups.py)
     num_drafts: int = 0  # speculative decoding: the drafts each decoding request verifies per step
     tokens_per_step: float = 1.0  # the tokens a decoding request gains per step (1 + a + ... + a^k)
+    api_ms: tuple[float, float] = (0.0, 0.0)  # the API process's CPU a request and a streamed token (HostModel)
+
+    def api_max_request_rate(self, w: Workload) -> float:
+        return api_max_request_rate(self.api_ms, w)
 
     def max_running(self, w: Workload) -> float:
         """Requests the KV cache holds at once, each at its mean length over its life."""

@@ -35,6 +35,12 @@ class Estimates:
     decode_tokens_per_s_batch1: float
     is_overloaded: bool
     source: str                  # where the operator times came from
+    api_max_request_rate: float = math.inf  # requests/s the deployment's one API process keeps up with
+
+    @property
+    def is_api_bound(self) -> bool:
+        """The API process, not the GPUs, sets the output tokens/s."""
+        return self.output_tokens_per_s >= self.api_max_request_rate * self.workload.output_len * (1 - 1e-9)
 
     def meets(self, targets: Targets) -> bool:
         return not self.misses(targets)
@@ -51,8 +57,9 @@ class Estimates:
         w = self.workload
         if w.request_rate is None or math.isfinite(self.ttft_ms):
             return "overloaded: prompts arrive faster than the steps prefill them"
+        by = " (the API process's bound)" if self.is_api_bound else ""
         return (f"overloaded: serves at most {self.output_tokens_per_s / w.output_len:.3g} of the "
-                f"{w.request_rate:g} req/s asked for ({self.output_tokens_per_s:,.0f} output tokens/s); "
+                f"{w.request_rate:g} req/s asked for ({self.output_tokens_per_s:,.0f} output tokens/s){by}; "
                 "TTFT grows without bound")
 
 
@@ -165,7 +172,8 @@ def replica_model(spec: ModelSpec, split: list[int], tp: int, expert_parallel: b
 
     return Replica(cycle, settings.max_num_seqs, settings.max_num_batched_tokens, kv_cache_tokens,
                    db.host.request_ms, _source(db, hardware.gpu.name), kv_windows=spec.kv_groups.windows,
-                   num_drafts=settings.num_drafts, tokens_per_step=settings.tokens_per_step)
+                   num_drafts=settings.num_drafts, tokens_per_step=settings.tokens_per_step,
+                   api_ms=db.host.api_ms)
 
 
 def _draft_step(draft: DraftModel | None, tp: int, settings: RuntimeSettings, hardware: Hardware, ops: Operators,
@@ -199,10 +207,14 @@ def estimate(replica: Replica, workload: Workload, targets: Targets, dp: int, nu
         workload = replace(workload, concurrency=round(replica.max_running(workload) * dp, 1))
     speed: ReplicaSpeed = replica.speed(workload.per_replica(dp))
     batch1_ms = replica.decode_step_ms(workload, 1)  # one request decoding alone (its drafts verified too)
-    total = speed.output_tokens_per_s * dp
-    return Estimates(workload, speed.ttft_ms, speed.tpot_ms, total, total / num_gpus,
-                     1e3 / speed.tpot_ms, replica_max_rate * dp, 1e3 * replica.tokens_per_step / batch1_ms,
-                     speed.is_overloaded, replica.source)
+    api_rate = replica.api_max_request_rate(workload)
+    total = min(speed.output_tokens_per_s * dp, api_rate * workload.output_len)
+    # requests asked for faster than the API process takes them in queue before it without end
+    api_overloaded = workload.request_rate is not None and workload.request_rate > api_rate
+    return Estimates(workload, math.inf if api_overloaded else speed.ttft_ms, speed.tpot_ms, total,
+                     total / num_gpus, 1e3 / speed.tpot_ms, min(replica_max_rate * dp, api_rate),
+                     1e3 * replica.tokens_per_step / batch1_ms, speed.is_overloaded or api_overloaded,
+                     replica.source, api_rate)
 
 
 def _hop_links(hardware: Hardware, tp: int, pp: int) -> list[str]:

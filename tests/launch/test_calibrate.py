@@ -158,13 +158,15 @@ def test_calibrate_on_cpu_writes_the_file_plan_reads(tmp_path):
     assert "eager decoder layer: " in done.stdout
     # a real server of the micro model answered: its time outside the engine's steps
     assert 0 < data["host"]["request_ms"] < 1000 and "request: " in done.stdout
+    # and its API process's CPU time: a request costs it more than one streamed token does
+    assert data["host"]["api_request_ms"] > data["host"]["api_token_ms"] > 0 and "the API process: " in done.stdout
 
 
 @pytest.mark.slow
 def test_a_server_that_does_not_come_up_is_one_line_naming_it():
-    from shardserve.launch.request_timing import measure_request_ms
+    from shardserve.launch.request_timing import measure_server
     from shardserve.planner import PlanError
 
     with pytest.raises(PlanError, match=r"^calibrate: the server that times a request's way \(`shardserve launch` "
                                         r"of a micro model on tpu\) did not come up: .*tpu"):
-        measure_request_ms("tpu")
+        measure_server("tpu")

@@ -277,3 +277,26 @@ def test_an_eager_step_waits_for_its_host_to_issue_every_layer(monkeypatch, tmp_
             "step_ms": 0.5, "per_request_ms": 0.0, "eager_layer_ms": eager_layer_ms}}, calibration_path("CPU"))
         step_ms.append(1e3 / plan_for("shardserve-demo", "cpu", **demo).chosen.estimates.decode_tokens_per_s_batch1)
     assert step_ms[1] - step_ms[0] == pytest.approx(4 * 1.5, rel=1e-3)  # the demo model's 4 layers
+
+
+def test_a_calibrated_api_process_sets_the_deployments_bound(monkeypatch, tmp_path):
+    """The API process's CPU time a request and a streamed token, as `calibrate` measured them, bound every
+    replica's requests together: 1000 / (2 + 100 x 0.1) = 83.3 req/s of 100 tokens; unmeasured, the defaults."""
+    from tests.planner.factories import plan_for
+
+    demo = {"max_model_len": 1024, "kv_cache_memory_bytes": 1 << 28, "input_len": 128, "output_len": 100}
+    default = plan_for("shardserve-demo", "cpu", concurrency=1, **demo).chosen.estimates
+    assert default.api_max_request_rate == pytest.approx(1000 / (1.1 + 100 * 0.065))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    gemm = {"axes": [["m", [1, 256]], ["n", [256]], ["k", [256]]], "ms": [0.0001, 0.001]}  # GPUs far faster
+    write_calibration({"gpu": "CPU", "source": "test", "tables": {"gemm.float32": gemm}, "host": {
+        "step_ms": 0.01, "per_request_ms": 0.0, "eager_layer_ms": 0.0, "api_request_ms": 2.0, "api_token_ms": 0.1}},
+        calibration_path("CPU"))
+    e = plan_for("shardserve-demo", "cpu", concurrency=64, **demo).chosen.estimates
+    assert e.api_max_request_rate == pytest.approx(1000 / 12) and e.is_api_bound
+    assert e.output_tokens_per_s == pytest.approx(1000 / 12 * 100)
+    fast = plan_for("shardserve-demo", "cpu", request_rate=50, **demo).chosen.estimates
+    assert not fast.is_overloaded and fast.max_request_rate <= 1000 / 12
+    slow = plan_for("shardserve-demo", "cpu", request_rate=90, **demo)
+    assert slow.chosen.estimates.is_overloaded and slow.chosen.estimates.ttft_ms == math.inf
+    assert any("one API process serves every replica" in w for w in slow.warnings)

@@ -19,7 +19,7 @@ SERVICE = dict(input_len=2000, output_len=300, ttft_ms=500, tpot_ms=30)
 
 def test_fewest_gpus_that_meet_the_targets():
     light = plan_for(LLAMA_8B, "8xH100-80GB", request_rate=10, **SERVICE)
-    heavy = plan_for(LLAMA_8B, "8xH100-80GB", request_rate=60, **SERVICE)
+    heavy = plan_for(LLAMA_8B, "8xH100-80GB", request_rate=40, **SERVICE)
     for plan in (light, heavy):
         e = plan.chosen.estimates
         assert e.ttft_ms <= 500 and e.tpot_ms <= 30 and not e.is_overloaded
@@ -30,7 +30,7 @@ def test_fewest_gpus_that_meet_the_targets():
              and c.layout.num_gpus < heavy.chosen.layout.num_gpus]
     assert fewer and all(not c.estimates.meets(heavy.search.targets) for c in fewer)
     assert any(line.startswith("targets: TTFT <= 500 ms and TPOT <= 30 ms at p50") for line in heavy.rationale)
-    assert heavy.record().estimates.workload.request_rate == 60
+    assert heavy.record().estimates.workload.request_rate == 40
 
 
 def test_a_tight_tpot_takes_tensor_parallel():
@@ -72,21 +72,44 @@ def test_recommend_plans_the_fewest_gpus_of_the_type():
 
 
 def test_a_load_beyond_what_recommend_plans_says_how_many_gpus_it_takes():
-    """1,000 req/s of 70B within TTFT 500 ms / TPOT 30 ms: as many replicas of the shape that serves 20
-    req/s best as the rate each holds within the targets asks, past the 16 nodes --recommend plans."""
-    hw = parse_declared("8xH100-80GB")
-    twenty = make_plan(load_model(LLAMA_70B), hw, PlanOptions(request_rate=20, **SERVICE), recommend=True)
+    """300 req/s of 70B, 2,000 in / 30 out, within TTFT 500 ms / TPOT 30 ms: as many replicas of the shape that
+    serves 20 req/s best as the rate each holds within the targets asks, past the 16 nodes --recommend plans."""
+    hw, service = parse_declared("8xH100-80GB"), {**SERVICE, "output_len": 30}
+    twenty = make_plan(load_model(LLAMA_70B), hw, PlanOptions(request_rate=20, **service), recommend=True)
     layout = twenty.chosen.layout
-    replicas = math.ceil(1000 / (twenty.chosen.estimates.max_request_rate / layout.data_parallel_size))
+    replicas = math.ceil(300 / (twenty.chosen.estimates.max_request_rate / layout.data_parallel_size))
     said = (f"takes {replicas} replicas of tp {layout.tensor_parallel_size} x pp {layout.pipeline_parallel_size}: "
             f"{replicas * layout.gpus_per_replica:,} H100-80GB ({math.ceil(replicas * layout.gpus_per_replica / 8)} "
             "nodes of 8), more than the 16 nodes --recommend plans")
     with pytest.raises(InfeasibleError) as e:  # (exit 2, as every refusal)
-        make_plan(load_model(LLAMA_70B), hw, PlanOptions(request_rate=1000, **SERVICE), recommend=True)
+        make_plan(load_model(LLAMA_70B), hw, PlanOptions(request_rate=300, **service), recommend=True)
     assert said in str(e.value)
     with pytest.raises(InfeasibleError) as e:  # the refusal on 8 GPUs says the same
-        plan_for(LLAMA_70B, "8xH100-80GB", request_rate=1000, **SERVICE)
+        plan_for(LLAMA_70B, "8xH100-80GB", request_rate=300, **service)
     assert said in str(e.value)
+
+
+def test_a_rate_beyond_the_api_process_is_refused_whatever_the_gpus():
+    """One API process serves every replica: its CPU time a request (1.1 ms) and a streamed token (0.065 ms,
+    planner/perf_tables.py) bound the deployment at 1000 / (1.1 + 300 x 0.065) = 48.5 req/s of 300 tokens, which
+    no number of GPUs raises; below it, replicas do."""
+    bound = 1000 / (1.1 + 300 * 0.065)
+    said = f"the API process keeps up with {bound:.3g} req/s at 300 streamed tokens each"
+    with pytest.raises(InfeasibleError) as e:
+        make_plan(load_model(LLAMA_8B), parse_declared("8xH100-80GB"), PlanOptions(request_rate=60, **SERVICE),
+                  recommend=True)
+    assert said in str(e.value) and "so no number of GPUs serves more" in str(e.value)
+    with pytest.raises(InfeasibleError) as e:
+        plan_for(LLAMA_8B, "8xH100-80GB", request_rate=60, **SERVICE)
+    assert "(the API process's bound)" in str(e.value) and said in str(e.value) and "GPUs would meet" not in str(e.value)
+    over = plan_for(LLAMA_8B, "8xH100-80GB", request_rate=60, input_len=2000, output_len=300)  # no targets
+    e = over.chosen.estimates
+    assert e.is_overloaded and e.api_max_request_rate == pytest.approx(bound)
+    assert e.output_tokens_per_s == pytest.approx(bound * 300) and e.max_request_rate == pytest.approx(bound)
+    assert any("one API process serves every replica, so no number of them keeps up" in w for w in over.warnings)
+    assert over.record().estimates.api_max_request_rate == pytest.approx(bound, abs=0.01)
+    assert not plan_for(LLAMA_8B, "8xH100-80GB", request_rate=40, input_len=2000, output_len=300
+                        ).chosen.estimates.is_overloaded
 
 
 def test_recommend_names_no_more_nodes_than_the_chosen_layout_fills():
@@ -137,20 +160,20 @@ def test_a_rate_beyond_the_layout_is_overloaded_not_served():
     """Without targets the plan is made but says the load outruns it: TTFT unbounded (null in the plan
     file), the tokens/s its full batches serve, and how many replicas would keep up (and fewer would not)."""
     work = dict(input_len=2000, output_len=300)
-    plan = plan_for(LLAMA_8B, "H100-80GB", request_rate=100, **work)
+    plan = plan_for(LLAMA_8B, "H100-80GB", request_rate=40, **work)
     e = plan.chosen.estimates
     full = plan_for(LLAMA_8B, "H100-80GB", concurrency=512, **work).chosen.estimates  # queued, never overloaded
-    assert e.is_overloaded and e.ttft_ms == math.inf and e.output_tokens_per_s < 100 * 300
+    assert e.is_overloaded and e.ttft_ms == math.inf and e.output_tokens_per_s < 40 * 300
     assert e.output_tokens_per_s == pytest.approx(full.output_tokens_per_s, rel=1e-3)
     assert e.tpot_ms == pytest.approx(full.tpot_ms, rel=1e-3)
     record = PlanFile.from_dict(plan.to_dict(), "plan.yaml")
-    assert record.estimates.ttft_ms is None and record.estimates.output_tokens_per_s < 100 * 300
-    replicas = math.ceil(100 / (e.output_tokens_per_s / 300))
+    assert record.estimates.ttft_ms is None and record.estimates.output_tokens_per_s < 40 * 300
+    replicas = math.ceil(40 / (e.output_tokens_per_s / 300))
     said = [w for w in plan.warnings if w.startswith(f"overloaded: serves at most {e.output_tokens_per_s / 300:.3g} "
-                                                     "of the 100 req/s asked for")]
+                                                     "of the 40 req/s asked for")]
     assert len(said) == 1 and f"{replicas} replicas of tp 1 x pp 1 ({replicas} GPUs) would keep up" in said[0]
-    assert not plan_for(LLAMA_8B, f"{replicas}xH100-80GB", request_rate=100, **work).chosen.estimates.is_overloaded
-    assert plan_for(LLAMA_8B, f"{replicas - 1}xH100-80GB", request_rate=100, **work).chosen.estimates.is_overloaded
+    assert not plan_for(LLAMA_8B, f"{replicas}xH100-80GB", request_rate=40, **work).chosen.estimates.is_overloaded
+    assert plan_for(LLAMA_8B, f"{replicas - 1}xH100-80GB", request_rate=40, **work).chosen.estimates.is_overloaded
 
 
 def test_the_nearest_miss_of_overloaded_layouts_serves_the_most():
