@@ -114,7 +114,7 @@ def _options(entry: dict, workload: dict, trace: Trace | None = None) -> dict:
 
 def predict(entry: dict) -> list[Row]:
     """Every figure of the entry beside the plan's prediction (None, with the reason, where there is none)."""
-    return [replace(r, at_once=at_once(entry)) for r in _predicted(entry)]
+    return [replace(r, is_burst=_is_burst(entry), at_once=at_once(entry)) for r in _predicted(entry)]
 
 
 def _predicted(entry: dict) -> list[Row]:
@@ -142,7 +142,7 @@ def _predicted(entry: dict) -> list[Row]:
             by_percentile[percentile] = _estimates(plan, model, entry, opts, percentile)
         predicted = _same_quantity(metric, *by_percentile[percentile], opts, entry)
         if predicted is not None:
-            rows.append(Row(entry["id"], entry["engine"], metric, value, predicted, "", _is_burst(entry)))
+            rows.append(Row(entry["id"], entry["engine"], metric, value, predicted))
     return rows
 
 
@@ -180,12 +180,18 @@ def _with_means(trace: Trace, input_len: float, output_len: float) -> Trace:
     return replace(trace, requests=requests)
 
 
+def _engine_side(record, model) -> tuple:
+    """(the plan record, its replica) without this runtime's API process bound: another engine's API server is its
+    own (ASSUMPTIONS["api"])."""
+    record = replace(record, estimates=replace(record.estimates, api_max_request_rate=None))
+    return record, replace(replica_of(record, model), api_ms=(0.0, 0.0))
+
+
 def _scheduling_as(replica: Replica, entry: dict) -> Replica:
     """The replica timing a step as the engine measured runs it: where prefill is not mixed into the decode steps,
     a step carrying prompt chunks is the prompts' step alone (one decode token, a step's least, as
     planner/serving.py times it) and then the decodes' own."""
     steps = entry.get("scheduler_steps") or 1
-    replica = replace(replica, api_ms=(0.0, 0.0))  # (ASSUMPTIONS["api"])
     if _mixes_prefill(entry):
         return replace(replica, scheduler_steps=steps)
     mixed = replica.cycle_ms
@@ -199,14 +205,14 @@ def _scheduling_as(replica: Replica, entry: dict) -> Replica:
 
 def _replayed(entry: dict, record, model, trace: Trace) -> list[Row]:
     """The published figures beside the trace replayed on the plan's layout, scheduled as the engine does."""
-    replica = _scheduling_as(replica_of(record, model), entry)
-    record = replace(record, estimates=replace(record.estimates, api_max_request_rate=None))  # (ASSUMPTIONS["api"])
+    record, replica = _engine_side(record, model)
+    replica = _scheduling_as(replica, entry)
     est = with_replay(record, model, trace, replica).estimates
     rows = []
     for metric, value in entry["measured"].items():
         predicted = _replayed_quantity(metric, est, replica, trace)
         if predicted is not None:
-            rows.append(Row(entry["id"], entry["engine"], metric, value, predicted, "", _is_burst(entry)))
+            rows.append(Row(entry["id"], entry["engine"], metric, value, predicted))
     return rows
 
 
@@ -255,9 +261,8 @@ def _estimates(plan, model, entry: dict, opts: dict, percentile: int):
     if percentile != 50:
         plan = _plan(model, entry, opts, target_percentile=percentile)
     steps = entry.get("scheduler_steps") or 1
-    record = plan.record()
-    replica = replace(replica_of(record, model), scheduler_steps=steps, mixes_prefill=_mixes_prefill(entry),
-                      api_ms=(0.0, 0.0))  # (ASSUMPTIONS["api"])
+    record, replica = _engine_side(plan.record(), model)
+    replica = replace(replica, scheduler_steps=steps, mixes_prefill=_mixes_prefill(entry))
     est = predict_replicas(record, replica, plan.chosen.estimates.workload)
     w = est.workload
     running = replica.speed(w.per_replica(record.parallel.data_parallel_size)).batch
@@ -272,8 +277,7 @@ def _same_quantity(metric: str, est, mean_gap: float, median_gap: float, opts: d
     """The prediction of a published figure; None where the figure is the offered load itself."""
     i, o = opts["input_len"], opts["output_len"]
     open_loop, mode = "request_rate" in opts, entry["workload"]["mode"]
-    is_burst = mode == "offline" or (mode == "request_rate" and not open_loop)
-    if is_burst and metric.startswith(("ttft", "tpot", "itl", "e2e")):
+    if at_once(entry) and metric.startswith(("ttft", "tpot", "itl", "e2e")):
         return None
     if metric.startswith(("ttft_ms", "first_token_latency")) or metric == "ttft_ms":
         overhead = load_database(entry["gpu"]).host.request_ms if mode == "static_batch" else 0.0

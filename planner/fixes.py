@@ -138,8 +138,8 @@ def missed_targets(search: Search, candidates: list[Candidate]) -> str:
                      f"{hardware_for(search.hardware, best.num_gpus).describe()}; --recommend plans it).")
     elif best is not None:
         lines.append(_beyond_recommend(search, best) + ".")
-    elif api_bound_text(search):
-        lines.append(f"No number of GPUs meets them{api_bound_text(search)}.")
+    elif bound := api_bound_text(search):
+        lines.append(f"No number of GPUs meets them{bound}.")
     lines += _variant_fixes(search, "would meet them")
     return " ".join(lines)
 

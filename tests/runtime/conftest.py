@@ -28,6 +28,12 @@ def checkpoint_factory(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def target(checkpoint_factory) -> str:
+    """The Llama-3 checkpoint that speculative decoding's drafts (draft models, EAGLE-3 heads) draft for."""
+    return checkpoint_factory("llama3")[0]
+
+
+@pytest.fixture(scope="session")
 def kv_bytes_for():
     """(folder, num_blocks, block_size) -> kv_cache_memory_bytes giving exactly num_blocks."""
     return lambda folder, num_blocks, block_size: num_blocks * bytes_per_block(folder, block_size)

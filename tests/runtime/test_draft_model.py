@@ -16,12 +16,7 @@ from test_spec_decode import PROMPTS, generate, same_logprobs
 
 
 def draft_config(folder: str, k: int = 3) -> str:
-    return json.dumps({"method": "draft_model", "model": folder, "num_speculative_tokens": k})
-
-
-@pytest.fixture(scope="module")
-def target(checkpoint_factory) -> str:
-    return checkpoint_factory("llama3")[0]
+    return SpeculativeConfig("draft_model", k, model=folder).to_json()
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from draft_heads import head_shapes, random_head_tensors, save_eagle3_head
 from runtime_checkpoints import CYCLE_PERIOD as PERIOD, VOCAB_SIZE
 from shardserve.planner.settings import SettingError
+from shardserve.planner.speculative import SpeculativeConfig
 from shardserve.runtime import SamplingParams
 from test_spec_decode import PROMPTS, generate, same_logprobs
 
@@ -22,12 +23,7 @@ DRAFT_VOCAB = 64  # the cycling prompts' tokens are all below it
 
 
 def eagle3(folder: str, k: int = 3) -> str:
-    return json.dumps({"method": "eagle3", "model": folder, "num_speculative_tokens": k})
-
-
-@pytest.fixture(scope="module")
-def target(checkpoint_factory) -> str:
-    return checkpoint_factory("llama3")[0]
+    return SpeculativeConfig("eagle3", k, model=folder).to_json()
 
 
 @pytest.fixture(scope="module")

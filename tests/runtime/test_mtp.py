@@ -4,7 +4,6 @@ speculation (greedy, seeded, at tp 2), the pool the plan sizes, and its refusals
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ import torch
 from draft_heads import save_mtp_checkpoint, save_qwen_mtp_checkpoint
 from runtime_forward import PROMPT
 from shardserve.planner.settings import SettingError
+from shardserve.planner.speculative import SpeculativeConfig
 from shardserve.runtime import LLM, SamplingParams
 from shardserve.runtime.config import load_model_config
 from shardserve.runtime.models.deepseek_mtp import DeepseekMTP
@@ -20,7 +20,7 @@ from shardserve.runtime.worker.loader import load_model
 from test_eagle3_head import CPU, _run
 from test_spec_decode import PROMPTS, generate, same_logprobs
 
-MTP = json.dumps({"method": "mtp", "num_speculative_tokens": 3})
+MTP = SpeculativeConfig("mtp", 3).to_json()
 QWEN_LAYERS = 4  # three linear-attention layers, then full attention
 
 

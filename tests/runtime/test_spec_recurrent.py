@@ -4,15 +4,15 @@ reach, so the tokens are those without speculation however many drafts were reje
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
+from shardserve.planner.speculative import SpeculativeConfig
 from shardserve.runtime import LLM, SamplingParams
 from test_spec_decode import PROMPTS, generate, same_logprobs
 
 NUM_LAYERS = 4  # three linear-attention layers, then full attention
-NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+NGRAM = SpeculativeConfig("ngram", 3, prompt_lookup_max=3, prompt_lookup_min=1).to_json()
 ALLOWED = [7, 8, 9]  # sampled among three ids, a random model's output repeats: lookup drafts, some kept, some not
 
 
